@@ -1,0 +1,197 @@
+// Python bindings of areal_fast._C: argument checks, conversion and dispatch
+// only. The algorithms live in packing.cpp and cuda/*.cu, which know nothing
+// of Python. std::invalid_argument from them surfaces as ValueError.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "areal_fast/packing.h"
+#include "areal_fast/segment_sum.h"
+
+#ifndef AREAL_FAST_VERSION
+#define AREAL_FAST_VERSION "0+unknown"
+#endif
+#ifndef AREAL_FAST_COMPILER
+#define AREAL_FAST_COMPILER "unknown"
+#endif
+#ifndef AREAL_FAST_BUILD_TYPE
+#define AREAL_FAST_BUILD_TYPE "unknown"
+#endif
+
+namespace py = pybind11;
+
+namespace {
+
+// No forcecast: only lossless conversions (e.g. int32 -> int64) are accepted,
+// a float array is rejected with TypeError by pybind11's overload resolution.
+using Int64Array = py::array_t<int64_t, py::array::c_style>;
+using Int32Array = py::array_t<int32_t, py::array::c_style>;
+
+template <typename Array>
+void require_1d(const Array& a, const char* name) {
+  if (a.ndim() != 1) {
+    throw py::value_error(std::string(name) + " must be 1-D, got " + std::to_string(a.ndim()) +
+                          " dimensions");
+  }
+}
+
+areal_fast::MicroBatches partition(areal_fast::PackMethod method, const Int64Array& seqlens,
+                                   int64_t max_tokens_per_mb, int64_t min_num_mbs,
+                                   const std::optional<Int64Array>& group_ids) {
+  require_1d(seqlens, "seqlens");
+  const int64_t n = static_cast<int64_t>(seqlens.size());
+  const int64_t* groups = nullptr;
+  if (group_ids.has_value()) {
+    require_1d(*group_ids, "group_ids");
+    if (static_cast<int64_t>(group_ids->size()) != n) {
+      throw py::value_error("group_ids has " + std::to_string(group_ids->size()) +
+                            " entries but seqlens has " + std::to_string(n));
+    }
+    groups = group_ids->data();
+  }
+  const int64_t* lengths = seqlens.data();
+  py::gil_scoped_release release;
+  return areal_fast::partition_sequences(method, lengths, groups, n, max_tokens_per_mb,
+                                         min_num_mbs);
+}
+
+Int32Array cu_seqlens_from_lengths(const Int64Array& lengths) {
+  require_1d(lengths, "lengths");
+  const int64_t n = static_cast<int64_t>(lengths.size());
+  Int32Array out(n + 1);
+  const int64_t* src = lengths.data();
+  int32_t* dst = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    areal_fast::cu_seqlens_from_lengths(src, n, dst);
+  }
+  return out;
+}
+
+py::array_t<int64_t> position_ids_from_cu_seqlens(const Int32Array& cu_seqlens) {
+  require_1d(cu_seqlens, "cu_seqlens");
+  if (cu_seqlens.size() == 0) throw py::value_error("cu_seqlens must have at least one element");
+  const int64_t num_seqs = static_cast<int64_t>(cu_seqlens.size()) - 1;
+  const int32_t* cu = cu_seqlens.data();
+  const int64_t total = areal_fast::validate_cu_seqlens(cu, num_seqs);
+  py::array_t<int64_t> out(total);
+  int64_t* dst = out.mutable_data();
+  {
+    py::gil_scoped_release release;
+    areal_fast::position_ids_from_cu_seqlens(cu, num_seqs, dst);
+  }
+  return out;
+}
+
+#ifdef AREAL_FAST_WITH_CUDA
+void segment_sum_cuda(uintptr_t values_ptr, int dtype_code, uintptr_t cu_seqlens_ptr,
+                      int64_t num_segments, uintptr_t out_ptr, uintptr_t stream) {
+  int code = 0;
+  {
+    py::gil_scoped_release release;
+    code = areal_fast::launch_segment_sum(
+        reinterpret_cast<const void*>(values_ptr), dtype_code,
+        reinterpret_cast<const int32_t*>(cu_seqlens_ptr), num_segments,
+        reinterpret_cast<float*>(out_ptr), reinterpret_cast<cudaStream_t>(stream));
+  }
+  if (code != 0) {
+    throw std::runtime_error("segment_sum CUDA launch failed: " +
+                             std::string(areal_fast::cuda_error_string(code)) + " (error " +
+                             std::to_string(code) + ")");
+  }
+}
+#endif
+
+py::dict build_info() {
+  py::dict info;
+  info["version"] = AREAL_FAST_VERSION;
+  info["compiler"] = AREAL_FAST_COMPILER;
+  info["build_type"] = AREAL_FAST_BUILD_TYPE;
+  info["cplusplus"] = static_cast<long>(__cplusplus);
+#ifdef AREAL_FAST_WITH_CUDA
+  info["cuda"] = true;
+  info["cuda_runtime_version"] = areal_fast::cuda_runtime_version();
+  info["cuda_compiler"] = AREAL_FAST_CUDA_COMPILER;
+  info["cuda_architectures"] = AREAL_FAST_CUDA_ARCHITECTURES;
+#else
+  info["cuda"] = false;
+  info["cuda_runtime_version"] = py::none();
+  info["cuda_compiler"] = py::none();
+  info["cuda_architectures"] = py::none();
+#endif
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Native helpers of areal_fast: micro-batch packing (C++) and CUDA kernels.";
+  m.attr("__version__") = AREAL_FAST_VERSION;
+#ifdef AREAL_FAST_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+  py::dict dtype_codes;
+  dtype_codes["float32"] = static_cast<int>(areal_fast::kSegmentSumFloat32);
+  dtype_codes["float16"] = static_cast<int>(areal_fast::kSegmentSumFloat16);
+  dtype_codes["bfloat16"] = static_cast<int>(areal_fast::kSegmentSumBFloat16);
+  m.attr("SEGMENT_SUM_DTYPE_CODES") = dtype_codes;
+
+  m.def(
+      "partition_ffd",
+      [](const Int64Array& seqlens, int64_t max_tokens_per_mb,
+         const std::optional<Int64Array>& group_ids) {
+        return partition(areal_fast::PackMethod::kFirstFitDecreasing, seqlens, max_tokens_per_mb,
+                         1, group_ids);
+      },
+      py::arg("seqlens"), py::arg("max_tokens_per_mb"), py::arg("group_ids") = py::none(),
+      "First-fit-decreasing packing of int64 seqlens [N] under max_tokens_per_mb; sequences "
+      "sharing a group id stay together. Returns a list of index lists.");
+  m.def(
+      "partition_kk",
+      [](const Int64Array& seqlens, int64_t max_tokens_per_mb, int64_t min_num_mbs,
+         const std::optional<Int64Array>& group_ids) {
+        return partition(areal_fast::PackMethod::kKarmarkarKarp, seqlens, max_tokens_per_mb,
+                         min_num_mbs, group_ids);
+      },
+      py::arg("seqlens"), py::arg("max_tokens_per_mb"), py::arg("min_num_mbs") = 1,
+      py::arg("group_ids") = py::none(),
+      "Karmarkar-Karp balanced packing of int64 seqlens [N] into the fewest parts (at least "
+      "min_num_mbs) that fit max_tokens_per_mb. Returns a list of index lists.");
+  m.def(
+      "karmarkar_karp",
+      [](const Int64Array& seqlens, int64_t k) {
+        require_1d(seqlens, "seqlens");
+        const int64_t n = static_cast<int64_t>(seqlens.size());
+        if (k < 1 || k > n) {
+          throw py::value_error("k must be in [1, len(seqlens)] = [1, " + std::to_string(n) +
+                                "], got " + std::to_string(k));
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          if (seqlens.data()[i] < 0) throw py::value_error("seqlens must be non-negative");
+        }
+        const int64_t* lengths = seqlens.data();
+        py::gil_scoped_release release;
+        return areal_fast::karmarkar_karp(lengths, n, k, nullptr);
+      },
+      py::arg("seqlens"), py::arg("k"),
+      "One Karmarkar-Karp run into exactly k parts, without a budget.");
+  m.def("cu_seqlens_from_lengths", &cu_seqlens_from_lengths, py::arg("lengths"),
+        "int64 lengths [B] -> int32 cu_seqlens [B + 1] starting at 0.");
+  m.def("position_ids_from_cu_seqlens", &position_ids_from_cu_seqlens, py::arg("cu_seqlens"),
+        "int32 cu_seqlens [B + 1] -> int64 position ids [T], restarting at 0 per sequence.");
+#ifdef AREAL_FAST_WITH_CUDA
+  m.def("segment_sum_cuda", &segment_sum_cuda, py::arg("values_ptr"), py::arg("dtype_code"),
+        py::arg("cu_seqlens_ptr"), py::arg("num_segments"), py::arg("out_ptr"),
+        py::arg("stream"),
+        "Launch the segmented-sum kernel on raw device pointers and a cudaStream_t; the "
+        "caller checks shapes, dtypes and devices.");
+#endif
+  m.def("build_info", &build_info, "How this extension was built (version, compiler, CUDA).");
+}
