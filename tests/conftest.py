@@ -1,0 +1,76 @@
+"""Shared fixtures: a tiny randomly initialised Llama / Qwen2 with a small offline tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+GSM8K_DIR = REPO.parent / "shared" / "data" / "gsm8k"
+
+_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _tiny_tokenizer():
+    """Character-level fast tokenizer with ChatML specials, built offline."""
+    import tokenizers
+    import transformers
+
+    specials = ["<|pad|>", "<|im_start|>", "<|im_end|>", "[UNK]"]
+    chars = list(string.ascii_letters + string.digits + string.punctuation + " \n")
+    vocab = {tok: i for i, tok in enumerate(specials + chars)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    pre = tokenizers.pre_tokenizers
+    backend.pre_tokenizer = pre.Split(tokenizers.Regex(r"<\|[a-z_]+\|>|[\s\S]"), "isolated")
+    backend.decoder = tokenizers.decoders.Fuse()
+    tok = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="[UNK]", pad_token="<|pad|>",
+        eos_token="<|im_end|>", bos_token="<|im_start|>")
+    tok.chat_template = _CHAT_TEMPLATE
+    return tok
+
+
+def make_tiny_model_dir(path: Path, arch: str = "llama", tie: bool = True) -> Path:
+    """Save a tiny random causal LM (Llama or Qwen2) and its tokenizer under ``path``."""
+    import transformers
+
+    torch.manual_seed(1234)
+    tok = _tiny_tokenizer()
+    common = dict(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=512, tie_word_embeddings=tie,
+                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                  bos_token_id=tok.bos_token_id)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common)
+    else:
+        config = transformers.Qwen2Config(**common)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_dir(tmp_path_factory) -> Path:
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2", tie=False)
+
+
+@pytest.fixture
+def fresh_seed() -> int:
+    """A new seed every run (printed on failure), so kernels meet fresh random inputs."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    return seed
