@@ -1,0 +1,121 @@
+"""Packed-sequence forward through HF models: equal to per-sequence unpadded log-probs."""
+
+import pytest
+import torch
+
+from areal_fast.models.loading import DEMO_MODEL, load_causal_lm, load_tokenizer
+from areal_fast.rl.batch import Trajectory, pack_trajectories
+from areal_fast.rollout.engine import SamplingParams
+from areal_fast.rollout.hf_engine import HFEngine
+from areal_fast.train.torch_engine import packed_forward_logprobs
+
+
+def _random_batch(vocab, lengths, prompt_len=3):
+    trajs = []
+    for i, n in enumerate(lengths):
+        ids = torch.randint(0, vocab, (n,)).tolist()
+        p = min(prompt_len, n - 1) if n > 1 else 1
+        trajs.append(Trajectory(ids[:p], ids[p:], [0.0] * (n - p), [0] * (n - p), "stop", i))
+    return pack_trajectories(trajs, torch.zeros(len(trajs)))
+
+
+def _unpadded_reference(model, batch, temperature=1.0):
+    out = []
+    bounds = batch.cu_seqlens.tolist()
+    with torch.no_grad():
+        for s in range(batch.num_seqs):
+            ids = batch.input_ids[bounds[s]:bounds[s + 1]]
+            logits = model(input_ids=ids[None], use_cache=False).logits[0].double()
+            logp = torch.log_softmax(logits / temperature, -1)
+            labels = batch.labels[bounds[s]:bounds[s + 1]]
+            picked = logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
+            out.append(torch.where(labels == -100, 0.0, picked))
+    return torch.cat(out)
+
+
+def _max_error(model, lengths, temperature=1.0):
+    vocab = model.config.vocab_size
+    batch = _random_batch(vocab, lengths)
+    with torch.no_grad():
+        packed, _ = packed_forward_logprobs(model, batch, temperature, with_entropy=False)
+    return (packed.double() - _unpadded_reference(model, batch, temperature)).abs().max().item()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_packed_equals_unpadded_tiny(tiny_model_dir, attn, fresh_seed):
+    model = load_causal_lm(str(tiny_model_dir), attn_implementation=attn)
+    assert _max_error(model, [7, 1, 19, 4, 12], temperature=0.7) <= 1e-4
+
+
+def test_packed_equals_unpadded_qwen2(tiny_qwen_dir, fresh_seed):
+    model = load_causal_lm(str(tiny_qwen_dir))
+    assert _max_error(model, [5, 11, 2]) <= 1e-4
+
+
+def test_a_kv_cache_breaks_packing(tiny_model_dir, fresh_seed):
+    """Guard: with a cache object, later sequences attend to earlier ones (wrong)."""
+    from transformers import DynamicCache
+
+    model = load_causal_lm(str(tiny_model_dir))
+    batch = _random_batch(model.config.vocab_size, [9, 9, 9])
+    with torch.no_grad():
+        hidden_ok = model.get_decoder()(input_ids=batch.input_ids[None],
+                                        position_ids=batch.position_ids[None],
+                                        attention_mask=None, use_cache=False).last_hidden_state
+        hidden_bad = model.get_decoder()(input_ids=batch.input_ids[None],
+                                         position_ids=batch.position_ids[None],
+                                         past_key_values=DynamicCache(),
+                                         use_cache=True).last_hidden_state
+    first = slice(0, 9)  # the first sequence is unaffected either way
+    assert torch.allclose(hidden_ok[0, first], hidden_bad[0, first], atol=1e-5)
+    assert (hidden_ok[0, 9:] - hidden_bad[0, 9:]).abs().max() > 1e-3
+
+
+def test_behaviour_logprobs_match_trainer_recompute(tiny_model_dir, fresh_seed):
+    """Engine log-probs (padded, KV-cached generation) equal packed recomputation."""
+    tok = load_tokenizer(str(tiny_model_dir))
+    model = load_causal_lm(str(tiny_model_dir))
+    engine = HFEngine(model, tok, max_batch_size=4)
+    prompts = [tok.encode("Calculate 3 + 4."), tok.encode("Hi"), tok.encode("7 + 1 =")]
+    trajs = engine.generate(prompts, SamplingParams(n=3, temperature=0.8, max_new_tokens=9))
+    assert len(trajs) == 9 and [t.group_id for t in trajs] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert all(t.versions == [0] * len(t.completion_ids) for t in trajs)
+    batch = pack_trajectories(trajs, torch.zeros(9))
+    with torch.no_grad():
+        logp, _ = packed_forward_logprobs(model, batch, temperature=0.8, with_entropy=False)
+    mask = batch.loss_mask
+    assert mask.sum() == sum(len(t.completion_ids) for t in trajs)
+    assert (logp[mask] - batch.behav_logprobs[mask]).abs().max() <= 1e-4
+
+
+def test_update_weights_checks_and_keeps_ties(tiny_model_dir):
+    tok = load_tokenizer(str(tiny_model_dir))
+    engine = HFEngine(load_causal_lm(str(tiny_model_dir)), tok)
+    source = load_causal_lm(str(tiny_model_dir))
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(torch.randn_like(p))
+    named = list(source.named_parameters())
+    before = engine.model.get_input_embeddings().weight.clone()
+    with pytest.raises(ValueError, match="no parameter named 'bogus'"):
+        engine.update_weights(named + [("bogus", torch.zeros(1))], version=1)
+    name0, p0 = named[0]
+    with pytest.raises(ValueError, match=name0):
+        engine.update_weights([(name0, p0[:1])] + named[1:], version=1)
+    with pytest.raises(ValueError, match="missing"):
+        engine.update_weights(named[1:], version=1)
+    assert torch.equal(engine.model.get_input_embeddings().weight, before) and engine.version == 0
+    engine.update_weights(((n, p.detach()) for n, p in named), version=3)
+    assert engine.version == 3
+    emb, head = engine.model.get_input_embeddings(), engine.model.get_output_embeddings()
+    assert emb.weight.data_ptr() == head.weight.data_ptr()
+    assert torch.equal(emb.weight, source.get_input_embeddings().weight)
+
+
+@pytest.mark.slow
+def test_packed_equals_unpadded_demo_model(fresh_seed):
+    model = load_causal_lm(DEMO_MODEL)
+    assert model.config.vocab_size == 49152 and model.config.num_hidden_layers == 30
+    assert sum(p.numel() for p in model.parameters()) == 134_515_008
+    err = _max_error(model, [40, 3, 77, 12, 25])
+    assert err <= 1e-4, f"packed vs unpadded max abs error {err:.2e}"
