@@ -1,0 +1,39 @@
+"""``areal-fast`` command line: ``areal-fast train --config FILE [key=value ...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="areal-fast", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="run GRPO training (embedded engine, synchronous)")
+    train.add_argument("--config", help="YAML experiment config (e.g. examples/arith.yaml)")
+    train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    train.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 on a user error, with one line)."""
+    args = _parser().parse_args(argv)
+    from areal_fast.launch.config import load_config
+    from areal_fast.launch.local import run_experiment
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+        summary = run_experiment(cfg, show_progress=not args.no_progress)
+    except (ValueError, FileNotFoundError, ImportError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"areal-fast: error: {message}", file=sys.stderr)
+        return 2
+    print(json.dumps(summary, indent=2))
+    print(f"run directory: {cfg.run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

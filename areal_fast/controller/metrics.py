@@ -1,0 +1,82 @@
+"""Per-step metrics: computed from a step's trajectories, appended to JSONL, plotted to PNG."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from areal_fast.rl.batch import Trajectory
+
+
+def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Reward, accuracy and length statistics of one step's trajectories.
+
+    ``accuracy`` is the fraction of sampled completions judged correct (reward 1);
+    ``solve_rate`` the fraction of groups with at least one correct completion (pass@n);
+    ``zero_adv_group_fraction`` the fraction of groups whose rewards are all equal (they
+    contribute no GRPO gradient).
+    """
+    rewards = [t.reward for t in trajectories]
+    groups: dict[int, list[float]] = {}
+    for t in trajectories:
+        groups.setdefault(t.group_id, []).append(t.reward)
+    lengths = [len(t.completion_ids) for t in trajectories]
+    return {
+        "reward_mean": statistics.fmean(rewards),
+        "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+        "solve_rate": sum(max(g) == 1.0 for g in groups.values()) / len(groups),
+        "zero_adv_group_fraction": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
+        "response_length_mean": statistics.fmean(lengths),
+        "response_length_max": float(max(lengths)),
+        "truncated_fraction": sum(t.stop_reason == "length" for t in trajectories)
+        / len(trajectories),
+    }
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``path`` and keeps the records in memory."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.records: list[dict] = []
+
+    def append(self, record: dict) -> None:
+        self.records.append(record)
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+def plot_progress(records: list[dict], eval_points: dict[str, tuple[int, float]],
+                  path: Path) -> None:
+    """PNG of training reward and sample accuracy per step, with held-out greedy accuracy.
+
+    Parameters
+    ----------
+    records : list of dict
+        Per-step metrics with ``step``, ``reward_mean`` and ``accuracy``.
+    eval_points : dict
+        Label -> (step, held-out accuracy), e.g. {"before": (0, 0.19), "after": (20, 0.3)}.
+    path : Path
+        Output PNG file.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["reward_mean"] for r in records], marker=".", label="train reward mean")
+    ax.plot(steps, [r["accuracy"] for r in records], marker=".", linestyle="--",
+            label="train sample accuracy")
+    for label, (step, acc) in eval_points.items():
+        ax.scatter([step], [acc], s=60, zorder=3, label=f"held-out greedy accuracy ({label})")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

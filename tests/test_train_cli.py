@@ -1,0 +1,98 @@
+"""End-to-end `areal-fast train` on a tiny random model, and the CLI's bad-input errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from areal_fast.cli import main
+
+
+def _args(model_dir, root, *extra, config=None):
+    return ["train", "--config", str(config or _EXAMPLE), "--no-progress", f"model.path={model_dir}",
+            f"fileroot={root}", "total_steps=2", "batch_size=3", "rollout.group_size=2",
+            "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.eval_size=8",
+            "data.train_size=50", *extra]
+
+
+from pathlib import Path  # noqa: E402
+
+_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "arith.yaml"
+_GSM8K_EXAMPLE = _EXAMPLE.with_name("gsm8k.yaml")
+
+
+def test_train_writes_a_complete_run_dir(tiny_model_dir, tmp_path, capsys):
+    assert main(_args(tiny_model_dir, tmp_path)) == 0
+    run = tmp_path / "grpo-arith" / "trial0"
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines] == [1, 2]
+    for key in ("reward_mean", "accuracy", "loss", "clip_fraction", "entropy_mean",
+                "response_length_mean", "gen_tokens_per_s", "train_tokens_per_s",
+                "step_seconds", "grad_norm"):
+        assert key in lines[0], key
+    assert lines[1]["policy_version"] == 2
+    assert (run / "progress.png").stat().st_size > 1000
+    summary = json.loads((run / "summary.json").read_text())
+    assert 0.0 <= summary["eval_before"] <= 1.0 and summary["eval_problems"] == 8
+    assert len((run / "eval_after.jsonl").read_text().splitlines()) == 8
+    assert (run / "checkpoint" / "model.safetensors").exists()
+    assert not (run / "FAILED").exists()
+
+
+def test_kl_to_reference_and_qwen2(tiny_qwen_dir, tmp_path):
+    assert main(_args(tiny_qwen_dir, tmp_path, "actor.loss.kl_coef=0.05",
+                      "actor.pack_method=ffd", "actor.keep_groups=true")) == 0
+    first = json.loads((tmp_path / "grpo-arith/trial0/metrics.jsonl").read_text().splitlines()[0])
+    assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("actor.optim.lrr=1e-5", "actor.optim.lrr"),
+    ("total_steps=abc", "total_steps"),
+    ("data.task=no_such_task", "no_such_task"),
+    ("actor.loss.aggregation=mean", "aggregation"),
+    ("rollout.group_size=1", "group_size"),
+])
+def test_bad_config_is_one_line_and_leaves_no_run_dir(tiny_model_dir, tmp_path, capsys,
+                                                      override, needle):
+    assert main(_args(tiny_model_dir, tmp_path, override)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("areal-fast: error:") and needle in err and "\n" not in err
+    assert not (tmp_path / "grpo-arith").exists()
+
+
+def test_missing_model_and_data_files(tmp_path, tiny_model_dir, capsys):
+    assert main(_args(tmp_path / "nope", tmp_path)) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(_args(tiny_model_dir, tmp_path, f"data.path={tmp_path / 'missing.jsonl'}",
+                      config=_GSM8K_EXAMPLE)) == 2
+    assert "missing.jsonl" in capsys.readouterr().err
+    assert not (tmp_path / "grpo-arith").exists()
+
+
+def test_bad_gsm8k_row_is_named(tmp_path, tiny_model_dir, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    good = json.dumps({"question": "1+1?", "answer": "2\n#### 2"})
+    (data / "train.jsonl").write_text(good + "\n" + json.dumps(
+        {"question": "q", "answer": "no number here"}) + "\n")
+    (data / "test.jsonl").write_text("\n".join([good] * 3) + "\n")
+    assert main(_args(tiny_model_dir, tmp_path, f"data.path={data}", "data.train_size=null",
+                      "data.eval_size=1", config=_GSM8K_EXAMPLE)) == 2
+    err = capsys.readouterr().err
+    assert "train.jsonl" in err and "line 2" in err
+
+
+def test_existing_run_dir_is_not_overwritten(tiny_model_dir, tmp_path, capsys):
+    (tmp_path / "grpo-arith" / "trial0").mkdir(parents=True)
+    (tmp_path / "grpo-arith" / "trial0" / "keep.txt").write_text("x")
+    assert main(_args(tiny_model_dir, tmp_path)) == 2
+    assert "overwrite=true" in capsys.readouterr().err
+    assert (tmp_path / "grpo-arith" / "trial0" / "keep.txt").exists()
+
+
+def test_console_script_help():
+    out = subprocess.run([sys.executable, "-m", "areal_fast.cli", "train", "--help"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0 and "--config" in out.stdout
