@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from areal_fast.models.loading import DEMO_MODEL, load_causal_lm, load_tokenizer
+from areal_fast.models.loading import load_causal_lm, load_tokenizer
+from areal_fast.models.packed_attention import PACKED_ATTENTION, register_packed_attention
 from areal_fast.rl.batch import Trajectory, pack_trajectories
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.rollout.hf_engine import HFEngine
@@ -20,6 +21,16 @@ def _random_batch(vocab, lengths, prompt_len=3):
 
 
 def _unpadded_reference(model, batch, temperature=1.0):
+    """Each sequence alone, eager attention (plain softmax), float64 log-softmax."""
+    impl = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        return _unpadded(model, batch, temperature)
+    finally:
+        model.set_attn_implementation(impl)
+
+
+def _unpadded(model, batch, temperature):
     out = []
     bounds = batch.cu_seqlens.tolist()
     with torch.no_grad():
@@ -41,15 +52,31 @@ def _max_error(model, lengths, temperature=1.0):
     return (packed.double() - _unpadded_reference(model, batch, temperature)).abs().max().item()
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def load_with_attention(path, attn):
+    """Load a model with a transformers attention backend or the packed attention."""
+    if attn == PACKED_ATTENTION:
+        model = load_causal_lm(str(path))
+        model.set_attn_implementation(register_packed_attention())
+        return model
+    return load_causal_lm(str(path), attn_implementation=attn)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", PACKED_ATTENTION])
 def test_packed_equals_unpadded_tiny(tiny_model_dir, attn, fresh_seed):
-    model = load_causal_lm(str(tiny_model_dir), attn_implementation=attn)
+    model = load_with_attention(tiny_model_dir, attn)
     assert _max_error(model, [7, 1, 19, 4, 12], temperature=0.7) <= 1e-4
 
 
-def test_packed_equals_unpadded_qwen2(tiny_qwen_dir, fresh_seed):
-    model = load_causal_lm(str(tiny_qwen_dir))
+@pytest.mark.parametrize("attn", ["sdpa", PACKED_ATTENTION])
+def test_packed_equals_unpadded_qwen2(tiny_qwen_dir, attn, fresh_seed):
+    model = load_with_attention(tiny_qwen_dir, attn)
     assert _max_error(model, [5, 11, 2]) <= 1e-4
+
+
+def test_packed_attention_needs_boundaries(tiny_model_dir):
+    model = load_with_attention(tiny_model_dir, PACKED_ATTENTION)
+    with pytest.raises(ValueError, match="cu_seq_lens_q"):
+        model(input_ids=torch.tensor([[1, 2, 3]]), use_cache=False)
 
 
 def test_a_kv_cache_breaks_packing(tiny_model_dir, fresh_seed):
@@ -110,12 +137,3 @@ def test_update_weights_checks_and_keeps_ties(tiny_model_dir):
     emb, head = engine.model.get_input_embeddings(), engine.model.get_output_embeddings()
     assert emb.weight.data_ptr() == head.weight.data_ptr()
     assert torch.equal(emb.weight, source.get_input_embeddings().weight)
-
-
-@pytest.mark.slow
-def test_packed_equals_unpadded_demo_model(fresh_seed):
-    model = load_causal_lm(DEMO_MODEL)
-    assert model.config.vocab_size == 49152 and model.config.num_hidden_layers == 30
-    assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    err = _max_error(model, [40, 3, 77, 12, 25])
-    assert err <= 1e-4, f"packed vs unpadded max abs error {err:.2e}"

@@ -10,6 +10,7 @@ import torch
 from areal_fast.models.packed_attention import register_packed_attention
 from areal_fast.ops.logprobs import linear_logprobs
 from areal_fast.ops.packing import partition_balanced
+from areal_fast.ops.segment import segment_sum
 from areal_fast.rl.batch import PackedBatch, select_sequences
 from areal_fast.rl.config import LossConfig
 from areal_fast.rl.objectives import grpo_loss
@@ -135,7 +136,11 @@ class TorchTrainEngine:
         return [select_sequences(batch, part) for part in parts]
 
     def _mb_weight(self, mb: PackedBatch, batch: PackedBatch) -> float:
-        """Share of the whole-batch loss that a micro-batch's aggregated loss carries."""
+        """Share of the whole-batch loss that a micro-batch's aggregated loss carries.
+
+        Summing ``weight · loss(mb)`` over micro-batches equals the loss of the whole batch
+        for every aggregation, so accumulated gradients match one pass over the batch.
+        """
         agg = self.loss_config.aggregation
         if agg == "token_sum":
             return 1.0
@@ -143,29 +148,38 @@ class TorchTrainEngine:
             return int(mb.loss_mask.sum()) / max(int(batch.loss_mask.sum()), 1)
         if agg == "seq_mean_token_sum":
             return mb.num_seqs / max(batch.num_seqs, 1)
-        has_tokens = lambda b: int((torch.diff(torch.cumsum(torch.cat(  # noqa: E731
-            [torch.zeros(1), b.loss_mask.float()]), 0)[b.cu_seqlens.long()]) > 0).sum())
-        return has_tokens(mb) / max(has_tokens(batch), 1)
+        return _num_trained_seqs(mb) / max(_num_trained_seqs(batch), 1)
 
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
-        """One optimizer update on ``batch``; returns loss, grad norm and loss statistics."""
-        self.model.train()
+        """One optimizer update on ``batch``; returns loss, grad norm and loss statistics.
+
+        Statistics are means over the batch's trained tokens; ``behav_logprob_abs_diff`` is
+        the mean |trainer − engine| log-prob of the same tokens (engine/trainer mismatch).
+        """
         self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
+        stats = self.accumulate_gradients(batch)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
+        self.optimizer.step()
+        stats["grad_norm"] = float(grad_norm)
+        return stats
+
+    def accumulate_gradients(self, batch: PackedBatch) -> dict[str, float]:
+        """Forward and backward over the micro-batches of ``batch``; gradients add up in
+        ``.grad`` to those of one pass over the whole batch. Returns loss statistics."""
+        self.model.train()
+        sums: dict[str, float] = {"loss": 0.0}
         total_tokens = max(int(batch.loss_mask.sum()), 1)
-        for mb in self.micro_batches(batch):
+        micro_batches = self.micro_batches(batch)
+        for mb in micro_batches:
             weight = self._mb_weight(mb, batch)
             loss, stats = self._micro_batch_loss(mb)
             (loss * weight).backward()
-            mb_tokens = int(mb.loss_mask.sum())
-            sums["loss"] = sums.get("loss", 0.0) + float(loss.detach()) * weight
+            sums["loss"] += float(loss.detach()) * weight
+            token_share = int(mb.loss_mask.sum()) / total_tokens
             for key, value in stats.items():
                 if key != "num_tokens":
-                    sums[key] = sums.get(key, 0.0) + float(value) * mb_tokens / total_tokens
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
-        self.optimizer.step()
-        sums["grad_norm"] = float(grad_norm)
-        sums["num_micro_batches"] = float(len(self.micro_batches(batch)))
+                    sums[key] = sums.get(key, 0.0) + float(value) * token_share
+        sums["num_micro_batches"] = float(len(micro_batches))
         return sums
 
     def _micro_batch_loss(self, mb: PackedBatch):
@@ -195,3 +209,8 @@ class TorchTrainEngine:
     def save(self, path: str) -> None:
         """Write the model as a HF safetensors directory at ``path``."""
         self.model.save_pretrained(path)
+
+
+def _num_trained_seqs(batch: PackedBatch) -> int:
+    """Sequences with at least one trained token."""
+    return int((segment_sum(batch.loss_mask.float(), batch.cu_seqlens) > 0).sum())
