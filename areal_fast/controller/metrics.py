@@ -49,7 +49,7 @@ class MetricsLog:
 
 def plot_progress(records: list[dict], eval_points: dict[str, tuple[int, float]],
                   path: Path) -> None:
-    """PNG of training reward and sample accuracy per step, with held-out greedy accuracy.
+    """PNG of training reward, sample accuracy and solve rate per step, with held-out accuracy.
 
     Parameters
     ----------
@@ -70,6 +70,8 @@ def plot_progress(records: list[dict], eval_points: dict[str, tuple[int, float]]
     ax.plot(steps, [r["reward_mean"] for r in records], marker=".", label="train reward mean")
     ax.plot(steps, [r["accuracy"] for r in records], marker=".", linestyle="--",
             label="train sample accuracy")
+    ax.plot(steps, [r["solve_rate"] for r in records], marker=".", linestyle=":",
+            label="train solve rate (≥1 correct per group)")
     for label, (step, acc) in eval_points.items():
         ax.scatter([step], [acc], s=60, zorder=3, label=f"held-out greedy accuracy ({label})")
     ax.set_xlabel("step")
