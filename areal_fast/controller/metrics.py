@@ -42,6 +42,7 @@ class MetricsLog:
         self.records: list[dict] = []
 
     def append(self, record: dict) -> None:
+        """Write ``record`` as one JSON line (flushed at once, so a crash keeps earlier steps)."""
         self.records.append(record)
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")

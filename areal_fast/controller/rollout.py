@@ -52,6 +52,7 @@ class RolloutResult:
 
     @property
     def num_generated_tokens(self) -> int:
+        """Completion tokens over all trajectories."""
         return sum(len(t.completion_ids) for t in self.trajectories)
 
 

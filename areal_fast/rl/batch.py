@@ -94,10 +94,12 @@ class PackedBatch:
 
     @property
     def num_tokens(self) -> int:
+        """T, the packed token count."""
         return int(self.input_ids.numel())
 
     @property
     def num_seqs(self) -> int:
+        """B, the number of sequences."""
         return int(self.cu_seqlens.numel()) - 1
 
     def to(self, device) -> "PackedBatch":

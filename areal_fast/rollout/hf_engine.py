@@ -45,6 +45,7 @@ class HFEngine:
 
     @property
     def device(self) -> torch.device:
+        """Device of the served weights."""
         return next(self.model.parameters()).device
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
