@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -18,15 +19,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the process exit code (2 on a user error, with one line)."""
+    """Entry point; returns the process exit code (2 on a user error, with one line).
+
+    Set ``AREAL_FAST_DEBUG=1`` to get the full traceback of such an error instead.
+    """
     args = _parser().parse_args(argv)
     from areal_fast.launch.config import load_config
     from areal_fast.launch.local import run_experiment
 
+    if args.no_progress:
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     try:
         cfg = load_config(args.config, args.overrides)
         summary = run_experiment(cfg, show_progress=not args.no_progress)
     except (ValueError, FileNotFoundError, ImportError) as exc:
+        if os.environ.get("AREAL_FAST_DEBUG"):
+            raise
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"areal-fast: error: {message}", file=sys.stderr)
         return 2

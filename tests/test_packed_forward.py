@@ -1,5 +1,7 @@
 """Packed-sequence forward through HF models: equal to per-sequence unpadded log-probs."""
 
+import inspect
+
 import pytest
 import torch
 
@@ -89,10 +91,12 @@ def test_a_kv_cache_breaks_packing(tiny_model_dir, fresh_seed):
         hidden_ok = model.get_decoder()(input_ids=batch.input_ids[None],
                                         position_ids=batch.position_ids[None],
                                         attention_mask=None, use_cache=False).last_hidden_state
-        hidden_bad = model.get_decoder()(input_ids=batch.input_ids[None],
-                                         position_ids=batch.position_ids[None],
-                                         past_key_values=DynamicCache(),
-                                         use_cache=True).last_hidden_state
+        decoder = model.get_decoder()
+        cache_key = ("cache" if "cache" in inspect.signature(decoder.forward).parameters
+                     else "past_key_values")  # renamed in recent transformers
+        hidden_bad = decoder(input_ids=batch.input_ids[None],
+                             position_ids=batch.position_ids[None], use_cache=True,
+                             **{cache_key: DynamicCache()}).last_hidden_state
     first = slice(0, 9)  # the first sequence is unaffected either way
     assert torch.allclose(hidden_ok[0, first], hidden_bad[0, first], atol=1e-5)
     assert (hidden_ok[0, 9:] - hidden_bad[0, 9:]).abs().max() > 1e-3
@@ -137,3 +141,62 @@ def test_update_weights_checks_and_keeps_ties(tiny_model_dir):
     emb, head = engine.model.get_input_embeddings(), engine.model.get_output_embeddings()
     assert emb.weight.data_ptr() == head.weight.data_ptr()
     assert torch.equal(emb.weight, source.get_input_embeddings().weight)
+
+
+def test_behaviour_logprobs_ignore_model_generation_config_and_top_p(tiny_model_dir, tmp_path,
+                                                                       fresh_seed):
+    """A model's repetition penalty or a top-p nucleus must not skew behaviour log-probs."""
+    import json
+    import shutil
+
+    model_dir = tmp_path / "penalised"
+    shutil.copytree(tiny_model_dir, model_dir)
+    gen_cfg = model_dir / "generation_config.json"
+    cfg = json.loads(gen_cfg.read_text()) if gen_cfg.exists() else {}
+    cfg.update(repetition_penalty=1.5, no_repeat_ngram_size=2, top_k=5)
+    gen_cfg.write_text(json.dumps(cfg))
+    tok = load_tokenizer(str(model_dir))
+    model = load_causal_lm(str(model_dir))
+    engine = HFEngine(model, tok)
+    trajs = engine.generate([tok.encode("2 + 2 = ")],
+                            SamplingParams(n=6, temperature=1.0, top_p=0.8, max_new_tokens=12))
+    batch = pack_trajectories(trajs, torch.zeros(6))
+    with torch.no_grad():
+        logp, _ = packed_forward_logprobs(model, batch, temperature=1.0, with_entropy=False)
+    mask = batch.loss_mask
+    assert (logp[mask] - batch.behav_logprobs[mask]).abs().max() <= 1e-4
+
+
+def test_trainer_turns_dropout_off(tmp_path, fresh_seed):
+    """With dropout in the model config, trainer log-probs still equal the engine's."""
+    import copy
+
+    from areal_fast.rl.config import LossConfig
+    from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine
+    from conftest import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path / "dropout")
+    import json
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["attention_dropout"] = 0.5
+    (path / "config.json").write_text(json.dumps(cfg))
+    tok, policy = load_tokenizer(str(path)), load_causal_lm(str(path))
+    engine = HFEngine(copy.deepcopy(policy), tok)
+    trainer = TorchTrainEngine(policy, LossConfig(), OptimizerConfig())
+    trajs = engine.generate([tok.encode("hello")], SamplingParams(n=4, max_new_tokens=8))
+    stats = trainer.accumulate_gradients(pack_trajectories(trajs, torch.randn(4)))
+    assert stats["behav_logprob_abs_diff"] < 1e-5
+
+
+def test_packed_attention_refuses_short_sliding_window(tiny_model_dir):
+    from areal_fast.models.packed_attention import packed_attention_forward
+
+    q = torch.randn(1, 2, 10, 4)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    module = torch.nn.Module()
+    out, _ = packed_attention_forward(module, q, q, q, None, cu_seq_lens_q=cu, sliding_window=8)
+    assert out.shape == (1, 10, 2, 4)
+    with pytest.raises(ValueError, match="sliding window"):
+        packed_attention_forward(module, q, q, q, None, cu_seq_lens_q=cu, sliding_window=5)
+    with pytest.raises(ValueError, match="soft-capping"):
+        packed_attention_forward(module, q, q, q, None, cu_seq_lens_q=cu, softcap=30.0)

@@ -52,7 +52,17 @@ def test_kl_to_reference_and_qwen2(tiny_qwen_dir, tmp_path):
     ("total_steps=abc", "total_steps"),
     ("data.task=no_such_task", "no_such_task"),
     ("actor.loss.aggregation=mean", "aggregation"),
-    ("rollout.group_size=1", "group_size"),
+    ("rollout.group_size=1", "rollout.group_size"),
+    ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.temperature=inf", "rollout.temperature"),
+    ("actor.optim.lr=inf", "actor.optim.lr"),
+    ("actor.optim.beta1=1.5", "actor.optim.beta1"),
+    ("eval.batch_size=-1", "eval.batch_size"),
+    ("threads=0", "threads"),
+    ("model.device=foo", "model.device"),
+    ("model.path=/no/such/dir", "/no/such/dir"),
+    ("actor.max_tokens_per_mb=8", "actor.max_tokens_per_mb"),
+    ("rollout.max_new_tokens=100000", "rollout.max_new_tokens"),
 ])
 def test_bad_config_is_one_line_and_leaves_no_run_dir(tiny_model_dir, tmp_path, capsys,
                                                       override, needle):
@@ -82,6 +92,31 @@ def test_bad_gsm8k_row_is_named(tmp_path, tiny_model_dir, capsys):
                       "data.eval_size=1", config=_GSM8K_EXAMPLE)) == 2
     err = capsys.readouterr().err
     assert "train.jsonl" in err and "line 2" in err
+
+
+def test_overwrite_only_replaces_run_dirs(tiny_model_dir, tmp_path, capsys):
+    precious = tmp_path / "grpo-arith" / "trial0" / "important.txt"
+    precious.parent.mkdir(parents=True)
+    precious.write_text("keep me")
+    assert main(_args(tiny_model_dir, tmp_path, "overwrite=true")) == 2
+    assert "not an areal-fast run directory" in capsys.readouterr().err
+    assert precious.read_text() == "keep me"
+    precious.unlink()
+    (precious.parent / "config.yaml").write_text("old: run\n")
+    assert main(_args(tiny_model_dir, tmp_path, "overwrite=true")) == 0
+    assert (precious.parent / "summary.json").exists()
+
+
+def test_bad_yaml_files(tmp_path, capsys):
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("a: [1, 2\n")
+    for path, needle in ((listing, "mapping"), (broken, "cannot parse"),
+                         (tmp_path, "not a file")):
+        assert main(["train", "--config", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and str(path) in err
 
 
 def test_existing_run_dir_is_not_overwritten(tiny_model_dir, tmp_path, capsys):

@@ -7,7 +7,9 @@ and values of the wrong type; the dataclasses' ``__post_init__`` then checks ran
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import typing
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -24,8 +26,20 @@ class ModelConfig:
 
     path: str = DEMO_MODEL  # HF id, local directory, or the offline demo model
     dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
-    attn_implementation: str = "sdpa"  # transformers attention backend
-    device: str = "cpu"
+    attn_implementation: str = "sdpa"  # transformers attention backend of the engine
+    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+
+    def __post_init__(self):
+        import torch
+
+        try:
+            device = torch.device(self.device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device = {self.device!r} is not a torch device") from exc
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device = {self.device!r} but torch has no CUDA device here")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device = {self.device!r}: only 'cpu' and 'cuda' are supported")
 
 
 @dataclass
@@ -46,8 +60,9 @@ class DataConfig:
     instruction: str = DEFAULT_INSTRUCTION
 
     def __post_init__(self):
-        if self.eval_size < 1:
-            raise ValueError(f"data.eval_size = {self.eval_size} must be >= 1")
+        _at_least("eval_size", self.eval_size, 1)
+        if self.train_size is not None:
+            _at_least("train_size", self.train_size, 1)
 
 
 @dataclass
@@ -61,10 +76,12 @@ class RolloutConfig:
     max_batch_size: int = 64  # sequences generated together
 
     def __post_init__(self):
-        if self.group_size < 2:
-            raise ValueError(f"rollout.group_size = {self.group_size} must be >= 2 for GRPO")
-        if not self.temperature > 0:
-            raise ValueError(f"rollout.temperature = {self.temperature} must be > 0")
+        _at_least("group_size", self.group_size, 2, "(GRPO compares samples of a prompt)")
+        _positive_finite("temperature", self.temperature)
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p = {self.top_p} must be in (0, 1]")
+        _at_least("max_new_tokens", self.max_new_tokens, 1)
+        _at_least("max_batch_size", self.max_batch_size, 1)
 
 
 @dataclass
@@ -80,12 +97,10 @@ class ActorConfig:
 
     def __post_init__(self):
         if self.adv_mode not in ADVANTAGE_MODES:
-            raise ValueError(f"actor.adv_mode = {self.adv_mode!r} is not one of "
-                             f"{ADVANTAGE_MODES}")
+            raise ValueError(f"adv_mode = {self.adv_mode!r} is not one of {ADVANTAGE_MODES}")
         if self.pack_method not in ("kk", "ffd"):
-            raise ValueError(f"actor.pack_method = {self.pack_method!r} is not 'kk' or 'ffd'")
-        if self.max_tokens_per_mb < 1:
-            raise ValueError(f"actor.max_tokens_per_mb = {self.max_tokens_per_mb} must be >= 1")
+            raise ValueError(f"pack_method = {self.pack_method!r} is not 'kk' or 'ffd'")
+        _at_least("max_tokens_per_mb", self.max_tokens_per_mb, 1)
 
 
 @dataclass
@@ -96,6 +111,10 @@ class EvalConfig:
     batch_size: int = 100
     before: bool = True
     after: bool = True
+
+    def __post_init__(self):
+        _at_least("max_new_tokens", self.max_new_tokens, 1)
+        _at_least("batch_size", self.batch_size, 1)
 
 
 @dataclass
@@ -118,10 +137,10 @@ class ExperimentConfig:
     tags: List[str] = field(default_factory=list)
 
     def __post_init__(self):
-        if self.total_steps < 0:
-            raise ValueError(f"total_steps = {self.total_steps} must be >= 0")
-        if self.batch_size < 1:
-            raise ValueError(f"batch_size = {self.batch_size} must be >= 1")
+        _at_least("total_steps", self.total_steps, 0)
+        _at_least("batch_size", self.batch_size, 1)
+        if self.threads is not None:
+            _at_least("threads", self.threads, 1)
         for key in ("experiment_name", "trial_name"):
             value = getattr(self, key)
             if not value or "/" in value or value.startswith("."):
@@ -131,6 +150,16 @@ class ExperimentConfig:
     def run_dir(self) -> Path:
         """Folder that receives metrics, plot, checkpoint and the resolved config."""
         return Path(self.fileroot) / self.experiment_name / self.trial_name
+
+
+def _at_least(name: str, value: int, low: int, why: str = "") -> None:
+    if value < low:
+        raise ValueError(f"{name} = {value} must be >= {low} {why}".rstrip())
+
+
+def _positive_finite(name: str, value: float) -> None:
+    if not (value > 0 and math.isfinite(value)):
+        raise ValueError(f"{name} = {value} must be a finite number > 0")
 
 
 class ConfigError(ValueError):
@@ -160,26 +189,59 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
     schema = OmegaConf.structured(ExperimentConfig)
     layers = [schema]
     if yaml_path is not None:
-        path = Path(yaml_path)
-        if not path.is_file():
-            raise ConfigError(f"config file {yaml_path} does not exist")
-        try:
-            layers.append(OmegaConf.load(path))
-        except Exception as exc:
-            raise ConfigError(f"config file {yaml_path}: cannot parse YAML "
-                              f"({str(exc).splitlines()[0]})") from exc
+        layers.append(_load_yaml(Path(yaml_path)))
     for item in overrides or []:
-        if "=" not in item:
+        if "=" not in item or not item.split("=", 1)[0].strip():
             raise ConfigError(f"override {item!r} is not of the form key=value")
     try:
         if overrides:
             layers.append(OmegaConf.from_dotlist(list(overrides)))
         merged = OmegaConf.merge(*layers)
-        return OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(_omegaconf_message(exc)) from exc
-    except ValueError as exc:  # raised by a dataclass __post_init__
-        raise ConfigError(str(exc).splitlines()[0]) from exc
+    try:
+        return OmegaConf.to_object(merged)
+    except (OmegaConfBaseException, ValueError) as exc:  # ValueError: a __post_init__ check
+        prefix = _failing_section(merged, ExperimentConfig)
+        message = (_omegaconf_message(exc) if isinstance(exc, OmegaConfBaseException)
+                   else str(exc).splitlines()[0])
+        raise ConfigError(f"{prefix}{message}") from exc
+
+
+def _load_yaml(path: Path):
+    """Parse one YAML config file into an OmegaConf mapping."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist or is not a file")
+    try:
+        loaded = OmegaConf.load(path)
+    except Exception as exc:
+        raise ConfigError(f"config file {path}: cannot parse YAML "
+                          f"({str(exc).splitlines()[0]})") from exc
+    if not isinstance(loaded, DictConfig):
+        raise ConfigError(f"config file {path} must hold a mapping of keys at the top level")
+    return loaded
+
+
+def _failing_section(node, cls, prefix: str = "") -> str:
+    """Dotted path (with a trailing dot) of the deepest section whose dataclass fails to build.
+
+    Dataclass checks raise without knowing where they sit in the experiment config; this
+    rebuilds each nested section on its own to find the one that raised.
+    """
+    from omegaconf import OmegaConf
+
+    hints = typing.get_type_hints(cls)
+    for f in fields(cls):
+        sub_cls = hints[f.name]
+        if not is_dataclass(sub_cls):
+            continue
+        try:
+            OmegaConf.to_object(node[f.name])
+        except Exception:
+            return _failing_section(node[f.name], sub_cls, f"{prefix}{f.name}.")
+    return prefix
 
 
 def _omegaconf_message(exc) -> str:

@@ -66,17 +66,65 @@ def load_datasets(cfg: ExperimentConfig):
     return train_set, eval_set, removed
 
 
+def check_run_dir(cfg: ExperimentConfig) -> None:
+    """Fail early if the run directory cannot be (re)used; changes nothing on disk.
+
+    An existing directory is replaced only with ``overwrite=true`` and only if it is a run
+    directory (holds ``config.yaml``), never an arbitrary folder.
+    """
+    run_dir = cfg.run_dir
+    for parent in reversed(run_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(f"fileroot: {parent} is a file, so run directory {run_dir} "
+                              f"cannot be created")
+    if not run_dir.exists():
+        return
+    if not cfg.overwrite:
+        raise ConfigError(f"run directory {run_dir} already exists; pass overwrite=true "
+                          f"or choose another trial_name")
+    if not (run_dir.is_dir() and (run_dir / "config.yaml").is_file()):
+        raise ConfigError(f"overwrite=true refuses to delete {run_dir}: it is not an areal-fast "
+                          f"run directory (no config.yaml)")
+
+
 def prepare_run_dir(cfg: ExperimentConfig) -> Path:
-    """Create the run directory; refuse to reuse one unless ``overwrite=true``."""
+    """Create the run directory (replacing an old run's when allowed) with ``config.yaml``."""
+    check_run_dir(cfg)
     run_dir = cfg.run_dir
     if run_dir.exists():
-        if not cfg.overwrite:
-            raise ConfigError(f"run directory {run_dir} already exists; pass overwrite=true "
-                              f"or choose another trial_name")
         shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    try:
+        run_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise ConfigError(f"fileroot: cannot create run directory {run_dir} "
+                          f"({exc.strerror})") from exc
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return run_dir
+
+
+def check_lengths(cfg: ExperimentConfig, rollout: MathRollout, problems, max_positions) -> None:
+    """Fail before any work if the longest possible sequence fits no micro-batch or model.
+
+    Raises
+    ------
+    ValueError
+        Naming ``actor.max_tokens_per_mb`` or ``rollout.max_new_tokens`` /
+        ``eval.max_new_tokens``.
+    """
+    longest_prompt = max(len(rollout.prompt_ids(p)) for p in problems)
+    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    if max_positions and longest_prompt + new_tokens > max_positions:
+        raise ValueError(f"rollout.max_new_tokens / eval.max_new_tokens = {new_tokens}: with "
+                         f"the longest prompt ({longest_prompt} tokens) this exceeds the "
+                         f"model's {max_positions} positions")
+    need = longest_prompt + cfg.rollout.max_new_tokens
+    if cfg.actor.keep_groups:
+        need *= cfg.rollout.group_size
+    if need > cfg.actor.max_tokens_per_mb:
+        what = "a GRPO group" if cfg.actor.keep_groups else "one sequence"
+        raise ValueError(f"actor.max_tokens_per_mb = {cfg.actor.max_tokens_per_mb} is smaller "
+                         f"than {what} can be ({need} tokens: longest prompt {longest_prompt} "
+                         f"+ rollout.max_new_tokens {cfg.rollout.max_new_tokens})")
 
 
 def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
@@ -91,8 +139,7 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
-    if cfg.run_dir.exists() and not cfg.overwrite:
-        prepare_run_dir(cfg)  # raises the one-line error before any slow work
+    check_run_dir(cfg)  # raises the one-line error before any slow work
     train_set, eval_set, removed = load_datasets(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     policy = load_causal_lm(cfg.model.path, cfg.model.dtype, cfg.model.attn_implementation,
@@ -105,6 +152,8 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
                                pack_method=cfg.actor.pack_method,
                                keep_groups=cfg.actor.keep_groups, ref_model=ref)
     rollout = MathRollout(engine, tokenizer, cfg.data.instruction)
+    check_lengths(cfg, rollout, train_set + eval_set,
+                  getattr(policy.config, "max_position_embeddings", None))
     run_dir = prepare_run_dir(cfg)
     try:
         return _run(cfg, run_dir, rollout, trainer, train_set, eval_set, removed, show_progress)

@@ -118,7 +118,9 @@ def resolve_model_path(path: str) -> str:
         return str(demo_model_dir())
     if path.startswith("demo:"):
         raise ValueError(f"model.path = {path!r}: the only demo model is {DEMO_MODEL!r}")
-    return path
+    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
+        raise ValueError(f"model.path = {path!r}: no such local directory")
+    return str(Path(path).expanduser()) if path.startswith("~") else path
 
 
 def load_tokenizer(path: str):

@@ -34,6 +34,8 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
         Attention dropout probability, applied only in training mode.
     cu_seq_lens_q : Tensor [B+1] int32 (keyword)
         Sequence boundaries in the packed token dimension.
+    sliding_window, softcap : (keywords from the model)
+        Not implemented: a sequence longer than the window, or any soft-capping, raises.
 
     Returns
     -------
@@ -42,14 +44,23 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
     Raises
     ------
     ValueError
-        If ``cu_seq_lens_q`` is missing, a mask is passed, or the batch dimension is not 1.
+        If ``cu_seq_lens_q`` is missing, a mask is passed, the batch dimension is not 1, or
+        the model needs soft-capping or a sliding window shorter than a sequence.
     """
     cu_seqlens = kwargs.get("cu_seq_lens_q")
     if cu_seqlens is None:
         raise ValueError(f"attention '{PACKED_ATTENTION}' needs cu_seq_lens_q (packed input)")
     if attention_mask is not None or query.shape[0] != 1:
         raise ValueError(f"attention '{PACKED_ATTENTION}' takes one packed row and no mask")
+    if kwargs.get("softcap"):
+        raise ValueError(f"attention '{PACKED_ATTENTION}' does not implement logit soft-capping")
     bounds = cu_seqlens.tolist()
+    window = kwargs.get("sliding_window")
+    longest = max((e - s for s, e in zip(bounds[:-1], bounds[1:])), default=0)
+    if window and longest > window:
+        raise ValueError(f"a packed sequence of {longest} tokens exceeds the model's sliding "
+                         f"window of {window}, which attention '{PACKED_ATTENTION}' does not "
+                         f"implement")
     drop = dropout if module.training else 0.0
     gqa = key.shape[1] != query.shape[1]
     outputs = [

@@ -38,7 +38,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _validate(hidden, weight, labels, bias, temperature):
+def _validate(hidden, weight, labels, bias, temperature, ignore_index):
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
@@ -53,7 +53,7 @@ def _validate(hidden, weight, labels, bias, temperature):
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if hidden.dtype != weight.dtype:
         raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ")
-    valid = labels != IGNORE_INDEX
+    valid = labels != ignore_index
     if valid.any():
         picked = labels[valid]
         if int(picked.min()) < 0 or int(picked.max()) >= weight.shape[0]:
@@ -197,7 +197,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     tempered logits (standard softmax calculus; the same quantities as
     ``torch.nn.functional.cross_entropy`` with ``reduction='none'``, negated).
     """
-    _validate(hidden, weight, labels, bias, temperature)
+    _validate(hidden, weight, labels, bias, temperature, ignore_index)
     logprobs, entropy, _ = LinearLogprobsFunction.apply(
         hidden, weight, labels, bias, float(temperature), int(ignore_index))
     return (logprobs, entropy) if return_entropy else logprobs

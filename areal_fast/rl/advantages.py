@@ -60,6 +60,12 @@ def group_advantages(rewards: torch.Tensor, *, group_size: int | None = None,
     """
     if mode not in ADVANTAGE_MODES:
         raise ValueError(f"mode = {mode!r} is not one of {ADVANTAGE_MODES}")
+    rewards = torch.as_tensor(rewards)
+    if group_ids is not None:
+        group_ids = torch.as_tensor(group_ids)
+    if group_size is not None and (isinstance(group_size, bool) or
+                                   not isinstance(group_size, int)):
+        raise ValueError(f"group_size must be an int, got {group_size!r}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [B], got {tuple(rewards.shape)}")
     rewards = rewards.to(torch.float32)

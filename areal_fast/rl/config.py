@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,8 +78,10 @@ class LossConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} = {value} must be > 0")
-        if self.kl_coef < 0 or self.entropy_coef < 0:
-            raise ValueError("kl_coef and entropy_coef must be >= 0")
+        for name in ("kl_coef", "entropy_coef"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"{name} = {value} must be a finite number >= 0")
 
     @property
     def clip_high(self) -> float:

@@ -88,6 +88,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     ValueError
         A tensor of the wrong shape or dtype (named), or a missing tensor the config needs.
     """
+    if logprobs.dim() != 1:
+        raise ValueError(f"logprobs must be [T], got shape {tuple(logprobs.shape)}")
     num_tokens = logprobs.shape[0]
     _check_cu_seqlens(cu_seqlens, num_tokens)
     for name, tensor in (("old_logprobs", old_logprobs), ("loss_mask", loss_mask),
@@ -112,7 +114,8 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
                          f"got {tuple(advantages.shape)}")
     mask = loss_mask.to(logprobs.dtype)
     base = (prox_logprobs if prox_logprobs is not None else old_logprobs).detach()
-    log_ratio = logprobs - base
+    # masked-out positions (padding) may hold anything, even -inf: keep them out of exp()
+    log_ratio = torch.where(loss_mask, logprobs - base, 0.0)
     if config.ratio_level == "sequence":
         seq_tokens = segment_sum(mask, cu_seqlens).clamp(min=1)
         seq_log_ratio = segment_sum(torch.where(mask > 0, log_ratio, 0.0), cu_seqlens) / seq_tokens
@@ -124,7 +127,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     if config.dual_clip_c is not None:
         pg = torch.where(advantages < 0, torch.minimum(pg, -config.dual_clip_c * advantages), pg)
     if prox_logprobs is not None:
-        weight = torch.exp(prox_logprobs - old_logprobs).detach()
+        weight = torch.exp(torch.where(loss_mask, prox_logprobs - old_logprobs, 0.0)).detach()
         if config.behav_weight_cap is not None:
             if config.behav_weight_mode == "mask":
                 weight = torch.where(weight > config.behav_weight_cap, 0.0, weight)
@@ -132,11 +135,13 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
                 weight = weight.clamp(max=config.behav_weight_cap)
         pg = weight * pg
     if engine_logprobs is not None and config.tis_cap is not None:
-        pg = torch.exp(old_logprobs - engine_logprobs).clamp(max=config.tis_cap).detach() * pg
+        tis = torch.exp(torch.where(loss_mask, old_logprobs - engine_logprobs, 0.0))
+        pg = tis.clamp(max=config.tis_cap).detach() * pg
     per_token = pg
     stats = {}
     if ref_logprobs is not None:
-        kl = kl_estimate(logprobs, ref_logprobs.detach(), config.kl_estimator)
+        kl = kl_estimate(logprobs, torch.where(loss_mask, ref_logprobs, logprobs).detach(),
+                         config.kl_estimator)
         per_token = per_token + config.kl_coef * kl
         stats["kl"] = _masked_mean(kl.detach(), mask)
     if entropy is not None:
@@ -146,7 +151,7 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     with torch.no_grad():
         stats["clip_fraction"] = _masked_mean(clip_hit.to(mask.dtype), mask)
         stats["ratio_mean"] = _masked_mean(ratio, mask)
-        stats["approx_kl"] = _masked_mean(kl_estimate(logprobs, base, "k3"), mask)
+        stats["approx_kl"] = _masked_mean(kl_estimate(log_ratio, 0.0, "k3"), mask)
         stats["num_tokens"] = mask.sum()
     return loss, stats
 

@@ -9,15 +9,27 @@ import torch
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import SamplingParams
 
+# Logits processors a model's generation_config.json may switch on; set to their neutral
+# values so that tokens are drawn from the tempered (top-p) distribution and nothing else.
+_NEUTRAL_PROCESSORS = dict(
+    repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
+    encoder_no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, typical_p=1.0,
+    min_p=None, epsilon_cutoff=0.0, eta_cutoff=0.0, bad_words_ids=None, suppress_tokens=None,
+    begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
+    num_beams=1, renormalize_logits=False, sequence_bias=None, exponential_decay_length_penalty=None)
+
 
 class HFEngine:
     """An :class:`~areal_fast.rollout.engine.InferenceEngine` running ``model.generate``.
 
-    Prompts are left-padded into batches of at most ``max_batch_size`` sequences. The
-    behaviour log-prob of each generated token is ``log_softmax`` of the processed scores
-    that were sampled from (temperature and top-p applied; top-k and every other
-    generation-config default are switched off), so it is exactly the sampling distribution.
-    Greedy decoding (temperature 0) reports log-probs at temperature 1.
+    Prompts are left-padded into batches of at most ``max_batch_size`` sequences. Sampling
+    uses temperature and top-p only: top-k, repetition penalties and every other logits
+    processor that a model's ``generation_config.json`` may set are switched off. The
+    behaviour log-prob of each generated token is ``log_softmax(logits / temperature)`` of the
+    raw logits, i.e. the tempered full distribution that the trainer recomputes, so the PPO
+    ratio is exactly 1 on-policy; with top_p < 1 the tokens are drawn from the nucleus of that
+    distribution (the convention of vLLM's default logprobs). Greedy decoding (temperature 0)
+    reports log-probs at temperature 1.
 
     Parameters
     ----------
@@ -32,7 +44,14 @@ class HFEngine:
     def __init__(self, model, tokenizer, max_batch_size: int = 64):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size = {max_batch_size} must be >= 1")
+        from transformers import GenerationConfig
+
         self.model = model.eval()
+        # transformers fills unset sampling options from the model's own generation config;
+        # a neutral one keeps a model's repetition penalty etc. out of the sampling.
+        self.model.generation_config = GenerationConfig(
+            bos_token_id=model.config.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id)
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         self.max_batch_size = max_batch_size
@@ -82,16 +101,16 @@ class HFEngine:
             do_sample=sample, temperature=params.temperature if sample else None,
             top_p=params.top_p if sample else None, top_k=0 if sample else None,
             max_new_tokens=params.max_new_tokens, pad_token_id=self.pad_id,
-            eos_token_id=self.eos_id, return_dict_in_generate=True,
-            output_scores=sample, output_logits=not sample)
+            eos_token_id=self.eos_id, return_dict_in_generate=True, output_logits=True,
+            **_NEUTRAL_PROCESSORS)
         result = self.model.generate(input_ids=input_ids.to(self.device),
                                      attention_mask=attention_mask.to(self.device),
                                      generation_config=config)
         new_tokens = result.sequences[:, width:].cpu()
-        steps = result.scores if sample else result.logits
-        logprobs = torch.stack([torch.log_softmax(s.float(), dim=-1).gather(
+        scale = params.temperature if sample else 1.0
+        logprobs = torch.stack([torch.log_softmax(s.float() / scale, dim=-1).gather(
             1, new_tokens[:, i:i + 1].to(s.device)).squeeze(1).cpu()
-            for i, s in enumerate(steps)], dim=1)
+            for i, s in enumerate(result.logits)], dim=1)
         return [self._trajectory(gid, prompt, new_tokens[row], logprobs[row])
                 for row, (gid, prompt) in enumerate(items)]
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -28,10 +29,15 @@ class OptimizerConfig:
     grad_clip: float = 1.0
 
     def __post_init__(self):
-        if not self.lr > 0:
-            raise ValueError(f"lr = {self.lr} must be > 0")
-        if self.grad_clip <= 0:
-            raise ValueError(f"grad_clip = {self.grad_clip} must be > 0")
+        for name in ("lr", "eps", "grad_clip"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} = {value} must be a finite number > 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)} must be in [0, 1)")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay = {self.weight_decay} must be a finite number >= 0")
 
 
 def packed_forward_logprobs(model, batch: PackedBatch, temperature: float,
@@ -62,6 +68,7 @@ def packed_forward_logprobs(model, batch: PackedBatch, temperature: float,
     logprobs : Tensor [T] float32 (0 where ``labels == -100``)
     entropy : Tensor [T] float32 or None
     """
+    _check_supported(model.config)
     device = next(model.parameters()).device
     cu_seqlens = batch.cu_seqlens.to(device)
     out = model.get_decoder()(
@@ -75,6 +82,16 @@ def packed_forward_logprobs(model, batch: PackedBatch, temperature: float,
                              temperature=temperature, return_entropy=with_entropy,
                              bias=getattr(head, "bias", None))
     return result if with_entropy else (result, None)
+
+
+def _check_supported(config) -> None:
+    """Refuse model features the packed log-prob path does not reproduce."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, key, None):
+            raise ValueError(f"model config {key} = {getattr(config, key)} is not supported by "
+                             f"packed training (log-probs would differ from the model's)")
+    if getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+        raise ValueError(f"model config logit_scale = {config.logit_scale} is not supported")
 
 
 class TorchTrainEngine:
@@ -116,7 +133,9 @@ class TorchTrainEngine:
             for m in (model, ref_model):
                 if m is not None:
                     m.set_attn_implementation(name)
-        self.model = model.train()
+        # Dropout stays off (eval mode; gradients flow as usual): the trainer must recompute
+        # exactly the engine's log-probs, or the on-policy PPO ratio would not be 1.
+        self.model = model.eval()
         self.loss_config = loss_config
         self.optim = optim
         self.temperature = temperature
@@ -166,7 +185,6 @@ class TorchTrainEngine:
     def accumulate_gradients(self, batch: PackedBatch) -> dict[str, float]:
         """Forward and backward over the micro-batches of ``batch``; gradients add up in
         ``.grad`` to those of one pass over the whole batch. Returns loss statistics."""
-        self.model.train()
         sums: dict[str, float] = {"loss": 0.0}
         total_tokens = max(int(batch.loss_mask.sum()), 1)
         micro_batches = self.micro_batches(batch)

@@ -108,6 +108,14 @@ def test_large_offset_is_stable(fresh_seed):
     assert torch.allclose(logp.double(), ref, atol=2e-3)
 
 
+def test_custom_ignore_index(fresh_seed):
+    hidden, weight = torch.randn(5, 8), torch.randn(13, 8)
+    labels = torch.tensor([3, -1, 7, -1, 0])
+    logp = linear_logprobs(hidden, weight, labels, ignore_index=-1)
+    ref, _ = _reference(hidden, weight, torch.where(labels == -1, -100, labels), 1.0, None)
+    assert torch.allclose(logp.double(), ref, atol=1e-5) and logp[1] == 0
+
+
 def test_no_grad_path_matches():
     hidden, weight = torch.randn(6, 8), torch.randn(13, 8)
     labels = torch.randint(0, 13, (6,))

@@ -130,6 +130,25 @@ def test_no_masked_token_returns_zero_with_graph():
     assert loss.item() == 0 and torch.all(logp.grad == 0)
 
 
+@pytest.mark.parametrize("cfg", [LossConfig(), LossConfig(behav_weight_cap=2.0),
+                                 LossConfig(tis_cap=2.0), LossConfig(kl_coef=0.1)])
+def test_non_finite_values_at_masked_positions_stay_out(cfg):
+    """Padding positions may hold -inf or huge log-ratios; loss and gradients stay finite."""
+    logp = torch.tensor([-1.0, 0.0, -0.5, 0.0], requires_grad=True)
+    old = torch.tensor([-1.1, float("-inf"), -0.4, -200.0])
+    other = torch.tensor([-1.0, float("-inf"), -0.5, 150.0])
+    mask = torch.tensor([True, False, True, False])
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    loss, stats = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, cu, cfg,
+                            prox_logprobs=other if cfg.behav_weight_cap else None,
+                            engine_logprobs=other if cfg.tis_cap else None,
+                            ref_logprobs=other if cfg.kl_coef else None)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert logp.grad[1] == 0 and logp.grad[3] == 0
+    assert all(torch.isfinite(v) for v in stats.values())
+
+
 def test_clipping_blocks_gradient_outside_range():
     """A positive-advantage token whose ratio exceeds 1 + eps gets no gradient."""
     old = torch.zeros(2)

@@ -1,0 +1,1 @@
+"""The RL loop: rollout, training, weight updates, metrics."""

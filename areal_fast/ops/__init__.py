@@ -1,0 +1,1 @@
+"""Fast paths with torch fallbacks: log-probs, packing, segmented sums."""

@@ -1,0 +1,1 @@
+"""RL math: advantages, loss configuration, GRPO-family objectives, packed batches."""

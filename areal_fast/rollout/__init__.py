@@ -1,0 +1,1 @@
+"""Inference engines that generate trajectories."""

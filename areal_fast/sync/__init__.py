@@ -1,0 +1,1 @@
+"""Weight sync from trainers to inference engines."""

@@ -1,0 +1,1 @@
+"""Trainer engines that update the policy."""
