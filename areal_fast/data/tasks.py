@@ -8,6 +8,9 @@ evaluation set (for example ``seed=0`` for training, ``seed=999`` for evaluation
 Different seeds give different draws, but small task spaces (two one-digit terms has
 only a few hundred distinct questions) repeat questions across draws; call
 :func:`drop_eval_overlap` on the two lists so the evaluation questions stay unseen.
+reasoning-gym draws item i of a dataset with seed ``seed + i``, so nearby seeds give
+shifted copies of the same items (seed 1000 is seed 999 without its first item): pick
+seeds far apart (e.g. 0 and 100000) when the sets should differ.
 """
 
 from __future__ import annotations
