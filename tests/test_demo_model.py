@@ -41,11 +41,51 @@ def test_one_grpo_step_on_demo_model(tmp_path):
     assert json.loads((run / "summary.json").read_text())["eval_problems"] == 4
 
 
+def _text_batch(lengths, seed):
+    """Windows of real GSM8K-style text (fresh each run), packed as prompt+completion."""
+    import random
+
+    from areal_fast.data.tasks import load_problems
+    from areal_fast.models.loading import load_tokenizer
+    from areal_fast.rl.batch import Trajectory, pack_trajectories
+
+    tok = load_tokenizer(DEMO_MODEL)
+    rng = random.Random(seed)
+    problems = load_problems("basic_arithmetic", split="test", size=50, seed=seed)
+    text = " ".join(f"{p.question} The answer is {p.answer}." for p in problems)
+    ids = tok.encode(text)
+    trajs = []
+    for i, n in enumerate(lengths):
+        start = rng.randrange(len(ids) - n)
+        window = ids[start:start + n]
+        trajs.append(Trajectory(window[:1], window[1:], [0.0] * (n - 1), [0] * (n - 1),
+                                "stop", i))
+    return pack_trajectories(trajs, torch.zeros(len(lengths)))
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "areal_packed"])
 def test_packed_equals_unpadded_demo_model(attn, fresh_seed):
-    """Acceptance: packed and per-sequence unpadded log-probs agree to 1e-4 (fp32)."""
-    from test_packed_forward import _max_error, load_with_attention
+    """Acceptance: packed vs per-sequence unpadded log-probs on the demo model.
+
+    In float64 packing must be exact (≤ 1e-10). In fp32 the packed log-probs must be within
+    1e-4 of the exact (float64) values, or, where fp32 rounding alone moves the unpadded
+    fp32 computation further than that (seen on 1 batch in 25: 5e-4 at a 3-token
+    sequence), no further from exact than twice the unpadded fp32 error.
+    """
+    from test_packed_forward import _unpadded_reference, load_with_attention
+
+    from areal_fast.train.torch_engine import packed_forward_logprobs
 
     model = load_with_attention(DEMO_MODEL, attn)
-    err = _max_error(model, [40, 3, 77, 12, 25])
-    assert err <= 1e-4, f"packed vs unpadded max abs error {err:.2e}"
+    batch = _text_batch([40, 3, 77, 12, 25], fresh_seed)
+    with torch.no_grad():
+        packed32, _ = packed_forward_logprobs(model, batch, 1.0, with_entropy=False)
+    unpadded32 = _unpadded_reference(model, batch)
+    model.double()
+    with torch.no_grad():
+        packed64, _ = packed_forward_logprobs(model, batch, 1.0, with_entropy=False)
+    exact = _unpadded_reference(model, batch)
+    assert (packed64 - exact).abs().max() <= 1e-10, "packing itself changes the result"
+    err_packed = (packed32.double() - exact).abs().max().item()
+    err_unpadded = (unpadded32 - exact).abs().max().item()
+    assert err_packed <= max(1e-4, 2 * err_unpadded), (err_packed, err_unpadded)

@@ -23,9 +23,9 @@ def _random_batch(vocab, lengths, prompt_len=3):
 
 
 def _unpadded_reference(model, batch, temperature=1.0):
-    """Each sequence alone, eager attention (plain softmax), float64 log-softmax."""
+    """Each sequence alone (no packing, no mask), sdpa attention, float64 log-softmax."""
     impl = model.config._attn_implementation
-    model.set_attn_implementation("eager")
+    model.set_attn_implementation("sdpa")
     try:
         return _unpadded(model, batch, temperature)
     finally:
