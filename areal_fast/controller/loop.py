@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
 from tqdm import tqdm
 
 from areal_fast.controller.metrics import MetricsLog, rollout_metrics
@@ -40,9 +41,9 @@ def train_loop(rollout: MathRollout, trainer: TrainEngine, stream: ProblemStream
         step_start = time.perf_counter()
         result = rollout.run(stream.next_batch(settings.batch_size), settings.sampling)
         trajs = result.trajectories
-        rewards = _tensor([t.reward for t in trajs])
-        advantages = group_advantages(rewards, group_ids=_tensor([t.group_id for t in trajs],
-                                                                 int), mode=settings.adv_mode)
+        advantages = group_advantages(torch.tensor([t.reward for t in trajs]),
+                                      group_ids=torch.tensor([t.group_id for t in trajs]),
+                                      mode=settings.adv_mode)
         batch = pack_trajectories(trajs, advantages)
         train_start = time.perf_counter()
         stats = trainer.train_step(batch)
@@ -57,8 +58,3 @@ def train_loop(rollout: MathRollout, trainer: TrainEngine, stream: ProblemStream
         log.append(record)
         bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
 
-
-def _tensor(values, kind=float):
-    import torch
-
-    return torch.tensor(values, dtype=torch.float32 if kind is float else torch.int64)

@@ -9,15 +9,6 @@ import torch
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import SamplingParams
 
-# Logits processors a model's generation_config.json may switch on; set to their neutral
-# values so that tokens are drawn from the tempered (top-p) distribution and nothing else.
-_NEUTRAL_PROCESSORS = dict(
-    repetition_penalty=1.0, encoder_repetition_penalty=1.0, no_repeat_ngram_size=0,
-    encoder_no_repeat_ngram_size=0, min_length=0, min_new_tokens=None, typical_p=1.0,
-    min_p=None, epsilon_cutoff=0.0, eta_cutoff=0.0, bad_words_ids=None, suppress_tokens=None,
-    begin_suppress_tokens=None, forced_bos_token_id=None, forced_eos_token_id=None,
-    num_beams=1, renormalize_logits=False, sequence_bias=None, exponential_decay_length_penalty=None)
-
 
 class HFEngine:
     """An :class:`~areal_fast.rollout.engine.InferenceEngine` running ``model.generate``.
@@ -101,8 +92,7 @@ class HFEngine:
             do_sample=sample, temperature=params.temperature if sample else None,
             top_p=params.top_p if sample else None, top_k=0 if sample else None,
             max_new_tokens=params.max_new_tokens, pad_token_id=self.pad_id,
-            eos_token_id=self.eos_id, return_dict_in_generate=True, output_logits=True,
-            **_NEUTRAL_PROCESSORS)
+            eos_token_id=self.eos_id, return_dict_in_generate=True, output_logits=True)
         result = self.model.generate(input_ids=input_ids.to(self.device),
                                      attention_mask=attention_mask.to(self.device),
                                      generation_config=config)
