@@ -4,6 +4,7 @@ Public API (everything else is internal and may change):
 
 - :func:`linear_logprobs` — token log-probs / entropy through the LM head without [T, V] logits
 - :func:`grpo_loss`, :class:`LossConfig` — GRPO-family policy loss on packed sequences
+- :func:`fused_linear_grpo_loss` — the loss straight from hidden states, one vocabulary pass
 - :func:`group_advantages` — GRPO / Dr.GRPO / RLOO advantages
 - :func:`partition_balanced`, :func:`cu_seqlens_from_lengths`,
   :func:`position_ids_from_cu_seqlens` — sequence packing (native C++ with a Python fallback)
@@ -11,6 +12,7 @@ Public API (everything else is internal and may change):
 """
 
 from areal_fast.ops.logprobs import linear_logprobs
+from areal_fast.ops.loss import fused_linear_grpo_loss
 from areal_fast.ops.packing import (
     cu_seqlens_from_lengths,
     partition_balanced,
@@ -26,6 +28,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LossConfig",
     "cu_seqlens_from_lengths",
+    "fused_linear_grpo_loss",
     "group_advantages",
     "grpo_loss",
     "linear_logprobs",

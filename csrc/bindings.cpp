@@ -10,6 +10,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "areal_fast/logprob_rows.h"
 #include "areal_fast/packing.h"
 #include "areal_fast/segment_sum.h"
 
@@ -86,6 +87,41 @@ py::array_t<int64_t> position_ids_from_cu_seqlens(const Int32Array& cu_seqlens) 
     areal_fast::position_ids_from_cu_seqlens(cu, num_seqs, dst);
   }
   return out;
+}
+
+template <typename T>
+T* pointer(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
+}
+
+void logprob_rows_forward(uintptr_t z, int64_t rows, int64_t vocab, int64_t row_stride,
+                          uintptr_t labels, float inv_temp, int64_t ignore_index,
+                          uintptr_t logprobs, uintptr_t entropy, uintptr_t lse,
+                          int num_threads) {
+  if (rows < 0 || vocab < 1 || row_stride < vocab || num_threads < 1) {
+    throw py::value_error("logprob_rows_forward: bad sizes");
+  }
+  py::gil_scoped_release release;
+  areal_fast::logprob_rows_forward(pointer<const float>(z), rows, vocab, row_stride,
+                                   pointer<const int64_t>(labels), inv_temp, ignore_index,
+                                   pointer<float>(logprobs), pointer<float>(entropy),
+                                   pointer<float>(lse), num_threads);
+}
+
+void logprob_rows_backward(uintptr_t z, int64_t rows, int64_t vocab, int64_t row_stride,
+                           uintptr_t labels, uintptr_t lse, uintptr_t entropy,
+                           uintptr_t grad_logprobs, uintptr_t grad_entropy, float inv_temp,
+                           int64_t ignore_index, int num_threads) {
+  if (rows < 0 || vocab < 1 || row_stride < vocab || num_threads < 1) {
+    throw py::value_error("logprob_rows_backward: bad sizes");
+  }
+  py::gil_scoped_release release;
+  areal_fast::logprob_rows_backward(pointer<float>(z), rows, vocab, row_stride,
+                                    pointer<const int64_t>(labels), pointer<const float>(lse),
+                                    pointer<const float>(entropy),
+                                    pointer<const float>(grad_logprobs),
+                                    pointer<const float>(grad_entropy), inv_temp, ignore_index,
+                                    num_threads);
 }
 
 #ifdef AREAL_FAST_WITH_CUDA
@@ -186,6 +222,20 @@ PYBIND11_MODULE(_C, m) {
         "int64 lengths [B] -> int32 cu_seqlens [B + 1] starting at 0.");
   m.def("position_ids_from_cu_seqlens", &position_ids_from_cu_seqlens, py::arg("cu_seqlens"),
         "int32 cu_seqlens [B + 1] -> int64 position ids [T], restarting at 0 per sequence.");
+  m.def("logprob_rows_forward", &logprob_rows_forward, py::arg("z_ptr"), py::arg("rows"),
+        py::arg("vocab"), py::arg("row_stride"), py::arg("labels_ptr"), py::arg("inv_temp"),
+        py::arg("ignore_index"), py::arg("logprobs_ptr"), py::arg("entropy_ptr"),
+        py::arg("lse_ptr"), py::arg("num_threads"),
+        "CPU row epilogue, forward: float32 logits [rows, vocab] (row stride in floats) and "
+        "int64 labels -> float32 logprobs, entropy (entropy_ptr 0 skips it) and logsumexp. "
+        "Raw host addresses; the caller checks shapes, dtypes and label ranges.");
+  m.def("logprob_rows_backward", &logprob_rows_backward, py::arg("z_ptr"), py::arg("rows"),
+        py::arg("vocab"), py::arg("row_stride"), py::arg("labels_ptr"), py::arg("lse_ptr"),
+        py::arg("entropy_ptr"), py::arg("grad_logprobs_ptr"), py::arg("grad_entropy_ptr"),
+        py::arg("inv_temp"), py::arg("ignore_index"), py::arg("num_threads"),
+        "CPU row epilogue, backward: overwrites the float32 logits [rows, vocab] with the "
+        "gradient of grad_logprobs*logprobs + grad_entropy*entropy w.r.t. them (0 pointers "
+        "for entropy/grad_entropy mean no entropy term).");
 #ifdef AREAL_FAST_WITH_CUDA
   m.def("segment_sum_cuda", &segment_sum_cuda, py::arg("values_ptr"), py::arg("dtype_code"),
         py::arg("cu_seqlens_ptr"), py::arg("num_segments"), py::arg("out_ptr"),

@@ -12,25 +12,19 @@ from __future__ import annotations
 
 import torch
 
+from areal_fast.ops._dispatch import resolve_impl
+from areal_fast.ops.logprob_rows import row_backend
+
 IGNORE_INDEX = -100
-_CHUNK_BYTES = 256 * 1024 * 1024  # fp32 bytes of one [chunk, V] logits block
+_CHUNK_BYTES = 64 * 1024 * 1024  # bytes of one [chunk, V] logits block
+_MIN_CHUNK_ROWS = 128  # below this the matmuls lose efficiency
+_NATIVE_SYMBOL = "logprob_rows_forward"
 
 
-def _chunk_size(num_tokens: int, vocab: int) -> int:
-    """Tokens per chunk so that one fp32 [chunk, V] block stays within ``_CHUNK_BYTES``."""
-    return max(1, min(num_tokens, _CHUNK_BYTES // (4 * vocab)))
-
-
-def _chunk_logits(hidden, weight, bias, temperature):
-    """Tempered logits z = (h·Wᵀ + b) / temperature for one chunk: [C, V].
-
-    ``weight`` is already in the accumulation dtype (fp32, or fp64 for fp64 inputs), so
-    half-precision hidden states are upcast per chunk and the logits carry no bf16 rounding.
-    """
-    logits = hidden.to(weight.dtype) @ weight.t()
-    if bias is not None:
-        logits = logits + bias.to(weight.dtype)
-    return logits / temperature
+def _chunk_size(num_tokens: int, vocab: int, itemsize: int = 4) -> int:
+    """Tokens per chunk: one [chunk, V] block within ``_CHUNK_BYTES`` (≥ 128 rows)."""
+    rows = max(_MIN_CHUNK_ROWS, _CHUNK_BYTES // (itemsize * vocab))
+    return max(1, min(num_tokens, rows))
 
 
 def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -38,166 +32,261 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _validate(hidden, weight, labels, bias, temperature, ignore_index):
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be [V, H={hidden.shape[1]}], got {tuple(weight.shape)}")
-    if labels.shape != (hidden.shape[0],):
-        raise ValueError(f"labels must be [T={hidden.shape[0]}], got {tuple(labels.shape)}")
-    if labels.dtype != torch.int64:
-        raise TypeError(f"labels must be int64, got {labels.dtype}")
-    if bias is not None and bias.shape != (weight.shape[0],):
-        raise ValueError(f"bias must be [V={weight.shape[0]}], got {tuple(bias.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) dtypes differ")
-    valid = labels != ignore_index
-    if valid.any():
-        picked = labels[valid]
-        if int(picked.min()) < 0 or int(picked.max()) >= weight.shape[0]:
-            raise ValueError(f"labels hold values outside [0, V={weight.shape[0]}) "
-                             f"other than ignore_index")
+def _matmul_weight(weight: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """The LM head as the chunk matmuls use it.
+
+    On CUDA half-precision weights stay as they are (tensor-core matmuls with fp32 output);
+    elsewhere they are upcast once to the accumulation dtype, so the logits carry no
+    half-precision rounding (this keeps an fp32 copy of the head during the call).
+    """
+    if weight.device.type == "cuda" or weight.dtype == acc:
+        return weight
+    return weight.to(acc)
 
 
-def linear_logprobs_forward(hidden, weight, labels, bias, temperature, ignore_index):
-    """Chunked forward. Returns (logprobs [T] fp32, entropy [T] fp32, logsumexp [T] fp32)."""
+def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | None = None):
+    """a @ b with an ``acc``-dtype result: fp32 output of half-precision CUDA matmuls."""
+    if a.dtype == acc:
+        return torch.mm(a, b, out=out)
+    try:
+        result = torch.mm(a, b, out_dtype=acc)
+    except (TypeError, RuntimeError, NotImplementedError):
+        result = torch.mm(a, b).to(acc)  # older torch: one rounding of the product
+    if out is None:
+        return result
+    return out.copy_(result)
+
+
+def _chunk_logits(hidden_chunk, weight_mm, bias, acc, out):
+    """Raw logits h·Wᵀ (+ b) of one chunk into ``out`` [C, V] (accumulation dtype)."""
+    _mm(hidden_chunk.to(weight_mm.dtype), weight_mm.t(), acc, out=out)
+    if bias is not None:
+        out += bias.to(acc)
+    return out
+
+
+def linear_logprobs_forward(hidden, weight, labels, bias, temperature, ignore_index,
+                            want_entropy, impl):
+    """Chunked forward. Returns (logprobs [T], entropy [T] or None, logsumexp [T]), fp32.
+
+    ``impl`` is a resolved implementation name; the logsumexp is of the tempered logits.
+    """
     num_tokens, vocab = hidden.shape[0], weight.shape[0]
     acc = _acc_dtype(hidden.dtype)
-    weight_acc = weight.to(acc)
-    logprobs = hidden.new_zeros(num_tokens, dtype=acc)
-    entropy = torch.zeros_like(logprobs)
-    lse = torch.zeros_like(logprobs)
-    chunk = _chunk_size(num_tokens, vocab)
+    rows = row_backend(impl)
+    weight_mm = _matmul_weight(weight, acc)
+    logprobs = hidden.new_empty(num_tokens, dtype=acc)
+    entropy = torch.empty_like(logprobs) if want_entropy else None
+    lse = torch.empty_like(logprobs)
+    chunk = _chunk_size(num_tokens, vocab, torch.finfo(acc).bits // 8)
+    block = hidden.new_empty(chunk, vocab, dtype=acc)
     for start in range(0, num_tokens, chunk):
-        sl = slice(start, start + chunk)
-        z = _chunk_logits(hidden[sl], weight_acc, bias, temperature)
-        z_lse = torch.logsumexp(z, dim=-1)
-        valid = labels[sl] != ignore_index
-        safe = torch.where(valid, labels[sl], 0)
-        picked = z.gather(1, safe[:, None]).squeeze(1) - z_lse
-        probs = torch.softmax(z, dim=-1)
-        ent = z_lse - (probs * z).sum(-1)
-        logprobs[sl] = torch.where(valid, picked, 0.0)
-        entropy[sl] = torch.where(valid, ent, 0.0)
-        lse[sl] = z_lse
+        sl = slice(start, min(start + chunk, num_tokens))
+        logits = _chunk_logits(hidden[sl], weight_mm, bias, acc, block[: sl.stop - start])
+        rows.forward(logits, labels[sl], 1.0 / temperature, ignore_index, logprobs[sl],
+                     None if entropy is None else entropy[sl], lse[sl])
     return logprobs, entropy, lse
 
 
 def linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels, bias,
-                             temperature, ignore_index, lse, entropy):
-    """Chunked backward: recompute each chunk's logits; fp32 weight/bias accumulation.
+                             temperature, ignore_index, lse, entropy, impl, needs_grad):
+    """Chunked backward: recompute each chunk's logits, overwrite them with their gradient
+    (row epilogue), then grad_hidden = G·W and grad_weight += Gᵀ·h in the accumulation dtype.
 
-    With z the tempered logits, p = softmax(z), y the label:
-    d logp_y / dz = onehot(y) − p;  d H / dz = −p ⊙ (log p + H).
+    ``needs_grad`` = (hidden, weight, bias) flags; gradients not needed are returned as None.
     """
     num_tokens, vocab = hidden.shape[0], weight.shape[0]
-    grad_hidden = torch.zeros_like(hidden)
     acc = _acc_dtype(hidden.dtype)
-    weight_acc = weight.to(acc)
-    grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-    grad_bias = None if bias is None else torch.zeros(vocab, dtype=acc, device=weight.device)
-    chunk = _chunk_size(num_tokens, vocab)
+    rows = row_backend(impl)
+    weight_mm = _matmul_weight(weight, acc)
+    need_hidden, need_weight, need_bias = needs_grad
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = (torch.zeros(weight.shape, dtype=acc, device=weight.device)
+                   if need_weight else None)
+    grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
+    grad_logprobs = grad_logprobs.to(acc).contiguous()
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.to(acc).contiguous()
+    chunk = _chunk_size(num_tokens, vocab, torch.finfo(acc).bits // 8)
+    block = hidden.new_empty(chunk, vocab, dtype=acc)
     for start in range(0, num_tokens, chunk):
-        sl = slice(start, start + chunk)
-        valid = labels[sl] != ignore_index
-        if not bool(valid.any()):
-            continue
-        z = _chunk_logits(hidden[sl], weight_acc, bias, temperature)
-        logp = z - lse[sl, None]
-        probs = logp.exp()
-        g_lp = torch.where(valid, grad_logprobs[sl].to(acc), 0.0)
-        # d logp_y/dz = onehot(y) − p. The label entry 1 − p_y is formed as Σ_{j≠y} p_j:
-        # for confident rows (p_y → 1) that keeps its relative accuracy, where 1 − p_y loses it.
-        label_col = torch.where(valid, labels[sl], 0)[:, None]
-        grad_z = -probs * g_lp[:, None]
-        grad_z.scatter_(1, label_col, 0.0)
-        grad_z.scatter_(1, label_col, -grad_z.sum(1, keepdim=True))
-        if grad_entropy is not None:
-            g_ent = torch.where(valid, grad_entropy[sl].to(acc), 0.0)
-            grad_z -= probs * (logp + entropy[sl, None]) * g_ent[:, None]
-        grad_logits = grad_z / temperature
-        grad_hidden[sl] = (grad_logits @ weight_acc).to(hidden.dtype)
-        grad_weight += grad_logits.t() @ hidden[sl].to(acc)
+        sl = slice(start, min(start + chunk, num_tokens))
+        hidden_chunk = hidden[sl]
+        grad_z = _chunk_logits(hidden_chunk, weight_mm, bias, acc, block[: sl.stop - start])
+        rows.backward_(grad_z, labels[sl], lse[sl], None if entropy is None else entropy[sl],
+                       grad_logprobs[sl], None if grad_entropy is None else grad_entropy[sl],
+                       1.0 / temperature, ignore_index)
+        grad_lowp = grad_z if weight_mm.dtype == acc else grad_z.to(weight_mm.dtype)
+        if grad_hidden is not None:
+            if grad_hidden.dtype == acc:
+                torch.mm(grad_lowp, weight_mm, out=grad_hidden[sl])
+            else:
+                grad_hidden[sl] = _mm(grad_lowp, weight_mm, acc)
+        if grad_weight is not None:
+            _accumulate(grad_weight, grad_lowp.t(), hidden_chunk.to(weight_mm.dtype))
         if grad_bias is not None:
-            grad_bias += grad_logits.sum(0)
-    grad_weight = grad_weight.to(weight.dtype)
+            grad_bias += grad_z.sum(0)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias
+
+
+def _accumulate(acc_tensor: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc_tensor += a @ b, accumulating in acc_tensor's dtype (fp32 for half inputs)."""
+    if a.dtype == acc_tensor.dtype:
+        acc_tensor.addmm_(a, b)
+    else:
+        acc_tensor += _mm(a, b, acc_tensor.dtype)
 
 
 class LinearLogprobsFunction(torch.autograd.Function):
     """autograd.Function around the chunked forward/backward launchers."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, bias, temperature, ignore_index):
+    def forward(ctx, hidden, weight, labels, bias, temperature, ignore_index, want_entropy,
+                impl):
         logprobs, entropy, lse = linear_logprobs_forward(
-            hidden, weight, labels, bias, temperature, ignore_index)
+            hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl)
         ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
-        ctx.temperature, ctx.ignore_index = temperature, ignore_index
+        ctx.temperature, ctx.ignore_index, ctx.impl = temperature, ignore_index, impl
         ctx.mark_non_differentiable(lse)
-        return logprobs, entropy, lse
+        if entropy is None:
+            return logprobs, lse
+        return logprobs, lse, entropy
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+    def backward(ctx, grad_logprobs, _grad_lse, grad_entropy=None):
         hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
         if grad_logprobs is None:
             grad_logprobs = torch.zeros_like(lse)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                 bias is not None and ctx.needs_input_grad[3])
         grad_hidden, grad_weight, grad_bias = linear_logprobs_backward(
-            grad_logprobs, grad_entropy, hidden, weight, labels, bias,
-            ctx.temperature, ctx.ignore_index, lse, entropy)
-        return grad_hidden, grad_weight, None, grad_bias, None, None
+            grad_logprobs, grad_entropy, hidden, weight, labels, bias, ctx.temperature,
+            ctx.ignore_index, lse, entropy, ctx.impl, needs)
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None
+
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _validate(hidden, weight, labels, bias, temperature, ignore_index, validate):
+    """Shape/dtype/device checks (ValueError naming the tensor); label range when validate."""
+    if hidden.dim() != 2:
+        raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
+    if hidden.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"hidden must be float32/bfloat16/float16, got {hidden.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, H={hidden.shape[1]}], got {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if labels.shape != (hidden.shape[0],):
+        raise ValueError(f"labels must be [T={hidden.shape[0]}], got {tuple(labels.shape)}")
+    if labels.dtype != torch.int64:
+        raise ValueError(f"labels must be int64, got {labels.dtype}")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype):
+        raise ValueError(f"bias must be [V={weight.shape[0]}] {hidden.dtype}, got "
+                         f"{tuple(bias.shape)} {bias.dtype}")
+    for name, tensor in (("weight", weight), ("labels", labels), ("bias", bias)):
+        if tensor is not None and tensor.device != hidden.device:
+            raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if validate and labels.numel():
+        bad = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(f"labels hold values outside [0, V={weight.shape[0]}) other than "
+                             f"ignore_index = {ignore_index}")
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                     temperature: float = 1.0, return_entropy: bool = False,
-                    ignore_index: int = IGNORE_INDEX, bias: torch.Tensor | None = None):
+                    ignore_index: int = IGNORE_INDEX, bias: torch.Tensor | None = None,
+                    impl: str | None = None, validate: bool | None = None):
     """Log-prob of each label (and optionally the entropy) under a linear LM head.
 
     logprobs[t] = log_softmax((hidden[t] · weightᵀ + bias) / temperature)[labels[t]];
     entropy[t] = −Σ_v p_v log p_v of that same tempered distribution. The [T, V] logits are
-    never materialised: tokens are processed in chunks of a [chunk, V] fp32 block (≤ 256 MiB),
-    and the backward recomputes each chunk's logits. Extra memory is O(T + chunk·V).
+    never materialised: tokens go through in chunks whose [chunk, V] fp32 logits block
+    (≤ 64 MiB, at least 128 rows) is the only vocabulary-sized buffer, in the forward and in
+    the backward (which recomputes each chunk's logits and overwrites them with their
+    gradient). Extra memory is O(T + chunk·V). Positions labelled ``ignore_index`` are left
+    out of the matmuls altogether on the CPU.
 
     Parameters
     ----------
     hidden : Tensor [T, H], float32 | bfloat16 | float16 (float64 accepted for reference checks)
         Final hidden states of the packed tokens.
-    weight : Tensor [V, H], same dtype as ``hidden``
+    weight : Tensor [V, H], same dtype and device as ``hidden``
         LM-head (output embedding) weight.
     labels : Tensor [T], int64
         Token whose log-prob is wanted at each position; ``ignore_index`` marks positions
         that give logprob 0 and entropy 0 and receive zero gradient.
     temperature : float, > 0
-        Sampling temperature the log-probs are taken at.
+        Sampling temperature the log-probs are taken at (applied to log-probs and entropy).
     return_entropy : bool
-        Also return the entropy.
+        Also return the entropy (computed in the same pass; skipped otherwise).
     ignore_index : int
         Label value to skip (default -100, as in ``torch.nn.functional.cross_entropy``).
     bias : Tensor [V], optional
         LM-head bias.
+    impl : {"auto", "torch", "native", "triton"}, optional
+        Force an implementation (default: ``$AREAL_FAST_IMPL``, else the fastest available:
+        Triton on CUDA, the C++ row kernels on the CPU, torch otherwise). float64 inputs
+        always take the torch implementation.
+    validate : bool, optional
+        Check that labels lie in [0, V) or equal ``ignore_index``. Default: on for CPU
+        tensors, off on GPUs, where the check costs a device-to-host synchronisation.
 
     Returns
     -------
     Tensor [T] float32, or (Tensor [T] float32, Tensor [T] float32)
-        (float64 for float64 inputs). ``logprobs`` (nats), or ``(logprobs, entropy)`` when ``return_entropy``. Both are
-        differentiable w.r.t. ``hidden``, ``weight`` and ``bias``; weight gradients accumulate
-        in fp32 across chunks.
+        ``logprobs`` (nats), or ``(logprobs, entropy)`` when ``return_entropy`` (float64 for
+        float64 inputs). Both are differentiable w.r.t. ``hidden``, ``weight`` and ``bias``;
+        the weight and bias gradients accumulate in fp32 across chunks. Under
+        ``torch.no_grad()`` this is the fast path for old/prox/ref log-probs.
 
     Raises
     ------
-    ValueError, TypeError
-        On shape, dtype or label-range mismatches, naming the offending tensor.
+    ValueError
+        On a shape, dtype, device or (with ``validate``) label-range mismatch, naming the
+        offending tensor; an unknown or unavailable ``impl``.
 
     Notes
     -----
-    Gradients: d logp_y/dz = onehot(y) − softmax(z), d H/dz = −p ⊙ (log p + H), with z the
-    tempered logits (standard softmax calculus; the same quantities as
-    ``torch.nn.functional.cross_entropy`` with ``reduction='none'``, negated).
+    With z the tempered logits and p = softmax(z): d logp_y/dz = onehot(y) − p and
+    dH/dz = −p ⊙ (log p + H) (softmax calculus; the quantities of
+    ``torch.nn.functional.cross_entropy(reduction='none')``, negated). The label entry
+    1 − p_y is formed as Σ_{v≠y} p_v, accurate for confident rows.
     """
-    _validate(hidden, weight, labels, bias, temperature, ignore_index)
-    logprobs, entropy, _ = LinearLogprobsFunction.apply(
-        hidden, weight, labels, bias, float(temperature), int(ignore_index))
-    return (logprobs, entropy) if return_entropy else logprobs
+    if validate is None:
+        validate = hidden.device.type == "cpu"
+    _validate(hidden, weight, labels, bias, temperature, ignore_index, validate)
+    chosen = "torch" if hidden.dtype == torch.float64 else resolve_impl(
+        impl, hidden.device, _NATIVE_SYMBOL)
+    if hidden.device.type == "cpu":
+        kept = (labels != ignore_index).nonzero().squeeze(1)
+        if kept.numel() < labels.numel():
+            return _on_kept_tokens(hidden, weight, labels, bias, kept, temperature,
+                                   return_entropy, ignore_index, chosen)
+    outputs = LinearLogprobsFunction.apply(hidden, weight, labels, bias, float(temperature),
+                                           int(ignore_index), bool(return_entropy), chosen)
+    return (outputs[0], outputs[2]) if return_entropy else outputs[0]
+
+
+def _on_kept_tokens(hidden, weight, labels, bias, kept, temperature, return_entropy,
+                    ignore_index, impl):
+    """Run on the non-ignored tokens only and scatter back (zeros elsewhere)."""
+    outputs = LinearLogprobsFunction.apply(
+        hidden.index_select(0, kept), weight, labels.index_select(0, kept), bias,
+        float(temperature), int(ignore_index), bool(return_entropy), impl)
+    num_tokens = labels.shape[0]
+
+    def scatter(values):
+        return values.new_zeros(num_tokens).index_copy(0, kept, values)
+
+    if return_entropy:
+        return scatter(outputs[0]), scatter(outputs[2])
+    return scatter(outputs[0])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from areal_fast.ops.segment import segment_sum
@@ -22,6 +24,23 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
                          f"{int(cu_seqlens[0])}..{int(cu_seqlens[-1])}")
     if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         raise ValueError("cu_seqlens must be non-decreasing")
+
+
+def check_loss_inputs(num_tokens: int, old_logprobs, loss_mask, cu_seqlens, config, *,
+                      prox_logprobs=None, ref_logprobs=None, engine_logprobs=None,
+                      entropy=None, entropy_needed=False) -> None:
+    """Shape/dtype checks shared by the loss entry points (ValueError naming the tensor)."""
+    _check_cu_seqlens(cu_seqlens, num_tokens)
+    for name, tensor in (("old_logprobs", old_logprobs), ("loss_mask", loss_mask),
+                         ("prox_logprobs", prox_logprobs), ("ref_logprobs", ref_logprobs),
+                         ("entropy", entropy), ("engine_logprobs", engine_logprobs)):
+        _check_packed(name, tensor, num_tokens)
+    if loss_mask.dtype != torch.bool:
+        raise ValueError(f"loss_mask must be bool, got {loss_mask.dtype}")
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("config.kl_coef > 0 needs ref_logprobs")
+    if entropy_needed and entropy is None:
+        raise ValueError("config.entropy_coef > 0 needs entropy")
 
 
 def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str):
@@ -91,39 +110,88 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     if logprobs.dim() != 1:
         raise ValueError(f"logprobs must be [T], got shape {tuple(logprobs.shape)}")
     num_tokens = logprobs.shape[0]
-    _check_cu_seqlens(cu_seqlens, num_tokens)
-    for name, tensor in (("old_logprobs", old_logprobs), ("loss_mask", loss_mask),
-                         ("prox_logprobs", prox_logprobs), ("ref_logprobs", ref_logprobs),
-                         ("entropy", entropy), ("engine_logprobs", engine_logprobs)):
-        _check_packed(name, tensor, num_tokens)
-    if loss_mask.dtype != torch.bool:
-        raise ValueError(f"loss_mask must be bool, got {loss_mask.dtype}")
-    if config.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("config.kl_coef > 0 needs ref_logprobs")
-    if config.entropy_coef > 0 and entropy is None:
-        raise ValueError("config.entropy_coef > 0 needs entropy")
+    check_loss_inputs(num_tokens, old_logprobs, loss_mask, cu_seqlens, config,
+                      prox_logprobs=prox_logprobs, ref_logprobs=ref_logprobs,
+                      engine_logprobs=engine_logprobs, entropy=entropy,
+                      entropy_needed=config.entropy_coef > 0)
 
-    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    seq_index = torch.repeat_interleave(torch.arange(seqlens.numel(), device=seqlens.device),
-                                        seqlens)
-    num_seqs = seqlens.numel()
+    advantages = per_token_advantages(advantages, cu_seqlens, num_tokens)
+    terms = token_terms(logprobs, old_logprobs, advantages, loss_mask, config,
+                        cu_seqlens=cu_seqlens, prox_logprobs=prox_logprobs,
+                        ref_logprobs=ref_logprobs, entropy=entropy,
+                        engine_logprobs=engine_logprobs)
+    mask = loss_mask.to(logprobs.dtype)
+    loss = _aggregate(terms.per_token, mask, cu_seqlens, config)
+    return loss, terms.stats(mask)
+
+
+def per_token_advantages(advantages: torch.Tensor, cu_seqlens: torch.Tensor,
+                         num_tokens: int) -> torch.Tensor:
+    """Advantages as [T]: returned as is when [T], broadcast through cu_seqlens when [B].
+
+    Raises
+    ------
+    ValueError
+        ``advantages`` is neither [T] nor [B].
+    """
+    num_seqs = cu_seqlens.numel() - 1
     if advantages.shape == (num_seqs,) and num_seqs != num_tokens:
-        advantages = advantages[seq_index]
-    elif advantages.shape != (num_tokens,):
+        seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        return torch.repeat_interleave(advantages, seqlens, output_size=num_tokens)
+    if advantages.shape != (num_tokens,):
         raise ValueError(f"advantages must be [T={num_tokens}] or [B={num_seqs}], "
                          f"got {tuple(advantages.shape)}")
-    mask = loss_mask.to(logprobs.dtype)
+    return advantages
+
+
+class TokenTerms(NamedTuple):
+    """Per-token pieces of the GRPO-family loss, all [T] (see :func:`token_terms`)."""
+
+    per_token: torch.Tensor
+    ratio: torch.Tensor
+    log_ratio: torch.Tensor
+    clip_hit: torch.Tensor
+    kl: torch.Tensor | None
+    entropy: torch.Tensor | None
+
+    def stats(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Masked-mean statistics (tensors; no host synchronisation)."""
+        stats = {}
+        if self.kl is not None:
+            stats["kl"] = _masked_mean(self.kl.detach(), mask)
+        if self.entropy is not None:
+            stats["entropy_mean"] = _masked_mean(self.entropy.detach(), mask)
+        with torch.no_grad():
+            stats["clip_fraction"] = _masked_mean(self.clip_hit.to(mask.dtype), mask)
+            stats["ratio_mean"] = _masked_mean(self.ratio, mask)
+            stats["approx_kl"] = _masked_mean(kl_estimate(self.log_ratio, 0.0, "k3"), mask)
+            stats["num_tokens"] = mask.sum()
+        return stats
+
+
+def token_terms(logprobs, old_logprobs, advantages, loss_mask, config: LossConfig, *,
+                cu_seqlens=None, prox_logprobs=None, ref_logprobs=None, entropy=None,
+                engine_logprobs=None) -> TokenTerms:
+    """The per-token loss ℓ [T] of :func:`grpo_loss` before aggregation, and its pieces.
+
+    ``advantages`` is per token [T]. ``cu_seqlens`` is needed only for
+    ``ratio_level="sequence"``; with token-level ratios every ℓ_t depends on token t alone,
+    which is what lets the fused loss process tokens chunk by chunk.
+    """
     base = (prox_logprobs if prox_logprobs is not None else old_logprobs).detach()
     # masked-out positions (padding) may hold anything, even -inf: keep them out of exp()
     log_ratio = torch.where(loss_mask, logprobs - base, 0.0)
     if config.ratio_level == "sequence":
+        mask = loss_mask.to(logprobs.dtype)
+        seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         seq_tokens = segment_sum(mask, cu_seqlens).clamp(min=1)
-        seq_log_ratio = segment_sum(torch.where(mask > 0, log_ratio, 0.0), cu_seqlens) / seq_tokens
-        log_ratio = seq_log_ratio[seq_index]
+        seq_log_ratio = segment_sum(log_ratio, cu_seqlens) / seq_tokens
+        log_ratio = torch.repeat_interleave(seq_log_ratio, seqlens,
+                                            output_size=logprobs.shape[0])
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - config.eps_clip, 1 + config.clip_high)
     pg = torch.maximum(-advantages * ratio, -advantages * clipped)
-    clip_hit = (-advantages * clipped > -advantages * ratio)
+    clip_hit = -advantages * clipped > -advantages * ratio
     if config.dual_clip_c is not None:
         pg = torch.where(advantages < 0, torch.minimum(pg, -config.dual_clip_c * advantages), pg)
     if prox_logprobs is not None:
@@ -137,23 +205,36 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     if engine_logprobs is not None and config.tis_cap is not None:
         tis = torch.exp(torch.where(loss_mask, old_logprobs - engine_logprobs, 0.0))
         pg = tis.clamp(max=config.tis_cap).detach() * pg
-    per_token = pg
-    stats = {}
+    per_token, kl = pg, None
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, torch.where(loss_mask, ref_logprobs, logprobs).detach(),
                          config.kl_estimator)
         per_token = per_token + config.kl_coef * kl
-        stats["kl"] = _masked_mean(kl.detach(), mask)
     if entropy is not None:
         per_token = per_token - config.entropy_coef * entropy
-        stats["entropy_mean"] = _masked_mean(entropy.detach(), mask)
-    loss = _aggregate(per_token, mask, cu_seqlens, config)
-    with torch.no_grad():
-        stats["clip_fraction"] = _masked_mean(clip_hit.to(mask.dtype), mask)
-        stats["ratio_mean"] = _masked_mean(ratio, mask)
-        stats["approx_kl"] = _masked_mean(kl_estimate(log_ratio, 0.0, "k3"), mask)
-        stats["num_tokens"] = mask.sum()
-    return loss, stats
+    return TokenTerms(per_token, ratio, log_ratio, clip_hit, kl, entropy)
+
+
+def aggregation_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
+                        config: LossConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-token weights c [T] (``dtype``) with Σ_t c_t ℓ_t equal to the aggregated loss.
+
+    token_mean: m_t / Σm; token_sum: m_t; seq_mean_token_sum: m_t / (B · seq_len_norm);
+    seq_mean_token_mean: m_t / (n_s · number of sequences with any masked token).
+    """
+    mask = loss_mask.to(dtype)
+    if config.aggregation == "token_mean":
+        return mask / mask.sum().clamp(min=1)
+    if config.aggregation == "token_sum":
+        return mask
+    num_seqs = cu_seqlens.numel() - 1
+    if config.aggregation == "seq_mean_token_sum":
+        return mask / (max(num_seqs, 1) * config.seq_len_norm)
+    seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    seq_tokens = segment_sum(mask, cu_seqlens)
+    seqs_with_tokens = (seq_tokens > 0).sum().clamp(min=1)
+    per_seq = 1.0 / (seq_tokens.clamp(min=1) * seqs_with_tokens)
+    return mask * torch.repeat_interleave(per_seq, seqlens, output_size=mask.shape[0])
 
 
 def _masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,203 @@
+// CPU row epilogues of the chunked log-prob computation (see logprob_rows.h).
+//
+// Each row is processed while it sits in the core's L2 cache: one pass for the
+// row maximum, one pass for the exp-sums (forward) or for the gradient
+// (backward). The inner loops use GCC vector extensions of 16 floats and a
+// Cody-Waite range-reduced polynomial exp (Cephes' expf coefficients, about
+// 1 ulp on the reduced range), compiled for AVX-512, AVX2 and baseline x86-64
+// and chosen at load time (target_clones).
+#include "areal_fast/logprob_rows.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <thread>
+#include <vector>
+
+namespace areal_fast {
+namespace {
+
+constexpr int kLanes = 16;
+typedef float VecF __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t VecI __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define AREAL_FAST_CLONES \
+  __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define AREAL_FAST_CLONES
+#endif
+#define AREAL_FAST_INLINE static inline __attribute__((always_inline))
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+AREAL_FAST_INLINE VecF load(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+AREAL_FAST_INLINE void store(float* p, VecF v) { std::memcpy(p, &v, sizeof(v)); }
+
+AREAL_FAST_INLINE VecF splat(float x) { return VecF{} + x; }
+
+AREAL_FAST_INLINE float hsum(VecF v) {
+  float total = 0.f;
+  for (int i = 0; i < kLanes; ++i) total += v[i];
+  return total;
+}
+
+// exp(x) lane-wise for x <= ~0 (the only range used here); 0 below -87.3 and
+// for -inf, NaN stays NaN.
+AREAL_FAST_INLINE VecF vexp(VecF x) {
+  const VecF lowest = splat(-87.33654f);
+  const VecI underflow = x < lowest;
+  x = underflow ? lowest : x;
+  const VecF magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to an integer
+  const VecF shifted = x * 1.44269504088896341f + magic;
+  const VecF n = shifted - magic;
+  VecF r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  VecF poly = splat(1.9875691500e-4f);
+  poly = poly * r + 1.3981999507e-3f;
+  poly = poly * r + 8.3334519073e-3f;
+  poly = poly * r + 4.1665795894e-2f;
+  poly = poly * r + 1.6666665459e-1f;
+  poly = poly * r + 5.0000001201e-1f;
+  poly = poly * r * r + r + 1.0f;
+  const VecI exponent = (__builtin_convertvector(n, VecI) + 127) << 23;
+  VecF scale;
+  std::memcpy(&scale, &exponent, sizeof(scale));
+  return underflow ? splat(0.f) : poly * scale;
+}
+
+// Scalar twin of vexp for the row tails (std::exp: the same function to ~1 ulp).
+AREAL_FAST_INLINE float sexp(float x) { return x < -87.33654f ? 0.f : std::exp(x); }
+
+AREAL_FAST_CLONES
+float row_max(const float* z, int64_t vocab, float inv_temp) {
+  VecF best = splat(kNegInf);
+  int64_t v = 0;
+  for (; v + kLanes <= vocab; v += kLanes) {
+    const VecF x = load(z + v) * inv_temp;
+    best = x > best ? x : best;
+  }
+  float m = kNegInf;
+  for (int i = 0; i < kLanes; ++i) m = best[i] > m ? best[i] : m;
+  for (; v < vocab; ++v) m = std::max(m, z[v] * inv_temp);
+  return m;
+}
+
+// Returns s = sum exp(x - m) and writes t = sum exp(x - m) * (x - m) (0 where exp is 0).
+AREAL_FAST_CLONES
+float row_exp_sums(const float* z, int64_t vocab, float inv_temp, float m, bool want_t,
+                   float* t_out) {
+  VecF s_acc = splat(0.f), t_acc = splat(0.f);
+  int64_t v = 0;
+  for (; v + kLanes <= vocab; v += kLanes) {
+    const VecF d = load(z + v) * inv_temp - m;
+    const VecF e = vexp(d);
+    s_acc += e;
+    if (want_t) t_acc += (e > 0.f) ? e * d : splat(0.f);
+  }
+  float s = hsum(s_acc), t = hsum(t_acc);
+  for (; v < vocab; ++v) {
+    const float d = z[v] * inv_temp - m;
+    const float e = sexp(d);
+    s += e;
+    if (want_t && e > 0.f) t += e * d;
+  }
+  *t_out = t;
+  return s;
+}
+
+// Overwrites z with the gradient except at the label; returns sum_{v != y} p_v.
+AREAL_FAST_CLONES
+float row_backward(float* z, int64_t vocab, int64_t label, float inv_temp, float lse, float g,
+                   float h, float ent) {
+  VecF s_acc = splat(0.f);
+  VecI index = VecI{};
+  for (int i = 0; i < kLanes; ++i) index[i] = i;
+  const VecI label_vec = VecI{} + static_cast<int32_t>(label);
+  int64_t v = 0;
+  for (; v + kLanes <= vocab; v += kLanes) {
+    const VecF d = load(z + v) * inv_temp - lse;
+    const VecF p = vexp(d);
+    const VecI at_label = (index + static_cast<int32_t>(v)) == label_vec;
+    s_acc += at_label ? splat(0.f) : p;
+    const VecF grad = p * (-g - h * (d + ent)) * inv_temp;
+    store(z + v, (p > 0.f) ? grad : splat(0.f));
+  }
+  float others = hsum(s_acc);
+  for (; v < vocab; ++v) {
+    const float d = z[v] * inv_temp - lse;
+    const float p = sexp(d);
+    if (v != label) others += p;
+    z[v] = p > 0.f ? p * (-g - h * (d + ent)) * inv_temp : 0.f;
+  }
+  return others;
+}
+
+template <typename Fn>
+void parallel_rows(int64_t rows, int num_threads, Fn&& fn) {
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(num_threads, rows));
+  if (workers == 1) {
+    fn(0, rows);
+    return;
+  }
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<size_t>(workers - 1));
+  const int64_t per = (rows + workers - 1) / workers;
+  for (int64_t w = 1; w < workers; ++w) {
+    const int64_t begin = std::min(rows, w * per), end = std::min(rows, (w + 1) * per);
+    threads.emplace_back([&fn, begin, end] { fn(begin, end); });
+  }
+  fn(0, std::min(rows, per));
+  for (auto& thread : threads) thread.join();
+}
+
+}  // namespace
+
+void logprob_rows_forward(const float* z, int64_t rows, int64_t vocab, int64_t row_stride,
+                          const int64_t* labels, float inv_temp, int64_t ignore_index,
+                          float* logprobs, float* entropy, float* lse, int num_threads) {
+  parallel_rows(rows, num_threads, [=](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const float* row = z + c * row_stride;
+      const bool ignored = labels[c] == ignore_index;
+      const float m = row_max(row, vocab, inv_temp);
+      float t = 0.f;
+      const float s = row_exp_sums(row, vocab, inv_temp, m, entropy != nullptr && !ignored, &t);
+      const float log_s = std::log(s);
+      lse[c] = m + log_s;
+      logprobs[c] = ignored ? 0.f : (row[labels[c]] * inv_temp - m) - log_s;
+      if (entropy != nullptr) entropy[c] = ignored ? 0.f : log_s - t / s;
+    }
+  });
+}
+
+void logprob_rows_backward(float* z, int64_t rows, int64_t vocab, int64_t row_stride,
+                           const int64_t* labels, const float* lse, const float* entropy,
+                           const float* grad_logprobs, const float* grad_entropy,
+                           float inv_temp, int64_t ignore_index, int num_threads) {
+  parallel_rows(rows, num_threads, [=](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      float* row = z + c * row_stride;
+      const int64_t label = labels[c];
+      if (label == ignore_index) {
+        std::fill(row, row + vocab, 0.f);
+        continue;
+      }
+      const float g = grad_logprobs[c];
+      const float h = grad_entropy != nullptr ? grad_entropy[c] : 0.f;
+      const float ent = (grad_entropy != nullptr && entropy != nullptr) ? entropy[c] : 0.f;
+      const float d_label = row[label] * inv_temp - lse[c];
+      const float others = row_backward(row, vocab, label, inv_temp, lse[c], g, h, ent);
+      const float p_label = sexp(d_label);
+      row[label] = (g * others - h * p_label * (d_label + ent)) * inv_temp;
+    }
+  });
+}
+
+}  // namespace areal_fast
