@@ -10,6 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels run through Triton's CPU interpreter when there is no GPU (must be set
+# before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_DIR = REPO.parent / "shared" / "data" / "gsm8k"
 
@@ -74,3 +79,23 @@ def fresh_seed() -> int:
     seed = int.from_bytes(os.urandom(4), "little")
     torch.manual_seed(seed)
     return seed
+
+
+def available_impls() -> list[str]:
+    """Implementations of the log-prob row epilogue that can run in this process."""
+    import importlib.util
+
+    from areal_fast.ops import _dispatch
+
+    impls = ["torch"]
+    if _dispatch.native_has("logprob_rows_forward"):
+        impls.append("native")
+    if importlib.util.find_spec("triton") is not None and (
+            torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        impls.append("triton")
+    return impls
+
+
+def impl_device(impl: str) -> str:
+    """Device the tests run ``impl`` on: CUDA for Triton when a GPU exists, else the CPU."""
+    return "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"

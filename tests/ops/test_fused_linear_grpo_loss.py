@@ -1,0 +1,150 @@
+"""fused_linear_grpo_loss equals linear_logprobs + grpo_loss composed (values and gradients)."""
+
+import pytest
+import torch
+from conftest import available_impls, impl_device
+
+from areal_fast import LossConfig, fused_linear_grpo_loss, grpo_loss, linear_logprobs
+from areal_fast.ops import logprobs as lp_mod
+
+IMPLS = available_impls()
+
+CONFIGS = [
+    LossConfig(),
+    LossConfig(eps_clip=0.1, eps_clip_high=0.28, dual_clip_c=3.0),
+    LossConfig(ratio_level="sequence"),
+    LossConfig(aggregation="seq_mean_token_mean", entropy_coef=0.01),
+    LossConfig(aggregation="seq_mean_token_sum", seq_len_norm=16.0, kl_coef=0.1,
+               kl_estimator="k3"),
+    LossConfig(aggregation="token_sum", kl_coef=0.05, kl_estimator="k2"),
+    LossConfig(behav_weight_cap=1.05, behav_weight_mode="mask", tis_cap=1.5),
+    LossConfig(behav_weight_cap=1.05, behav_weight_mode="clamp", kl_coef=0.1,
+               kl_estimator="k1"),
+]
+
+
+def _batch(T=45, H=24, V=301, dtype=torch.float64):
+    """Packed batch with sequences of length 1, prompt tokens masked out, small log-ratios."""
+    lengths = [1, 9, 1, 14, 20]
+    assert sum(lengths) == T
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    hidden = torch.randn(T, H, dtype=dtype)
+    weight = torch.randn(V, H, dtype=dtype) / H**0.5
+    labels = torch.randint(0, V, (T,))
+    loss_mask = torch.rand(T) > 0.3
+    loss_mask[1] = True  # a length-1 sequence with its token trained
+    with torch.no_grad():
+        logp = linear_logprobs(hidden.double(), weight.double(), labels, temperature=0.8)
+    noise = lambda: 0.1 * torch.randn(T, dtype=torch.float64)  # noqa: E731
+    old = (logp + noise()).float()
+    extras = dict(prox_logprobs=(logp + noise()).float(), ref_logprobs=(logp + noise()).float(),
+                  engine_logprobs=(logp + noise()).float())
+    advantages = torch.randn(len(lengths))
+    return hidden, weight, labels, old, advantages, loss_mask, cu, extras
+
+
+def _composed(hidden, weight, labels, old, adv, mask, cu, cfg, extras):
+    logp, ent = linear_logprobs(hidden, weight, torch.where(mask, labels, -100),
+                                temperature=0.8, return_entropy=True)
+    return grpo_loss(logp, old.to(logp.dtype), adv.to(logp.dtype), mask, cu, cfg,
+                     entropy=ent if cfg.entropy_coef else None,
+                     **{k: v.to(logp.dtype) for k, v in extras.items()})
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: repr(c)[11:60])
+def test_fused_equals_composed(impl, cfg, fresh_seed):
+    hidden, weight, labels, old, adv, mask, cu, extras = _batch()
+    ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ref_loss, ref_stats = _composed(ref_h, ref_w, labels, old, adv, mask, cu, cfg, extras)
+    ref_loss.backward()
+
+    device = impl_device(impl)
+    h = hidden.float().to(device).requires_grad_()
+    w = weight.float().to(device).requires_grad_()
+    loss, stats = fused_linear_grpo_loss(
+        h, w, labels.to(device), old.to(device), adv.to(device), mask.to(device),
+        cu.to(device), cfg, temperature=0.8, impl=impl,
+        **{k: v.to(device) for k, v in extras.items()})
+    (3.0 * loss).backward()  # a non-unit upstream gradient
+
+    scale = float(ref_loss.abs().clamp(min=1.0))
+    assert abs(float(loss) - float(ref_loss)) / scale < 1e-5, (impl, float(loss), float(ref_loss))
+    for name, got, ref in (("hidden", h.grad, ref_h.grad), ("weight", w.grad, ref_w.grad)):
+        ref = 3.0 * ref
+        err = float((got.cpu().double() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+        assert err < 1e-4, f"{impl} grad {name}: rel err {err:.2e} (seed {fresh_seed})"
+        assert ref.abs().max() > 0
+    assert set(stats) == set(ref_stats)
+    for key in stats:
+        assert abs(float(stats[key]) - float(ref_stats[key])) < 1e-4 * max(
+            1.0, abs(float(ref_stats[key]))), key
+
+
+def test_fused_is_exact_in_float64(fresh_seed):
+    """With float64 inputs the fused gradient equals the composed one to rounding."""
+    hidden, weight, labels, old, adv, mask, cu, extras = _batch()
+    cfg = LossConfig(aggregation="seq_mean_token_mean", entropy_coef=0.02, kl_coef=0.1)
+    grads = []
+    for fused in (True, False):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        if fused:
+            loss, _ = fused_linear_grpo_loss(h, w, labels, old.double(), adv.double(), mask, cu,
+                                             cfg, temperature=0.8,
+                                             **{k: v.double() for k, v in extras.items()})
+        else:
+            loss, _ = _composed(h, w, labels, old, adv, mask, cu, cfg, extras)
+        loss.backward()
+        grads.append((float(loss), h.grad, w.grad))
+    assert abs(grads[0][0] - grads[1][0]) < 1e-12
+    for a, b in zip(grads[0][1:], grads[1][1:]):
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_several_chunks(impl, monkeypatch, fresh_seed):
+    monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 8 * 301 * 4)
+    monkeypatch.setattr(lp_mod, "_MIN_CHUNK_ROWS", 1)
+    test_fused_equals_composed(impl, LossConfig(entropy_coef=0.01), fresh_seed)
+
+
+def test_no_trained_token_gives_zero_loss_and_zero_grads():
+    hidden, weight, labels, old, adv, mask, cu, extras = _batch(dtype=torch.float32)
+    mask[:] = False
+    h, w = hidden.requires_grad_(), weight.requires_grad_()
+    loss, stats = fused_linear_grpo_loss(h, w, labels, old, adv, mask, cu, LossConfig())
+    loss.backward()
+    assert float(loss) == 0.0 and float(stats["num_tokens"]) == 0
+    assert torch.all(h.grad == 0) and torch.all(w.grad == 0)
+
+
+def test_no_grad_gives_the_same_loss(fresh_seed):
+    hidden, weight, labels, old, adv, mask, cu, extras = _batch(dtype=torch.float32)
+    cfg = LossConfig(kl_coef=0.1)
+    with torch.no_grad():
+        plain, _ = fused_linear_grpo_loss(hidden, weight, labels, old, adv, mask, cu, cfg,
+                                          ref_logprobs=extras["ref_logprobs"])
+    h = hidden.clone().requires_grad_()
+    graded, _ = fused_linear_grpo_loss(h, weight, labels, old, adv, mask, cu, cfg,
+                                       ref_logprobs=extras["ref_logprobs"])
+    assert abs(float(plain) - float(graded)) < 1e-6
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(cu=torch.tensor([0, 45], dtype=torch.int64)), "cu_seqlens"),
+    (dict(cu=torch.tensor([1, 45], dtype=torch.int32)), "cu_seqlens"),
+    (dict(cu=torch.tensor([0, 30, 20, 45], dtype=torch.int32)), "cu_seqlens"),
+    (dict(cu=torch.tensor([0, 44], dtype=torch.int32)), "cu_seqlens"),
+    (dict(adv=torch.randn(3)), "advantages"),
+    (dict(old=torch.randn(44)), "old_logprobs"),
+    (dict(mask=torch.ones(45)), "loss_mask"),
+    (dict(labels=torch.zeros(45, dtype=torch.int32)), "labels"),
+    (dict(weight=torch.randn(301, 23)), "weight"),
+])
+def test_bad_input_names_the_tensor(change, match):
+    hidden, weight, labels, old, adv, mask, cu, extras = _batch(dtype=torch.float32)
+    args = dict(hidden=hidden, weight=weight, labels=labels, old=old, adv=adv, mask=mask, cu=cu)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        fused_linear_grpo_loss(args["hidden"], args["weight"], args["labels"], args["old"],
+                               args["adv"], args["mask"], args["cu"], LossConfig())
