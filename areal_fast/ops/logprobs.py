@@ -48,6 +48,11 @@ def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype, out: torch.Tensor | 
     """a @ b with an ``acc``-dtype result: fp32 output of half-precision CUDA matmuls."""
     if a.dtype == acc:
         return torch.mm(a, b, out=out)
+    if out is not None:
+        try:
+            return torch.mm(a, b, out_dtype=acc, out=out)
+        except (TypeError, RuntimeError, NotImplementedError):
+            pass
     try:
         result = torch.mm(a, b, out_dtype=acc)
     except (TypeError, RuntimeError, NotImplementedError):
@@ -137,7 +142,10 @@ def _accumulate(acc_tensor: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
     """acc_tensor += a @ b, accumulating in acc_tensor's dtype (fp32 for half inputs)."""
     if a.dtype == acc_tensor.dtype:
         acc_tensor.addmm_(a, b)
-    else:
+        return
+    try:  # one GEMM with an fp32 C operand (beta = 1): no [V, H] temporary
+        torch.addmm(acc_tensor, a, b, out_dtype=acc_tensor.dtype, out=acc_tensor)
+    except (TypeError, RuntimeError, NotImplementedError):
         acc_tensor += _mm(a, b, acc_tensor.dtype)
 
 
