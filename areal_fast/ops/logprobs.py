@@ -149,32 +149,81 @@ def _accumulate(acc_tensor: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
         acc_tensor += _mm(a, b, acc_tensor.dtype)
 
 
-class LinearLogprobsFunction(torch.autograd.Function):
-    """autograd.Function around the chunked forward/backward launchers."""
+# --- torch.library custom ops: opaque to torch.compile (with fake implementations for
+# tracing), differentiable through register_autograd. Optional outputs that are absent are
+# returned as empty [0] tensors (custom ops cannot return None).
 
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, bias, temperature, ignore_index, want_entropy,
-                impl):
-        logprobs, entropy, lse = linear_logprobs_forward(
-            hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl)
-        ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
-        ctx.temperature, ctx.ignore_index, ctx.impl = temperature, ignore_index, impl
-        ctx.mark_non_differentiable(lse)
-        if entropy is None:
-            return logprobs, lse
-        return logprobs, lse, entropy
 
-    @staticmethod
-    def backward(ctx, grad_logprobs, _grad_lse, grad_entropy=None):
-        hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
-        if grad_logprobs is None:
-            grad_logprobs = torch.zeros_like(lse)
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                 bias is not None and ctx.needs_input_grad[3])
-        grad_hidden, grad_weight, grad_bias = linear_logprobs_backward(
-            grad_logprobs, grad_entropy, hidden, weight, labels, bias, ctx.temperature,
-            ctx.ignore_index, lse, entropy, ctx.impl, needs)
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    return like.new_empty(0, dtype=torch.float32)
+
+
+@torch.library.custom_op("areal_fast::linear_logprobs_fwd", mutates_args=())
+def linear_logprobs_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                           bias: torch.Tensor | None, temperature: float, ignore_index: int,
+                           want_entropy: bool, impl: str
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs [T], entropy [T] or [0], logsumexp [T]) through the chunked forward."""
+    logprobs, entropy, lse = linear_logprobs_forward(hidden, weight, labels, bias, temperature,
+                                                     ignore_index, want_entropy, impl)
+    return logprobs, _empty(hidden) if entropy is None else entropy, lse
+
+
+@linear_logprobs_fwd_op.register_fake
+def _(hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl):
+    acc = _acc_dtype(hidden.dtype)
+    num_tokens = hidden.shape[0]
+    return (hidden.new_empty(num_tokens, dtype=acc),
+            hidden.new_empty(num_tokens if want_entropy else 0, dtype=acc),
+            hidden.new_empty(num_tokens, dtype=acc))
+
+
+@torch.library.custom_op("areal_fast::linear_logprobs_bwd", mutates_args=())
+def linear_logprobs_bwd_op(grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
+                           hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                           bias: torch.Tensor | None, lse: torch.Tensor,
+                           entropy: torch.Tensor | None, temperature: float, ignore_index: int,
+                           impl: str, needs_grad: list[bool]
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grad_hidden, grad_weight, grad_bias), each [0] when not needed."""
+    grads = linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels, bias,
+                                     temperature, ignore_index, lse, entropy, impl,
+                                     tuple(needs_grad))
+    return tuple(_empty(hidden) if g is None else g for g in grads)
+
+
+@linear_logprobs_bwd_op.register_fake
+def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature,
+      ignore_index, impl, needs_grad):
+    shapes = (hidden, weight, bias)
+    return tuple(like.new_empty(like.shape) if need and like is not None else _empty(hidden)
+                 for like, need in zip(shapes, needs_grad))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl = inputs
+    _, entropy, lse = output
+    ctx.save_for_backward(hidden, weight, labels, bias, lse, entropy)
+    ctx.settings = (temperature, ignore_index, want_entropy, impl)
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+    hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
+    temperature, ignore_index, want_entropy, impl = ctx.settings
+    if grad_logprobs is None:
+        grad_logprobs = torch.zeros_like(lse)
+    if not want_entropy:
+        grad_entropy, entropy = None, None
+    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+             bias is not None and ctx.needs_input_grad[3]]
+    grads = linear_logprobs_bwd_op(grad_logprobs, grad_entropy, hidden, weight, labels, bias,
+                                   lse, entropy, temperature, ignore_index, impl, needs)
+    grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
+    return grad_hidden, grad_weight, None, grad_bias, None, None, None, None
+
+
+linear_logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -270,24 +319,24 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     1 − p_y is formed as Σ_{v≠y} p_v, accurate for confident rows.
     """
     if validate is None:
-        validate = hidden.device.type == "cpu"
+        validate = hidden.device.type == "cpu" and not torch.compiler.is_compiling()
     _validate(hidden, weight, labels, bias, temperature, ignore_index, validate)
     chosen = "torch" if hidden.dtype == torch.float64 else resolve_impl(
         impl, hidden.device, _NATIVE_SYMBOL)
-    if hidden.device.type == "cpu":
+    if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
         kept = (labels != ignore_index).nonzero().squeeze(1)
         if kept.numel() < labels.numel():
             return _on_kept_tokens(hidden, weight, labels, bias, kept, temperature,
                                    return_entropy, ignore_index, chosen)
-    outputs = LinearLogprobsFunction.apply(hidden, weight, labels, bias, float(temperature),
-                                           int(ignore_index), bool(return_entropy), chosen)
-    return (outputs[0], outputs[2]) if return_entropy else outputs[0]
+    outputs = linear_logprobs_fwd_op(hidden, weight, labels, bias, float(temperature),
+                                     int(ignore_index), bool(return_entropy), chosen)
+    return (outputs[0], outputs[1]) if return_entropy else outputs[0]
 
 
 def _on_kept_tokens(hidden, weight, labels, bias, kept, temperature, return_entropy,
                     ignore_index, impl):
     """Run on the non-ignored tokens only and scatter back (zeros elsewhere)."""
-    outputs = LinearLogprobsFunction.apply(
+    outputs = linear_logprobs_fwd_op(
         hidden.index_select(0, kept), weight, labels.index_select(0, kept), bias,
         float(temperature), int(ignore_index), bool(return_entropy), impl)
     num_tokens = labels.shape[0]
@@ -296,5 +345,5 @@ def _on_kept_tokens(hidden, weight, labels, bias, kept, temperature, return_entr
         return values.new_zeros(num_tokens).index_copy(0, kept, values)
 
     if return_entropy:
-        return scatter(outputs[0]), scatter(outputs[2])
+        return scatter(outputs[0]), scatter(outputs[1])
     return scatter(outputs[0])
