@@ -24,12 +24,21 @@ from areal_fast.rl.objectives import (aggregation_weights, check_loss_inputs, gr
                                       per_token_advantages, token_terms)
 
 
-def _gather(tensor, kept):
-    return None if tensor is None else tensor.index_select(0, kept)
+def _chunk_loss_grads(logprobs, entropy, weights, old, advantages, config, prox, ref, engine,
+                      impl="torch"):
+    """d(Σ c_t ℓ_t)/d logprobs [C] and /d entropy [C] (None without entropy) for one chunk.
 
+    ``impl == "triton"``: one elementwise Triton launch
+    (:func:`areal_fast.kernels.grpo_loss.token_loss_grads`, hand-derived gradient with
+    torch's subgradient conventions); otherwise a small autograd through ``token_terms``.
+    """
+    if impl == "triton":
+        from areal_fast.kernels.grpo_loss import token_loss_grads
 
-def _chunk_loss_grads(logprobs, entropy, weights, old, advantages, config, prox, ref, engine):
-    """d(Σ c_t ℓ_t)/d logprobs and /d entropy for one chunk of tokens (small autograd)."""
+        out = token_loss_grads(logprobs, old, advantages, weights, config, prox_logprobs=prox,
+                               ref_logprobs=ref, engine_logprobs=engine, entropy=entropy,
+                               with_loss=False, clip_hit_dtype=None)
+        return out.grad_logprobs, out.grad_entropy
     logprobs = logprobs.detach().requires_grad_(True)
     entropy = None if entropy is None else entropy.detach().requires_grad_(True)
     mask = torch.ones_like(logprobs, dtype=torch.bool)
@@ -74,7 +83,7 @@ def fused_forward_backward(hidden, weight, labels, bias, temperature, per_token_
                      lse[sl])
         old, adv, prox, ref, engine = (None if t is None else t[sl] for t in per_token_inputs)
         g_lp, g_ent = _chunk_loss_grads(logprobs[sl], chunk_entropy, weights[sl], old, adv,
-                                        config, prox, ref, engine)
+                                        config, prox, ref, engine, impl)
         rows.backward_(z, labels[sl], lse[sl], chunk_entropy, g_lp, g_ent, inv_temp,
                        IGNORE_INDEX)
         grad_lowp = z if weight_mm.dtype == acc else z.to(weight_mm.dtype)
