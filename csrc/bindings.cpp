@@ -124,6 +124,36 @@ void logprob_rows_backward(uintptr_t z, int64_t rows, int64_t vocab, int64_t row
                                     num_threads);
 }
 
+void logprob_tile_forward(uintptr_t z, int64_t rows, int64_t tile, int64_t row_stride,
+                          int64_t v0, uintptr_t labels, float inv_temp, int64_t ignore_index,
+                          uintptr_t m, uintptr_t s, uintptr_t t, uintptr_t picked,
+                          int num_threads) {
+  if (rows < 0 || tile < 1 || row_stride < tile || v0 < 0 || num_threads < 1) {
+    throw py::value_error("logprob_tile_forward: bad sizes");
+  }
+  py::gil_scoped_release release;
+  areal_fast::logprob_tile_forward(pointer<const float>(z), rows, tile, row_stride, v0,
+                                   pointer<const int64_t>(labels), inv_temp, ignore_index,
+                                   pointer<float>(m), pointer<float>(s), pointer<float>(t),
+                                   pointer<float>(picked), num_threads);
+}
+
+void logprob_tile_backward(uintptr_t z, int64_t rows, int64_t tile, int64_t row_stride,
+                           int64_t v0, uintptr_t labels, uintptr_t lse, uintptr_t entropy,
+                           uintptr_t grad_logprobs, uintptr_t grad_entropy, float inv_temp,
+                           int64_t ignore_index, uintptr_t others, uintptr_t d_label,
+                           int num_threads) {
+  if (rows < 0 || tile < 1 || row_stride < tile || v0 < 0 || num_threads < 1) {
+    throw py::value_error("logprob_tile_backward: bad sizes");
+  }
+  py::gil_scoped_release release;
+  areal_fast::logprob_tile_backward(
+      pointer<float>(z), rows, tile, row_stride, v0, pointer<const int64_t>(labels),
+      pointer<const float>(lse), pointer<const float>(entropy),
+      pointer<const float>(grad_logprobs), pointer<const float>(grad_entropy), inv_temp,
+      ignore_index, pointer<float>(others), pointer<float>(d_label), num_threads);
+}
+
 #ifdef AREAL_FAST_WITH_CUDA
 void segment_sum_cuda(uintptr_t values_ptr, int dtype_code, uintptr_t cu_seqlens_ptr,
                       int64_t num_segments, uintptr_t out_ptr, uintptr_t stream) {
@@ -236,6 +266,19 @@ PYBIND11_MODULE(_C, m) {
         "CPU row epilogue, backward: overwrites the float32 logits [rows, vocab] with the "
         "gradient of grad_logprobs*logprobs + grad_entropy*entropy w.r.t. them (0 pointers "
         "for entropy/grad_entropy mean no entropy term).");
+  m.def("logprob_tile_forward", &logprob_tile_forward, py::arg("z_ptr"), py::arg("rows"),
+        py::arg("tile"), py::arg("row_stride"), py::arg("v0"), py::arg("labels_ptr"),
+        py::arg("inv_temp"), py::arg("ignore_index"), py::arg("m_ptr"), py::arg("s_ptr"),
+        py::arg("t_ptr"), py::arg("picked_ptr"), py::arg("num_threads"),
+        "Vocabulary tile [rows, tile] (columns v0..v0+tile) of float32 logits: update the "
+        "online max m, exp-sum s, entropy sum t (t_ptr 0 skips it) and the label logit.");
+  m.def("logprob_tile_backward", &logprob_tile_backward, py::arg("z_ptr"), py::arg("rows"),
+        py::arg("tile"), py::arg("row_stride"), py::arg("v0"), py::arg("labels_ptr"),
+        py::arg("lse_ptr"), py::arg("entropy_ptr"), py::arg("grad_logprobs_ptr"),
+        py::arg("grad_entropy_ptr"), py::arg("inv_temp"), py::arg("ignore_index"),
+        py::arg("others_ptr"), py::arg("d_label_ptr"), py::arg("num_threads"),
+        "Overwrite a vocabulary tile of logits with its gradient, the label column zeroed; "
+        "accumulate sum_{v != y} p_v into others and write x_y - lse into d_label.");
 #ifdef AREAL_FAST_WITH_CUDA
   m.def("segment_sum_cuda", &segment_sum_cuda, py::arg("values_ptr"), py::arg("dtype_code"),
         py::arg("cu_seqlens_ptr"), py::arg("num_segments"), py::arg("out_ptr"),

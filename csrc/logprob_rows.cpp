@@ -194,8 +194,68 @@ void logprob_rows_backward(float* z, int64_t rows, int64_t vocab, int64_t row_st
       const float ent = (grad_entropy != nullptr && entropy != nullptr) ? entropy[c] : 0.f;
       const float d_label = row[label] * inv_temp - lse[c];
       const float others = row_backward(row, vocab, label, inv_temp, lse[c], g, h, ent);
-      const float p_label = sexp(d_label);
-      row[label] = (g * others - h * p_label * (d_label + ent)) * inv_temp;
+      // confident rows: x_y - lse = log1p(-others) is accurate where the fp32
+      // difference of two nearly equal numbers is not
+      const bool confident = others < 0.5f;
+      const float d_y = confident ? std::log1p(-others) : d_label;
+      const float p_label = confident ? 1.f - others : sexp(d_label);
+      const float entropy_term = p_label > 0.f ? p_label * (d_y + ent) : 0.f;
+      row[label] = (g * others - h * entropy_term) * inv_temp;
+    }
+  });
+}
+
+void logprob_tile_forward(const float* z, int64_t rows, int64_t tile, int64_t row_stride,
+                          int64_t v0, const int64_t* labels, float inv_temp,
+                          int64_t ignore_index, float* m, float* s, float* t, float* picked,
+                          int num_threads) {
+  parallel_rows(rows, num_threads, [=](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t label = labels[c];
+      if (label == ignore_index) continue;
+      const float* row = z + c * row_stride;
+      if (label >= v0 && label < v0 + tile) picked[c] = row[label - v0] * inv_temp;
+      const float m_old = m[c];
+      const float m_new = std::max(m_old, row_max(row, tile, inv_temp));
+      if (m_new == kNegInf) continue;  // every logit so far is -inf
+      float t_tile = 0.f;
+      const float s_tile = row_exp_sums(row, tile, inv_temp, m_new, t != nullptr, &t_tile);
+      float s_old = 0.f, t_old = 0.f;
+      if (s[c] > 0.f) {  // rescale the running sums to the new maximum
+        const float shift = m_old - m_new;  // <= 0
+        const float alpha = std::exp(shift);
+        s_old = alpha * s[c];
+        if (t != nullptr) t_old = alpha * (t[c] + s[c] * shift);
+      }
+      m[c] = m_new;
+      s[c] = s_old + s_tile;
+      if (t != nullptr) t[c] = t_old + t_tile;
+    }
+  });
+}
+
+void logprob_tile_backward(float* z, int64_t rows, int64_t tile, int64_t row_stride,
+                           int64_t v0, const int64_t* labels, const float* lse,
+                           const float* entropy, const float* grad_logprobs,
+                           const float* grad_entropy, float inv_temp, int64_t ignore_index,
+                           float* others, float* d_label, int num_threads) {
+  parallel_rows(rows, num_threads, [=](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      float* row = z + c * row_stride;
+      const int64_t label = labels[c];
+      if (label == ignore_index) {
+        std::fill(row, row + tile, 0.f);
+        continue;
+      }
+      const bool in_tile = label >= v0 && label < v0 + tile;
+      // outside the tile the relative label index never matches a column
+      const int64_t local = in_tile ? label - v0 : -1;
+      if (in_tile) d_label[c] = row[local] * inv_temp - lse[c];
+      const float g = grad_logprobs[c];
+      const float h = grad_entropy != nullptr ? grad_entropy[c] : 0.f;
+      const float ent = (grad_entropy != nullptr && entropy != nullptr) ? entropy[c] : 0.f;
+      others[c] += row_backward(row, tile, local, inv_temp, lse[c], g, h, ent);
+      if (in_tile) row[local] = 0.f;
     }
   });
 }

@@ -72,6 +72,11 @@ def torch_rows_backward_(z, labels, lse, entropy, grad_logprobs, grad_entropy, i
         h = torch.where(valid, grad_entropy.to(z.dtype), 0.0)[:, None]
         ent = entropy.to(z.dtype)[:, None]
         grad -= torch.where(probs > 0, probs * (dev + ent), 0.0) * h
+        # confident rows: x_y − lse = log1p(−Σ_{v≠y} p_v), accurate where the difference of
+        # two nearly equal fp32 numbers is not
+        confident = others < 0.5
+        dev_label = torch.where(confident, torch.log1p(-others), dev_label)
+        p_label = torch.where(confident, 1.0 - others, p_label)
         label_grad -= torch.where(p_label > 0, p_label * (dev_label + ent), 0.0) * h
     grad.scatter_(1, label_col, label_grad)
     z.copy_(torch.where(valid[:, None], grad * inv_temp, 0.0))

@@ -14,15 +14,16 @@ import torch
 
 from areal_fast.ops._dispatch import resolve_impl
 from areal_fast.ops.logprob_rows import row_backend
+from areal_fast.ops.logprobs_tiled import tiled_backward, tiled_forward
 
 IGNORE_INDEX = -100
 _CHUNK_BYTES = 64 * 1024 * 1024  # bytes of one [chunk, V] logits block
-_MIN_CHUNK_ROWS = 128  # below this the matmuls lose efficiency
+_MIN_CHUNK_ROWS = 256  # below this the matmuls lose efficiency (they stream the whole head)
 _NATIVE_SYMBOL = "logprob_rows_forward"
 
 
 def _chunk_size(num_tokens: int, vocab: int, itemsize: int = 4) -> int:
-    """Tokens per chunk: one [chunk, V] block within ``_CHUNK_BYTES`` (≥ 128 rows)."""
+    """Tokens per chunk: one [chunk, V] block within ``_CHUNK_BYTES`` (≥ 256 rows)."""
     rows = max(_MIN_CHUNK_ROWS, _CHUNK_BYTES // (itemsize * vocab))
     return max(1, min(num_tokens, rows))
 
@@ -78,8 +79,11 @@ def linear_logprobs_forward(hidden, weight, labels, bias, temperature, ignore_in
     """
     num_tokens, vocab = hidden.shape[0], weight.shape[0]
     acc = _acc_dtype(hidden.dtype)
-    rows = row_backend(impl)
     weight_mm = _matmul_weight(weight, acc)
+    if impl == "native":
+        return tiled_forward(hidden, weight_mm, labels, bias, temperature, ignore_index,
+                             want_entropy, _CHUNK_BYTES)
+    rows = row_backend(impl)
     logprobs = hidden.new_empty(num_tokens, dtype=acc)
     entropy = torch.empty_like(logprobs) if want_entropy else None
     lse = torch.empty_like(logprobs)
@@ -102,16 +106,22 @@ def linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels
     """
     num_tokens, vocab = hidden.shape[0], weight.shape[0]
     acc = _acc_dtype(hidden.dtype)
-    rows = row_backend(impl)
     weight_mm = _matmul_weight(weight, acc)
+    grad_logprobs = grad_logprobs.to(acc).contiguous()
+    if grad_entropy is not None:
+        grad_entropy = grad_entropy.to(acc).contiguous()
+    if impl == "native":
+        grads = tiled_backward(grad_logprobs, grad_entropy, hidden, weight_mm, labels, bias,
+                               temperature, ignore_index, lse, entropy, needs_grad,
+                               _CHUNK_BYTES)
+        return tuple(None if g is None else g.to(like.dtype)
+                     for g, like in zip(grads, (hidden, weight, bias)))
+    rows = row_backend(impl)
     need_hidden, need_weight, need_bias = needs_grad
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     grad_weight = (torch.zeros(weight.shape, dtype=acc, device=weight.device)
                    if need_weight else None)
     grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
-    grad_logprobs = grad_logprobs.to(acc).contiguous()
-    if grad_entropy is not None:
-        grad_entropy = grad_entropy.to(acc).contiguous()
     chunk = _chunk_size(num_tokens, vocab, torch.finfo(acc).bits // 8)
     block = hidden.new_empty(chunk, vocab, dtype=acc)
     for start in range(0, num_tokens, chunk):
@@ -267,7 +277,7 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     logprobs[t] = log_softmax((hidden[t] · weightᵀ + bias) / temperature)[labels[t]];
     entropy[t] = −Σ_v p_v log p_v of that same tempered distribution. The [T, V] logits are
     never materialised: tokens go through in chunks whose [chunk, V] fp32 logits block
-    (≤ 64 MiB, at least 128 rows) is the only vocabulary-sized buffer, in the forward and in
+    (≤ 64 MiB, at least 256 rows) is the only vocabulary-sized buffer, in the forward and in
     the backward (which recomputes each chunk's logits and overwrites them with their
     gradient). Extra memory is O(T + chunk·V). Positions labelled ``ignore_index`` are left
     out of the matmuls altogether on the CPU.

@@ -109,7 +109,10 @@ class FusedLinearGRPOLossFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        grads = [None if g is None else (g * grad_loss).to(dtype)
+        # the usual upstream gradient is exactly 1: hand the stored gradients over as they
+        # are (no second weight-sized tensor); the comparison is one host sync per step
+        unit = bool(grad_loss == 1)
+        grads = [None if g is None else (g if unit else g * grad_loss).to(dtype)
                  for g, dtype in zip((grad_hidden, grad_weight, grad_bias), ctx.dtypes)]
         return grads[0], grads[1], grads[2], None, None, None, None
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from areal_fast.ops import logprobs as lp_mod
+from areal_fast.ops import logprobs_tiled
 from areal_fast.ops.logprobs import linear_logprobs
 from conftest import available_impls, impl_device
 
@@ -63,6 +64,8 @@ def test_values_and_grads_match_float64(impl, T, H, V, dtype, rtol, with_bias, s
     if small_chunks:  # several chunks, the last one ragged
         monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 4 * V * 3)
         monkeypatch.setattr(lp_mod, "_MIN_CHUNK_ROWS", 1)
+        monkeypatch.setattr(logprobs_tiled, "_TILED_ROWS", 16)
+        monkeypatch.setattr(logprobs_tiled, "_MIN_TILE", 100)
     hidden = (torch.randn(T, H) * 2).to(dtype)
     weight = (torch.randn(V, H) / H**0.5).to(dtype)
     bias = torch.randn(V).to(dtype) if with_bias else None
@@ -91,7 +94,8 @@ def test_values_and_grads_match_float64(impl, T, H, V, dtype, rtol, with_bias, s
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
-def test_confident_rows_keep_true_class_gradient(impl, dtype, rtol, fresh_seed):
+@pytest.mark.parametrize("with_entropy", [0.0, 1.0])
+def test_confident_rows_keep_true_class_gradient(impl, dtype, rtol, with_entropy, fresh_seed):
     """Target probability ≥ 0.999: the true-class gradient p − 1 must stay accurate."""
     T, H, V = 16, 256, 257
     hidden = torch.randn(T, H).to(dtype)
@@ -101,14 +105,15 @@ def test_confident_rows_keep_true_class_gradient(impl, dtype, rtol, fresh_seed):
     h64 = hidden.double()
     weight[labels] = (h64 * 14.0 / (h64**2).sum(1, keepdim=True)).float()
     weight = weight.to(dtype)
-    g_lp, g_ent = torch.randn(T), torch.zeros(T)
+    g_lp, g_ent = torch.randn(T), torch.randn(T) * with_entropy
     logp, _, grads = _run(impl, hidden, weight, labels, g_lp=g_lp, g_ent=g_ent)
     assert torch.all(logp.exp() > 0.999)
-    # the logit gradient at the label is g·(1 − p_y): check it through d/d bias-free hidden
+    # the logit gradient at the label is g·(1 − p_y) (+ the entropy term): check it through
+    # the hidden and weight gradients
     ref_h = hidden.double().requires_grad_()
     ref_w = weight.double().requires_grad_()
-    ref_lp, _ = _reference(ref_h, ref_w, labels, 1.0, None)
-    (ref_lp * g_lp.double()).sum().backward()
+    ref_lp, ref_ent = _reference(ref_h, ref_w, labels, 1.0, None)
+    ((ref_lp * g_lp.double()).sum() + (ref_ent * g_ent.double()).sum()).backward()
     for name, got, ref in (("hidden", grads[0], ref_h.grad), ("weight", grads[1], ref_w.grad)):
         err = float((got.double() - ref).abs().max() / ref.abs().max())
         assert err < rtol, f"{impl} grad {name}: rel err {err:.2e} (seed {fresh_seed})"

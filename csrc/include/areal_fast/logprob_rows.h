@@ -34,3 +34,32 @@ void logprob_rows_backward(float* z, int64_t rows, int64_t vocab, int64_t row_st
                            float inv_temp, int64_t ignore_index, int num_threads);
 
 }  // namespace areal_fast
+
+// Vocabulary-tiled variants: the logits of C tokens arrive as tiles
+// z [C, vt] holding vocabulary columns [v0, v0 + vt), so a chunk of many tokens
+// never needs a [C, V] block (the matmul then streams the LM head once per
+// chunk instead of once per few rows).
+//
+// Forward, per tile, updates the online state of each row: m (running max of
+// the tempered logits, start -inf), s = sum exp(x - m), t = sum exp(x - m)(x - m)
+// (start 0; t is skipped when null) and picked = x[y] when y is in the tile.
+// After the last tile: lse = m + log s, logprob = picked - lse,
+// entropy = log s - t / s.
+namespace areal_fast {
+
+void logprob_tile_forward(const float* z, int64_t rows, int64_t tile, int64_t row_stride,
+                          int64_t v0, const int64_t* labels, float inv_temp,
+                          int64_t ignore_index, float* m, float* s, float* t, float* picked,
+                          int num_threads);
+
+// Backward, per tile: overwrites the tile with dz for every column except the
+// label's (set to 0; the caller adds the label entry once all tiles are done),
+// adds sum_{v != y} p_v of the tile to others[c] and, when y is in the tile,
+// writes d_label[c] = x_y - lse. Ignored rows become zeros.
+void logprob_tile_backward(float* z, int64_t rows, int64_t tile, int64_t row_stride,
+                           int64_t v0, const int64_t* labels, const float* lse,
+                           const float* entropy, const float* grad_logprobs,
+                           const float* grad_entropy, float inv_temp, int64_t ignore_index,
+                           float* others, float* d_label, int num_threads);
+
+}  // namespace areal_fast
