@@ -236,6 +236,41 @@ def _backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
 linear_logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _EagerLinearLogprobs(torch.autograd.Function):
+    """The same op for eager calls: the custom-op dispatcher imports torch's compiler stack
+    on first use (about 1.5 s and 150 MB), which eager callers need not pay."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, bias, temperature, ignore_index, want_entropy,
+                impl):
+        logprobs, entropy, lse = linear_logprobs_forward(
+            hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl)
+        outputs = (logprobs, _empty(hidden) if entropy is None else entropy, lse)
+        _setup_context(ctx, (hidden, weight, labels, bias, temperature, ignore_index,
+                             want_entropy, impl), outputs)
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy, grad_lse):
+        hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
+        temperature, ignore_index, want_entropy, impl = ctx.settings
+        if grad_logprobs is None:
+            grad_logprobs = torch.zeros_like(lse)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
+                 bias is not None and ctx.needs_input_grad[3])
+        grads = linear_logprobs_backward(
+            grad_logprobs, grad_entropy if want_entropy else None, hidden, weight, labels, bias,
+            temperature, ignore_index, lse, entropy if want_entropy else None, impl, needs)
+        return (*grads[:2], None, grads[2], None, None, None, None)
+
+
+def _apply(*args):
+    """The custom op under torch.compile, the autograd.Function otherwise."""
+    if torch.compiler.is_compiling():
+        return linear_logprobs_fwd_op(*args)
+    return _EagerLinearLogprobs.apply(*args)
+
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -338,17 +373,16 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
         if kept.numel() < labels.numel():
             return _on_kept_tokens(hidden, weight, labels, bias, kept, temperature,
                                    return_entropy, ignore_index, chosen)
-    outputs = linear_logprobs_fwd_op(hidden, weight, labels, bias, float(temperature),
-                                     int(ignore_index), bool(return_entropy), chosen)
+    outputs = _apply(hidden, weight, labels, bias, float(temperature), int(ignore_index),
+                     bool(return_entropy), chosen)
     return (outputs[0], outputs[1]) if return_entropy else outputs[0]
 
 
 def _on_kept_tokens(hidden, weight, labels, bias, kept, temperature, return_entropy,
                     ignore_index, impl):
     """Run on the non-ignored tokens only and scatter back (zeros elsewhere)."""
-    outputs = linear_logprobs_fwd_op(
-        hidden.index_select(0, kept), weight, labels.index_select(0, kept), bias,
-        float(temperature), int(ignore_index), bool(return_entropy), impl)
+    outputs = _apply(hidden.index_select(0, kept), weight, labels.index_select(0, kept), bias,
+                     float(temperature), int(ignore_index), bool(return_entropy), impl)
     num_tokens = labels.shape[0]
 
     def scatter(values):
