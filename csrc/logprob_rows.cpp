@@ -89,27 +89,44 @@ float row_max(const float* z, int64_t vocab, float inv_temp) {
   return m;
 }
 
-// Returns s = sum exp(x - m) and writes t = sum exp(x - m) * (x - m) (0 where exp is 0).
+// Sums of one row (or tile) against a given maximum m: `small` = sum of exp(x - m)
+// over the entries below m, `at_max` = how many entries equal m (each adds
+// exp(0) = 1), t = sum exp(x - m) * (x - m) (0 where exp is 0). Keeping the
+// entries at the maximum out of `small` lets the caller form log(sum) as
+// log1p(small + at_max - 1), accurate when one entry dominates.
+struct ExpSums {
+  float small = 0.f;
+  float at_max = 0.f;
+  float t = 0.f;
+};
+
 AREAL_FAST_CLONES
-float row_exp_sums(const float* z, int64_t vocab, float inv_temp, float m, bool want_t,
-                   float* t_out) {
-  VecF s_acc = splat(0.f), t_acc = splat(0.f);
+ExpSums row_exp_sums(const float* z, int64_t vocab, float inv_temp, float m, bool want_t) {
+  VecF small_acc = splat(0.f), max_acc = splat(0.f), t_acc = splat(0.f);
   int64_t v = 0;
   for (; v + kLanes <= vocab; v += kLanes) {
     const VecF d = load(z + v) * inv_temp - m;
     const VecF e = vexp(d);
-    s_acc += e;
+    const VecI below = d < 0.f;
+    small_acc += below ? e : splat(0.f);
+    max_acc += below ? splat(0.f) : splat(1.f);
     if (want_t) t_acc += (e > 0.f) ? e * d : splat(0.f);
   }
-  float s = hsum(s_acc), t = hsum(t_acc);
+  ExpSums sums;
+  sums.small = hsum(small_acc);
+  sums.at_max = hsum(max_acc);
+  sums.t = hsum(t_acc);
   for (; v < vocab; ++v) {
     const float d = z[v] * inv_temp - m;
     const float e = sexp(d);
-    s += e;
-    if (want_t && e > 0.f) t += e * d;
+    if (d < 0.f) {
+      sums.small += e;
+    } else {
+      sums.at_max += 1.f;
+    }
+    if (want_t && e > 0.f) sums.t += e * d;
   }
-  *t_out = t;
-  return s;
+  return sums;
 }
 
 // Overwrites z with the gradient except at the label; returns sum_{v != y} p_v.
@@ -167,12 +184,13 @@ void logprob_rows_forward(const float* z, int64_t rows, int64_t vocab, int64_t r
       const float* row = z + c * row_stride;
       const bool ignored = labels[c] == ignore_index;
       const float m = row_max(row, vocab, inv_temp);
-      float t = 0.f;
-      const float s = row_exp_sums(row, vocab, inv_temp, m, entropy != nullptr && !ignored, &t);
-      const float log_s = std::log(s);
+      const ExpSums sums =
+          row_exp_sums(row, vocab, inv_temp, m, entropy != nullptr && !ignored);
+      const float rest = sums.small + (sums.at_max - 1.f);  // sum exp(x - m) - 1
+      const float log_s = std::log1p(rest);
       lse[c] = m + log_s;
       logprobs[c] = ignored ? 0.f : (row[labels[c]] * inv_temp - m) - log_s;
-      if (entropy != nullptr) entropy[c] = ignored ? 0.f : log_s - t / s;
+      if (entropy != nullptr) entropy[c] = ignored ? 0.f : log_s - sums.t / (1.f + rest);
     }
   });
 }
@@ -218,18 +236,24 @@ void logprob_tile_forward(const float* z, int64_t rows, int64_t tile, int64_t ro
       const float m_old = m[c];
       const float m_new = std::max(m_old, row_max(row, tile, inv_temp));
       if (m_new == kNegInf) continue;  // every logit so far is -inf
-      float t_tile = 0.f;
-      const float s_tile = row_exp_sums(row, tile, inv_temp, m_new, t != nullptr, &t_tile);
-      float s_old = 0.f, t_old = 0.f;
-      if (s[c] > 0.f) {  // rescale the running sums to the new maximum
-        const float shift = m_old - m_new;  // <= 0
-        const float alpha = std::exp(shift);
-        s_old = alpha * s[c];
-        if (t != nullptr) t_old = alpha * (t[c] + s[c] * shift);
+      const ExpSums sums = row_exp_sums(row, tile, inv_temp, m_new, t != nullptr);
+      // state: s[c] = sum exp(x - m) - 1 over the tiles so far (the entry at the
+      // running maximum kept out, so log1p(s) stays accurate for dominant entries)
+      if (m_new > m_old) {  // this tile holds the new maximum (at_max >= 1)
+        float carried = 0.f, t_carried = 0.f;
+        if (m_old != kNegInf) {
+          const float shift = m_old - m_new;  // < 0
+          const float alpha = std::exp(shift);
+          carried = alpha * (1.f + s[c]);
+          if (t != nullptr) t_carried = alpha * (t[c] + (1.f + s[c]) * shift);
+        }
+        s[c] = carried + sums.small + (sums.at_max - 1.f);
+        if (t != nullptr) t[c] = t_carried + sums.t;
+      } else {  // same maximum: entries equal to it add 1 each
+        s[c] += sums.small + sums.at_max;
+        if (t != nullptr) t[c] += sums.t;
       }
       m[c] = m_new;
-      s[c] = s_old + s_tile;
-      if (t != nullptr) t[c] = t_old + t_tile;
     }
   });
 }

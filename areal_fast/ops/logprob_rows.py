@@ -42,8 +42,11 @@ def torch_rows_forward(z, labels, inv_temp, ignore_index, logprobs_out, entropy_
     row_max = torch.where(torch.isfinite(row_max), row_max, 0.0)
     shifted.sub_(row_max)  # d = x − max ≤ 0
     exp = shifted.exp()
-    sum_exp = exp.sum(1)
-    log_sum = sum_exp.log()
+    # Σ exp(d) − 1 with the entries at the maximum (d = 0, exp = 1) counted apart, so
+    # log1p of it stays accurate when one entry dominates the row
+    rest = torch.where(shifted < 0, exp, 0.0).sum(1) + ((shifted == 0).sum(1) - 1)
+    sum_exp = 1.0 + rest
+    log_sum = torch.log1p(rest)
     lse_out.copy_(row_max.squeeze(1) + log_sum)
     valid = labels != ignore_index
     safe = torch.where(valid, labels, 0)[:, None]

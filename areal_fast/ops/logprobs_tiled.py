@@ -5,7 +5,7 @@ then streams the whole LM head from memory: at V = 151936, H = 2048 a 128-token 
 the matmul at 2/3 of the full-size rate on a 2-core CPU. Here a chunk holds up to 4096 tokens
 and its logits are formed one vocabulary tile [chunk, tile] at a time (the same byte budget),
 so each matmul is large in every dimension. The forward merges tiles with an online
-log-sum-exp (running max m, Σ exp(x − m), Σ exp(x − m)(x − m) and the label logit); the
+log-sum-exp (running max m, Σ exp(x − m) − 1, Σ exp(x − m)(x − m) and the label logit); the
 backward writes each tile's gradient in place with the label column zeroed, pushes it through
 both gradient matmuls, and adds the label entries at the end as a sparse update, with
 1 − p_y = Σ_{v≠y} p_v accumulated over the tiles (accurate for confident rows).
@@ -56,21 +56,23 @@ def tiled_forward(hidden, weight_mm, labels, bias, temperature, ignore_index, wa
         chunk_labels = labels[sl].contiguous()
         n = chunk.shape[0]
         row_max = torch.full((n,), float("-inf"), **f32)
-        sum_exp, picked = torch.zeros(n, **f32), torch.zeros(n, **f32)
+        # Σ exp(x − max) − 1: the entry at the maximum kept out, so log1p of it is
+        # accurate for rows that one token dominates
+        sum_exp_rest, picked = torch.zeros(n, **f32), torch.zeros(n, **f32)
         sum_xexp = torch.zeros(n, **f32) if want_entropy else None
         for v0 in range(0, vocab, tile):
             width = min(tile, vocab - v0)
             logits = _tile_logits(chunk, weight_mm, bias32, v0, width, block)
             native.logprob_tile_forward(
                 logits.data_ptr(), n, width, width, v0, chunk_labels.data_ptr(), inv_temp,
-                ignore_index, row_max.data_ptr(), sum_exp.data_ptr(),
+                ignore_index, row_max.data_ptr(), sum_exp_rest.data_ptr(),
                 0 if sum_xexp is None else sum_xexp.data_ptr(), picked.data_ptr(), threads)
         valid = chunk_labels != ignore_index
-        log_sum = sum_exp.log()
+        log_sum = torch.log1p(sum_exp_rest)
         lse[sl] = torch.where(valid, row_max + log_sum, 0.0)
         logprobs[sl] = torch.where(valid, (picked - row_max) - log_sum, 0.0)
         if entropy is not None:
-            entropy[sl] = torch.where(valid, log_sum - sum_xexp / sum_exp, 0.0)
+            entropy[sl] = torch.where(valid, log_sum - sum_xexp / (1.0 + sum_exp_rest), 0.0)
     return logprobs, entropy, lse
 
 

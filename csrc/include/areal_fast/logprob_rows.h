@@ -41,10 +41,11 @@ void logprob_rows_backward(float* z, int64_t rows, int64_t vocab, int64_t row_st
 // chunk instead of once per few rows).
 //
 // Forward, per tile, updates the online state of each row: m (running max of
-// the tempered logits, start -inf), s = sum exp(x - m), t = sum exp(x - m)(x - m)
-// (start 0; t is skipped when null) and picked = x[y] when y is in the tile.
-// After the last tile: lse = m + log s, logprob = picked - lse,
-// entropy = log s - t / s.
+// the tempered logits, start -inf), s = sum exp(x - m) - 1 (the entry at the
+// maximum kept out, so that log1p(s) is accurate when it dominates; start 0),
+// t = sum exp(x - m)(x - m) (start 0; skipped when null) and picked = x[y] when
+// y is in the tile. After the last tile: lse = m + log1p(s),
+// logprob = picked - lse, entropy = log1p(s) - t / (1 + s).
 namespace areal_fast {
 
 void logprob_tile_forward(const float* z, int64_t rows, int64_t tile, int64_t row_stride,
