@@ -4,15 +4,18 @@
 at the label and the entropy of that same distribution, chunk by chunk over tokens: only a
 [chunk, V] block of logits exists at any time, in the forward and in the backward (which
 recomputes each chunk's logits instead of saving them). Weight and bias gradients accumulate in
-fp32 across chunks. This is the torch implementation; fused kernels plug in behind the same
-function.
+fp32 across chunks. The row epilogue runs in torch, the native C++ kernels or Triton
+(:mod:`areal_fast.ops.logprob_rows`); the native CPU path forms the logits in vocabulary tiles
+(:mod:`areal_fast.ops.logprobs_tiled`).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from areal_fast.ops._dispatch import resolve_impl
+from areal_fast.ops._dispatch import requested_impl, resolve_impl
 from areal_fast.ops.logprob_rows import row_backend
 from areal_fast.ops.logprobs_tiled import tiled_backward, tiled_forward
 
@@ -279,7 +282,8 @@ def _validate(hidden, weight, labels, bias, temperature, ignore_index, validate)
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     if hidden.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"hidden must be float32/bfloat16/float16, got {hidden.dtype}")
+        raise ValueError(f"hidden must be float32/bfloat16/float16 (or float64), got "
+                         f"{hidden.dtype}")
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight must be [V, H={hidden.shape[1]}], got {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
@@ -294,8 +298,8 @@ def _validate(hidden, weight, labels, bias, temperature, ignore_index, validate)
     for name, tensor in (("weight", weight), ("labels", labels), ("bias", bias)):
         if tensor is not None and tensor.device != hidden.device:
             raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature}")
     if validate and labels.numel():
         bad = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
         if bool(bad.any()):
@@ -311,10 +315,12 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
     logprobs[t] = log_softmax((hidden[t] · weightᵀ + bias) / temperature)[labels[t]];
     entropy[t] = −Σ_v p_v log p_v of that same tempered distribution. The [T, V] logits are
-    never materialised: tokens go through in chunks whose [chunk, V] fp32 logits block
-    (≤ 64 MiB, at least 256 rows) is the only vocabulary-sized buffer, in the forward and in
-    the backward (which recomputes each chunk's logits and overwrites them with their
-    gradient). Extra memory is O(T + chunk·V). Positions labelled ``ignore_index`` are left
+    never materialised: tokens go through in chunks whose fp32 logits block is the only
+    vocabulary-sized buffer, in the forward and in the backward (which recomputes each chunk's
+    logits and overwrites them with their gradient): [chunk, V] with max(256 rows, 64 MiB) on
+    the torch and Triton paths, [≤ 4096 tokens, vocabulary tile] within 64 MiB on the native
+    CPU path. Extra memory is O(T + block), plus, on the CPU for bf16/fp16 inputs, an fp32 copy
+    of the LM head, and the fp32 weight-gradient accumulator in the backward. Positions labelled ``ignore_index`` are left
     out of the matmuls altogether on the CPU.
 
     Parameters
@@ -366,8 +372,8 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if validate is None:
         validate = hidden.device.type == "cpu" and not torch.compiler.is_compiling()
     _validate(hidden, weight, labels, bias, temperature, ignore_index, validate)
-    chosen = "torch" if hidden.dtype == torch.float64 else resolve_impl(
-        impl, hidden.device, _NATIVE_SYMBOL)
+    labels = labels.contiguous()  # the kernels index labels by row
+    chosen = _choose_impl(impl, hidden)
     if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
         kept = (labels != ignore_index).nonzero().squeeze(1)
         if kept.numel() < labels.numel():
@@ -376,6 +382,14 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     outputs = _apply(hidden, weight, labels, bias, float(temperature), int(ignore_index),
                      bool(return_entropy), chosen)
     return (outputs[0], outputs[1]) if return_entropy else outputs[0]
+
+
+def _choose_impl(impl: str | None, hidden: torch.Tensor) -> str:
+    """Resolved implementation; float64 inputs always take torch (after checking ``impl``)."""
+    if hidden.dtype == torch.float64:
+        requested_impl(impl)
+        return "torch"
+    return resolve_impl(impl, hidden.device, _NATIVE_SYMBOL)
 
 
 def _on_kept_tokens(hidden, weight, labels, bias, kept, temperature, return_entropy,

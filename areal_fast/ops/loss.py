@@ -173,7 +173,7 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
     num_tokens = hidden.shape[0]
     check_loss_inputs(num_tokens, old_logprobs, loss_mask, cu_seqlens, config,
                       prox_logprobs=prox_logprobs, ref_logprobs=ref_logprobs,
-                      entropy_needed=False)
+                      engine_logprobs=engine_logprobs, entropy_needed=False)
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
     want_entropy = config.entropy_coef != 0
@@ -189,8 +189,7 @@ def fused_linear_grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: t
                          entropy=entropy, engine_logprobs=engine_logprobs)
     lp_ops._validate(hidden, weight, train_labels, bias, temperature, IGNORE_INDEX,
                      hidden.device.type == "cpu")
-    chosen = lp_ops.resolve_impl(impl, hidden.device, lp_ops._NATIVE_SYMBOL) \
-        if hidden.dtype != torch.float64 else "torch"
+    chosen = lp_ops._choose_impl(impl, hidden)
     advantages_t = per_token_advantages(advantages, cu_seqlens, num_tokens)
     weights = aggregation_weights(loss_mask, cu_seqlens, config,
                                   lp_ops._acc_dtype(hidden.dtype))

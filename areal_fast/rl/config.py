@@ -68,15 +68,18 @@ class LossConfig:
         _choice("behav_weight_mode", self.behav_weight_mode, BEHAV_WEIGHT_MODES)
         if not 0 < self.eps_clip < 1:
             raise ValueError(f"eps_clip = {self.eps_clip} must be in (0, 1)")
-        if self.eps_clip_high is not None and self.eps_clip_high <= 0:
-            raise ValueError(f"eps_clip_high = {self.eps_clip_high} must be > 0")
-        if self.dual_clip_c is not None and self.dual_clip_c <= 1:
-            raise ValueError(f"dual_clip_c = {self.dual_clip_c} must be > 1")
-        if self.aggregation == "seq_mean_token_sum" and not (self.seq_len_norm or 0) > 0:
-            raise ValueError("seq_len_norm must be > 0 when aggregation = 'seq_mean_token_sum'")
+        if self.eps_clip_high is not None and not _positive_finite(self.eps_clip_high):
+            raise ValueError(f"eps_clip_high = {self.eps_clip_high} must be a finite number > 0")
+        if self.dual_clip_c is not None and not (_positive_finite(self.dual_clip_c)
+                                                 and self.dual_clip_c > 1):
+            raise ValueError(f"dual_clip_c = {self.dual_clip_c} must be a finite number > 1")
+        if self.aggregation == "seq_mean_token_sum" and not _positive_finite(
+                self.seq_len_norm or 0):
+            raise ValueError("seq_len_norm must be a finite number > 0 when aggregation = "
+                             "'seq_mean_token_sum'")
         for name in ("behav_weight_cap", "tis_cap"):
             value = getattr(self, name)
-            if value is not None and value <= 0:
+            if value is not None and not value > 0:  # +inf: no cap
                 raise ValueError(f"{name} = {value} must be > 0")
         for name in ("kl_coef", "entropy_coef"):
             value = getattr(self, name)
@@ -87,6 +90,10 @@ class LossConfig:
     def clip_high(self) -> float:
         """Upper clip range actually used (eps_clip_high, or eps_clip when None)."""
         return self.eps_clip if self.eps_clip_high is None else self.eps_clip_high
+
+
+def _positive_finite(value) -> bool:
+    return value > 0 and math.isfinite(value)
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

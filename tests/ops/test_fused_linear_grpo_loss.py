@@ -148,3 +148,10 @@ def test_bad_input_names_the_tensor(change, match):
     with pytest.raises(ValueError, match=match):
         fused_linear_grpo_loss(args["hidden"], args["weight"], args["labels"], args["old"],
                                args["adv"], args["mask"], args["cu"], LossConfig())
+
+
+def test_wrong_length_engine_logprobs_is_named():
+    hidden, weight, labels, old, adv, mask, cu, extras = _batch(dtype=torch.float32)
+    with pytest.raises(ValueError, match="engine_logprobs"):
+        fused_linear_grpo_loss(hidden.requires_grad_(), weight, labels, old, adv, mask, cu,
+                               LossConfig(tis_cap=2.0), engine_logprobs=torch.zeros(3))

@@ -240,6 +240,8 @@ def test_more_than_2_to_31_logits_on_gpu(fresh_seed):
     (dict(labels=torch.full((4,), 7)), "labels hold values outside"),
     (dict(labels=torch.full((4,), -5)), "labels hold values outside"),
     (dict(temperature=0.0), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
     (dict(bias=torch.randn(3)), "bias must be"),
     (dict(impl="cuda-magic"), "impl"),
 ])
@@ -251,6 +253,20 @@ def test_bad_input_names_the_tensor(kwargs, match):
     with pytest.raises(ValueError, match=match):
         linear_logprobs(args["hidden"], args["weight"], args["labels"],
                         temperature=args["temperature"], bias=args["bias"], impl=args["impl"])
+
+
+def test_impl_is_checked_for_float64_too():
+    hidden, weight = torch.randn(4, 6, dtype=torch.float64), torch.randn(7, 6, dtype=torch.float64)
+    with pytest.raises(ValueError, match="impl"):
+        linear_logprobs(hidden, weight, torch.zeros(4, dtype=torch.int64), impl="bogus")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_non_contiguous_labels(impl, fresh_seed):
+    hidden, weight = torch.randn(10, 8), torch.randn(30, 8)
+    labels = torch.randint(0, 30, (10, 3))[:, 1]  # stride 3
+    logp, _, _ = _run(impl, hidden, weight, labels)
+    assert _rel_err(logp, _reference(hidden, weight, labels, 1.0, None)[0]) < 1e-5
 
 
 def test_label_range_check_can_be_skipped():

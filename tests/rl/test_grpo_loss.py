@@ -168,6 +168,11 @@ def test_clipping_blocks_gradient_outside_range():
     (dict(aggregation="seq_mean_token_sum"), "seq_len_norm"),
     (dict(eps_clip=1.5), "eps_clip"),
     (dict(dual_clip_c=0.5), "dual_clip_c"),
+    (dict(dual_clip_c=float("nan")), "dual_clip_c"),
+    (dict(eps_clip_high=float("inf")), "eps_clip_high"),
+    (dict(tis_cap=float("nan")), "tis_cap"),
+    (dict(behav_weight_cap=float("nan")), "behav_weight_cap"),
+    (dict(aggregation="seq_mean_token_sum", seq_len_norm=float("inf")), "seq_len_norm"),
 ])
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
