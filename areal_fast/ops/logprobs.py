@@ -134,21 +134,29 @@ def linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels
         rows.backward_(grad_z, labels[sl], lse[sl], None if entropy is None else entropy[sl],
                        grad_logprobs[sl], None if grad_entropy is None else grad_entropy[sl],
                        1.0 / temperature, ignore_index)
-        grad_lowp = grad_z if weight_mm.dtype == acc else grad_z.to(weight_mm.dtype)
-        if grad_hidden is not None:
-            if grad_hidden.dtype == acc:
-                torch.mm(grad_lowp, weight_mm, out=grad_hidden[sl])
-            else:
-                grad_hidden[sl] = _mm(grad_lowp, weight_mm, acc)
-        if grad_weight is not None:
-            _accumulate(grad_weight, grad_lowp.t(), hidden_chunk.to(weight_mm.dtype))
-        if grad_bias is not None:
-            grad_bias += grad_z.sum(0)
+        push_chunk_gradient(grad_z, hidden_chunk, weight_mm, acc, sl, grad_hidden,
+                            grad_weight, grad_bias)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
         grad_bias = grad_bias.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias
+
+
+def push_chunk_gradient(grad_z, hidden_chunk, weight_mm, acc, sl, grad_hidden, grad_weight,
+                        grad_bias) -> None:
+    """Chain one chunk's logit gradient G [C, V] through the LM head: grad_hidden[sl] = G·W,
+    grad_weight += Gᵀ·h (accumulated in ``acc``), grad_bias += Σ_c G. None targets are skipped."""
+    grad_lowp = grad_z if weight_mm.dtype == acc else grad_z.to(weight_mm.dtype)
+    if grad_hidden is not None:
+        if grad_hidden.dtype == acc:
+            torch.mm(grad_lowp, weight_mm, out=grad_hidden[sl])
+        else:
+            grad_hidden[sl] = _mm(grad_lowp, weight_mm, acc)
+    if grad_weight is not None:
+        _accumulate(grad_weight, grad_lowp.t(), hidden_chunk.to(weight_mm.dtype))
+    if grad_bias is not None:
+        grad_bias += grad_z.sum(0)
 
 
 def _accumulate(acc_tensor: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -221,7 +229,9 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+def _backward_grads(ctx, grad_logprobs, grad_entropy, launch):
+    """Shared backward of the custom op and the eager Function; ``launch`` has the argument
+    order of :func:`linear_logprobs_bwd_op` and returns (grad_hidden, grad_weight, grad_bias)."""
     hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
     temperature, ignore_index, want_entropy, impl = ctx.settings
     if grad_logprobs is None:
@@ -230,13 +240,25 @@ def _backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
         grad_entropy, entropy = None, None
     needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
              bias is not None and ctx.needs_input_grad[3]]
-    grads = linear_logprobs_bwd_op(grad_logprobs, grad_entropy, hidden, weight, labels, bias,
-                                   lse, entropy, temperature, ignore_index, impl, needs)
+    grads = launch(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy,
+                   temperature, ignore_index, impl, needs)
     grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
     return grad_hidden, grad_weight, None, grad_bias, None, None, None, None
 
 
+def _backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+    return _backward_grads(ctx, grad_logprobs, grad_entropy, linear_logprobs_bwd_op)
+
+
 linear_logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _eager_bwd(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy,
+               temperature, ignore_index, impl, needs_grad):
+    """The backward launcher with the custom op's argument order (no dispatcher)."""
+    return linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels, bias,
+                                    temperature, ignore_index, lse, entropy, impl,
+                                    tuple(needs_grad))
 
 
 class _EagerLinearLogprobs(torch.autograd.Function):
@@ -254,17 +276,8 @@ class _EagerLinearLogprobs(torch.autograd.Function):
         return outputs
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy, grad_lse):
-        hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
-        temperature, ignore_index, want_entropy, impl = ctx.settings
-        if grad_logprobs is None:
-            grad_logprobs = torch.zeros_like(lse)
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-                 bias is not None and ctx.needs_input_grad[3])
-        grads = linear_logprobs_backward(
-            grad_logprobs, grad_entropy if want_entropy else None, hidden, weight, labels, bias,
-            temperature, ignore_index, lse, entropy if want_entropy else None, impl, needs)
-        return (*grads[:2], None, grads[2], None, None, None, None)
+    def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
+        return _backward_grads(ctx, grad_logprobs, grad_entropy, _eager_bwd)
 
 
 def _apply(*args):

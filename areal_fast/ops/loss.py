@@ -86,14 +86,8 @@ def fused_forward_backward(hidden, weight, labels, bias, temperature, per_token_
                                         config, prox, ref, engine, impl)
         rows.backward_(z, labels[sl], lse[sl], chunk_entropy, g_lp, g_ent, inv_temp,
                        IGNORE_INDEX)
-        grad_lowp = z if weight_mm.dtype == acc else z.to(weight_mm.dtype)
-        if grad_hidden.dtype == acc:
-            torch.mm(grad_lowp, weight_mm, out=grad_hidden[sl])
-        else:
-            grad_hidden[sl] = lp_ops._mm(grad_lowp, weight_mm, acc)
-        lp_ops._accumulate(grad_weight, grad_lowp.t(), hidden_chunk.to(weight_mm.dtype))
-        if grad_bias is not None:
-            grad_bias += z.sum(0)
+        lp_ops.push_chunk_gradient(z, hidden_chunk, weight_mm, acc, sl, grad_hidden,
+                                   grad_weight, grad_bias)
     return logprobs, entropy, grad_hidden, grad_weight, grad_bias
 
 
