@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol
+from typing import Iterable, Optional, Protocol
 
 import torch
 
@@ -56,11 +56,148 @@ class InferenceEngine(Protocol):
         """Policy version of the weights being served."""
         ...
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
-        """``params.n`` trajectories per prompt (token-id lists), prompt-major order."""
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: Optional[list[int]] = None) -> list[Trajectory]:
+        """``params.n`` trajectories per prompt (token-id lists), prompt-major order.
+
+        With ``seeds`` (one per prompt), sample i of prompt g is drawn with
+        ``sample_seed(seeds[g], i)`` (see :class:`GenRequest`), so its tokens do not depend on
+        batching or on interruptions.
+        """
         ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        version: int) -> None:
         """Atomically install a complete set of named weights carrying ``version``."""
         ...
+
+
+@dataclass
+class GenRequest:
+    """One sequence to continue, as a rollout worker hands it to a request-level engine.
+
+    Attributes
+    ----------
+    rid : int
+        Request id, unique within the engine; echoed in the :class:`GenOutput`.
+    input_ids : list[int]
+        Prompt plus the completion generated so far (non-empty); token ids, never text.
+    max_new_tokens : int
+        Remaining generation budget (>= 1).
+    temperature, top_p : float
+        As in :class:`SamplingParams`; temperature 0 is greedy.
+    seed : int
+        Sampling seed of the whole completion (``sample_seed(group_seed, i)``).
+    offset : int
+        Completion tokens generated before this request (0 for a fresh sample; the partial
+        length when resuming after an abort). The token at completion position ``offset + j``
+        is drawn with the uniform number ``seeded_uniform(seed, offset + j)``, so a resumed
+        sample continues the same random stream.
+    """
+
+    rid: int
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    offset: int = 0
+
+
+@dataclass
+class GenOutput:
+    """What a request-level engine returns for one :class:`GenRequest`.
+
+    Attributes
+    ----------
+    rid : int
+    output_ids : list[int]
+        Newly generated tokens (may be empty when aborted before the first token).
+    logprobs : list[float]
+        Behaviour log-prob of each new token (fp32 nats, at the request's temperature).
+    versions : list[int]
+        Policy version that produced each new token.
+    stop_reason : str
+        "stop" (end-of-sequence token, included in output_ids), "length" (budget used up)
+        or "abort" (interrupted by :meth:`AsyncInferenceEngine.pause`; resubmit
+        input_ids + output_ids with the remaining budget to continue).
+    """
+
+    rid: int
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    stop_reason: str
+
+
+class AsyncInferenceEngine(Protocol):
+    """Request-level engine interface that rollout workers drive (mirrors SGLang's
+    ``/generate``, ``/pause_generation``, ``/update_weights_*``, ``/continue_generation``).
+
+    Requests run in the engine's own thread; finished or aborted ones come back through
+    :meth:`get_outputs`. :meth:`pause` aborts every running request (each returns with
+    stop_reason "abort" and its partial tokens) and keeps queued ones queued; weights change
+    only while paused; :meth:`resume` starts generating again.
+    """
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights being served."""
+        ...
+
+    def start(self) -> None:
+        """Start the engine thread."""
+        ...
+
+    def submit(self, requests: list[GenRequest]) -> None:
+        """Queue requests; they run when capacity allows."""
+        ...
+
+    def get_outputs(self, timeout: float) -> list[GenOutput]:
+        """Finished or aborted requests, waiting up to ``timeout`` seconds for the first."""
+        ...
+
+    def pause(self, timeout: float) -> None:
+        """Abort running requests and stop starting new ones; returns once the engine is idle.
+
+        Raises TimeoutError if it is not idle within ``timeout`` seconds."""
+        ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        """Install a complete set of named weights carrying ``version`` (only while paused)."""
+        ...
+
+    def resume(self) -> None:
+        """Start generating queued requests again."""
+        ...
+
+    def drop_queued(self) -> int:
+        """Forget queued (not yet running) requests; returns how many."""
+        ...
+
+    def close(self) -> None:
+        """Stop the engine thread (pending requests are dropped)."""
+        ...
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One step of SplitMix64 (Steele, Lea & Flood 2014): a 64-bit integer mixer."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def sample_seed(group_seed: int, index: int) -> int:
+    """Seed of sample ``index`` of a group whose seed is ``group_seed`` (64-bit)."""
+    return _splitmix64(_splitmix64(group_seed & _MASK64) ^ (index & _MASK64))
+
+
+def seeded_uniform(seed: int, position: int) -> float:
+    """Uniform number in [0, 1) for completion position ``position`` of a sample with
+    ``seed``: counter-based, so it depends on nothing else (53-bit resolution)."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0 ** -53

@@ -2,16 +2,64 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
+from transformers import StoppingCriteria
 
 from areal_fast.rl.batch import Trajectory
-from areal_fast.rollout.engine import SamplingParams
+from areal_fast.rollout.engine import GenOutput, GenRequest, SamplingParams, sample_seed
+from areal_fast.rollout.sampling import SeededSampler
+
+
+@dataclass
+class _RowResult:
+    """Tokens generated for one row of a batch, cut at its budget or end-of-sequence."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop", "length" or "abort"
+
+
+class _StopRows(StoppingCriteria):
+    """Finish each row at its own budget, and every row once ``abort`` is set.
+
+    Parameters
+    ----------
+    start_len : int
+        Width of the padded input.
+    budgets : torch.Tensor
+        New-token budget of each row, shape [rows], int64, on the generation device.
+    abort : threading.Event or None
+        When set, every row is reported finished at the next step.
+    """
+
+    def __init__(self, start_len: int, budgets: torch.Tensor,
+                 abort: Optional[threading.Event]):
+        self.start_len = start_len
+        self.budgets = budgets
+        self.abort = abort
+
+    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
+        if self.abort is not None and self.abort.is_set():
+            return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        return self.budgets <= input_ids.shape[1] - self.start_len
 
 
 class HFEngine:
-    """An :class:`~areal_fast.rollout.engine.InferenceEngine` running ``model.generate``.
+    """An inference engine running ``model.generate``, with a batch and a request-level API.
+
+    The batch API (:meth:`generate`, an
+    :class:`~areal_fast.rollout.engine.InferenceEngine`) generates in the caller's thread.
+    The request-level API (:meth:`start`, :meth:`submit`, :meth:`get_outputs`,
+    :meth:`pause`, :meth:`resume`, :meth:`close`, an
+    :class:`~areal_fast.rollout.engine.AsyncInferenceEngine`) runs requests in an engine
+    thread: it takes up to ``max_batch_size`` queued requests that share (temperature,
+    top_p), oldest first, left-pads them and runs one ``model.generate``, which
+    :meth:`pause` cuts short at the next token. Both APIs use the same batch generation.
 
     Prompts are left-padded into batches of at most ``max_batch_size`` sequences. Sampling
     uses temperature and top-p only: top-k, repetition penalties and every other logits
@@ -22,6 +70,11 @@ class HFEngine:
     distribution (the convention of vLLM's default logprobs). Greedy decoding (temperature 0)
     reports log-probs at temperature 1.
 
+    Seeded sampling (:meth:`generate` with ``seeds``, and every sampled request) draws each
+    token with :class:`~areal_fast.rollout.sampling.SeededSampler`, so a sample's tokens do
+    not depend on the batch it runs in nor on interruptions; unseeded sampling uses the torch
+    random generator.
+
     Parameters
     ----------
     model : transformers PreTrainedModel
@@ -30,6 +83,11 @@ class HFEngine:
         Supplies ``pad_token_id`` and ``eos_token_id``.
     max_batch_size : int
         Sequences generated together.
+
+    Raises
+    ------
+    ValueError
+        If ``max_batch_size`` < 1.
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64):
@@ -47,6 +105,18 @@ class HFEngine:
         self.eos_id = tokenizer.eos_token_id
         self.max_batch_size = max_batch_size
         self._version = 0
+        # Held while the model generates or changes weights (both APIs, any thread).
+        self._model_lock = threading.Lock()
+        # Request-level state, guarded by _cond.
+        self._cond = threading.Condition()
+        self._queue: deque[GenRequest] = deque()
+        self._outputs: list[GenOutput] = []
+        self._thread: Optional[threading.Thread] = None
+        self._paused = False
+        self._busy = False
+        self._closing = False
+        self._error: Optional[BaseException] = None
+        self._abort = threading.Event()
 
     @property
     def version(self) -> int:
@@ -58,59 +128,309 @@ class HFEngine:
         """Device of the served weights."""
         return next(self.model.parameters()).device
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Trajectory]:
+    # ------------------------------------------------------------------ batch API
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams,
+                 seeds: Optional[list[int]] = None) -> list[Trajectory]:
         """Sample ``params.n`` completions per prompt; prompt-major order.
 
-        ``group_id`` of each trajectory is the index of its prompt in ``prompts``.
+        ``group_id`` of each trajectory is the index of its prompt in ``prompts``. May be
+        called while the engine thread runs; the two take turns on the model.
+
+        Parameters
+        ----------
+        prompts : list[list[int]]
+            Prompt token ids, each non-empty.
+        params : SamplingParams
+        seeds : list[int], optional
+            One seed per prompt. Sample i of prompt g is then drawn with
+            ``sample_seed(seeds[g], i)``, so its tokens do not depend on batching. Without
+            seeds, sampling uses the torch random generator. Ignored when greedy.
+
+        Returns
+        -------
+        list[Trajectory]
+            ``len(prompts) * params.n`` trajectories.
 
         Raises
         ------
         ValueError
-            If a prompt is empty.
+            If a prompt is empty or ``seeds`` does not hold one seed per prompt.
         """
         for i, prompt in enumerate(prompts):
             if not prompt:
                 raise ValueError(f"prompts[{i}] is empty")
-        expanded = [(gid, p) for gid, p in enumerate(prompts) for _ in range(params.n)]
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"seeds has {len(seeds)} entries, expected one per prompt "
+                             f"({len(prompts)})")
+        expanded = [(gid, p, None if seeds is None else sample_seed(seeds[gid], i))
+                    for gid, p in enumerate(prompts) for i in range(params.n)]
         out: list[Trajectory] = []
         for start in range(0, len(expanded), self.max_batch_size):
-            out.extend(self._generate_batch(expanded[start:start + self.max_batch_size], params))
+            chunk = expanded[start:start + self.max_batch_size]
+            version, rows = self._generate_rows(
+                [p for _, p, _ in chunk], [params.max_new_tokens] * len(chunk),
+                params.temperature, params.top_p,
+                seeds=None if seeds is None else [s for _, _, s in chunk])
+            out.extend(Trajectory(prompt_ids=list(p), completion_ids=r.tokens,
+                                  logprobs=r.logprobs, versions=[version] * len(r.tokens),
+                                  stop_reason=r.stop_reason, group_id=gid)
+                       for (gid, p, _), r in zip(chunk, rows))
         return out
 
     @torch.inference_mode()
-    def _generate_batch(self, items: list[tuple[int, list[int]]], params: SamplingParams):
-        from transformers import GenerationConfig
+    def _generate_rows(self, inputs: list[list[int]], budgets: list[int], temperature: float,
+                       top_p: float, seeds: Optional[list[int]] = None,
+                       offsets: Optional[list[int]] = None,
+                       abort: Optional[threading.Event] = None) -> tuple[int, list[_RowResult]]:
+        """One left-padded ``model.generate`` over rows with their own budgets.
 
-        width = max(len(p) for _, p in items)
-        input_ids = torch.full((len(items), width), self.pad_id, dtype=torch.long)
+        Returns the policy version that generated the tokens and, per row, its tokens cut
+        at its budget or after its first end-of-sequence token.
+        """
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        width = max(len(p) for p in inputs)
+        input_ids = torch.full((len(inputs), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
-        for row, (_, prompt) in enumerate(items):
+        for row, prompt in enumerate(inputs):
             input_ids[row, width - len(prompt):] = torch.tensor(prompt)
             attention_mask[row, width - len(prompt):] = 1
-        sample = params.temperature > 0
+        sample = temperature > 0
+        seeded = sample and seeds is not None
+        random = sample and not seeded
         config = GenerationConfig(
-            do_sample=sample, temperature=params.temperature if sample else None,
-            top_p=params.top_p if sample else None, top_k=0 if sample else None,
-            max_new_tokens=params.max_new_tokens, pad_token_id=self.pad_id,
+            do_sample=random, temperature=temperature if random else None,
+            top_p=top_p if random else None, top_k=0 if random else None,
+            max_new_tokens=max(budgets), pad_token_id=self.pad_id,
             eos_token_id=self.eos_id, return_dict_in_generate=True, output_logits=True)
-        result = self.model.generate(input_ids=input_ids.to(self.device),
-                                     attention_mask=attention_mask.to(self.device),
-                                     generation_config=config)
+        processors = LogitsProcessorList()
+        if seeded:
+            processors.append(SeededSampler(seeds, offsets or [0] * len(inputs), width,
+                                            temperature, top_p))
+        with self._model_lock:
+            device = self.device
+            budget_t = torch.tensor(budgets, dtype=torch.long, device=device)
+            version = self._version
+            result = self.model.generate(
+                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                generation_config=config, logits_processor=processors,
+                stopping_criteria=StoppingCriteriaList([_StopRows(width, budget_t, abort)]))
         new_tokens = result.sequences[:, width:].cpu()
-        scale = params.temperature if sample else 1.0
+        scale = temperature if sample else 1.0
         logprobs = torch.stack([torch.log_softmax(s.float() / scale, dim=-1).gather(
             1, new_tokens[:, i:i + 1].to(s.device)).squeeze(1).cpu()
             for i, s in enumerate(result.logits)], dim=1)
-        return [self._trajectory(gid, prompt, new_tokens[row], logprobs[row])
-                for row, (gid, prompt) in enumerate(items)]
+        return version, [self._cut(new_tokens[row], logprobs[row], budgets[row])
+                         for row in range(len(inputs))]
 
-    def _trajectory(self, gid, prompt, tokens, logprobs) -> Trajectory:
-        tokens = tokens.tolist()
-        stop = tokens.index(self.eos_id) if self.eos_id in tokens else None
-        length = len(tokens) if stop is None else stop + 1
-        return Trajectory(prompt_ids=list(prompt), completion_ids=tokens[:length],
-                          logprobs=logprobs[:length].tolist(), versions=[self._version] * length,
-                          stop_reason="length" if stop is None else "stop", group_id=gid)
+    def _cut(self, tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> _RowResult:
+        tokens = tokens[:budget].tolist()
+        if self.eos_id is not None and self.eos_id in tokens:
+            length, reason = tokens.index(self.eos_id) + 1, "stop"
+        else:
+            length, reason = len(tokens), "length" if len(tokens) == budget else "abort"
+        return _RowResult(tokens[:length], logprobs[:length].tolist(), reason)
+
+    # ------------------------------------------------------------ request-level API
+
+    def start(self) -> None:
+        """Start the engine thread (not paused; a stored engine-thread error is cleared).
+
+        Raises
+        ------
+        RuntimeError
+            If the engine thread is already running.
+        """
+        with self._cond:
+            if self._thread is not None:
+                raise RuntimeError("HFEngine: the engine thread is already running")
+            self._error = None
+            self._paused = False
+            self._closing = False
+            self._abort.clear()
+            self._thread = threading.Thread(target=self._serve, name="HFEngine", daemon=True)
+            self._thread.start()
+
+    def submit(self, requests: list[GenRequest]) -> None:
+        """Queue requests; they start once the engine is running, not paused and has capacity.
+
+        Parameters
+        ----------
+        requests : list[GenRequest]
+
+        Raises
+        ------
+        ValueError
+            If a request has empty ``input_ids``, ``max_new_tokens`` < 1, a negative
+            ``temperature`` or ``offset``, or ``top_p`` outside (0, 1].
+        BaseException
+            The stored exception of a failed engine thread.
+        """
+        for i, r in enumerate(requests):
+            if not r.input_ids:
+                raise ValueError(f"requests[{i}].input_ids is empty")
+            if r.max_new_tokens < 1:
+                raise ValueError(f"requests[{i}].max_new_tokens = {r.max_new_tokens} "
+                                 f"must be >= 1")
+            if r.temperature < 0:
+                raise ValueError(f"requests[{i}].temperature = {r.temperature} must be >= 0")
+            if not 0 < r.top_p <= 1:
+                raise ValueError(f"requests[{i}].top_p = {r.top_p} must be in (0, 1]")
+            if r.offset < 0:
+                raise ValueError(f"requests[{i}].offset = {r.offset} must be >= 0")
+        with self._cond:
+            self._raise_error()
+            self._queue.extend(requests)
+            self._cond.notify_all()
+
+    def get_outputs(self, timeout: float) -> list[GenOutput]:
+        """Finished or aborted requests, waiting up to ``timeout`` seconds for the first.
+
+        Parameters
+        ----------
+        timeout : float
+            Seconds to wait (>= 0) when no output is ready.
+
+        Returns
+        -------
+        list[GenOutput]
+            Every output not yet returned, in completion order; empty after a timeout.
+
+        Raises
+        ------
+        ValueError
+            If ``timeout`` < 0.
+        BaseException
+            The exception that stopped the engine thread (re-raised on every call).
+        """
+        if timeout < 0:
+            raise ValueError(f"timeout = {timeout} must be >= 0")
+        with self._cond:
+            self._cond.wait_for(lambda: self._outputs or self._error is not None, timeout)
+            self._raise_error()
+            out, self._outputs = self._outputs, []
+            return out
+
+    def pause(self, timeout: float) -> None:
+        """Abort the running batch, keep queued requests queued, and wait until idle.
+
+        The running requests come back from :meth:`get_outputs` with their partial tokens
+        and stop_reason "abort" (or "stop"/"length" if they finished in the same step).
+
+        Parameters
+        ----------
+        timeout : float
+            Seconds to wait for the engine thread to finish its current step (>= 0).
+
+        Raises
+        ------
+        ValueError
+            If ``timeout`` < 0.
+        TimeoutError
+            If the engine thread is still generating after ``timeout`` seconds (the engine
+            stays paused).
+        BaseException
+            The exception that stopped the engine thread.
+        """
+        if timeout < 0:
+            raise ValueError(f"timeout = {timeout} must be >= 0")
+        with self._cond:
+            self._paused = True
+            self._abort.set()
+            idle = self._cond.wait_for(lambda: not self._busy or self._error is not None,
+                                       timeout)
+            self._raise_error()
+            if not idle:
+                raise TimeoutError(f"HFEngine: engine thread still generating {timeout} s "
+                                   f"after pause")
+
+    def resume(self) -> None:
+        """Start generating queued requests again."""
+        with self._cond:
+            self._paused = False
+            self._abort.clear()
+            self._cond.notify_all()
+
+    def drop_queued(self) -> int:
+        """Forget queued (not yet running) requests; returns how many were dropped."""
+        with self._cond:
+            dropped = len(self._queue)
+            self._queue.clear()
+            return dropped
+
+    def close(self) -> None:
+        """Stop the running batch, stop and join the engine thread; drop queued requests and
+        unread outputs. Safe to call repeatedly or without :meth:`start`."""
+        with self._cond:
+            thread = self._thread
+            self._closing = True
+            self._abort.set()
+            self._cond.notify_all()
+        if thread is not None:
+            thread.join()
+        with self._cond:
+            self._thread = None
+            self._closing = False
+            self._paused = False
+            self._abort.clear()
+            self._queue.clear()
+            self._outputs = []
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _take_batch(self) -> list[GenRequest]:
+        """Remove and return up to ``max_batch_size`` queued requests sharing the sampling
+        settings of the oldest one, in queue order."""
+        key = self._sampling_key(self._queue[0])
+        batch, rest = [], deque()
+        for request in self._queue:
+            if len(batch) < self.max_batch_size and self._sampling_key(request) == key:
+                batch.append(request)
+            else:
+                rest.append(request)
+        self._queue = rest
+        return batch
+
+    @staticmethod
+    def _sampling_key(request: GenRequest) -> tuple[float, float]:
+        return (0.0, 1.0) if request.temperature == 0 else (request.temperature, request.top_p)
+
+    def _serve(self) -> None:
+        """Engine-thread loop: run batches while not paused; store any exception."""
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(
+                        lambda: self._closing or (not self._paused and self._queue))
+                    if self._closing:
+                        return
+                    batch = self._take_batch()
+                    self._busy = True
+                outputs = self._run_requests(batch)
+                with self._cond:
+                    self._outputs.extend(outputs)
+                    self._busy = False
+                    self._cond.notify_all()
+        except BaseException as exc:  # surfaced by get_outputs / pause / submit
+            with self._cond:
+                self._error = exc
+                self._busy = False
+                self._cond.notify_all()
+
+    def _run_requests(self, batch: list[GenRequest]) -> list[GenOutput]:
+        first = batch[0]
+        version, rows = self._generate_rows(
+            [r.input_ids for r in batch], [r.max_new_tokens for r in batch],
+            first.temperature, first.top_p, seeds=[r.seed for r in batch],
+            offsets=[r.offset for r in batch], abort=self._abort)
+        return [GenOutput(rid=r.rid, output_ids=row.tokens, logprobs=row.logprobs,
+                          versions=[version] * len(row.tokens), stop_reason=row.stop_reason)
+                for r, row in zip(batch, rows)]
+
+    # ----------------------------------------------------------------- weights
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
@@ -123,10 +443,20 @@ class HFEngine:
 
         Raises
         ------
+        RuntimeError
+            If the engine thread is running and not paused and idle (see :meth:`pause`).
         ValueError
             An unknown parameter name, a shape mismatch, or a parameter missing from the
             update (each message names the tensor).
         """
+        with self._cond:
+            if self._thread is not None and (not self._paused or self._busy):
+                raise RuntimeError("HFEngine: update_weights while the engine thread is "
+                                   "generating; call pause() first")
+            with self._model_lock:
+                self._install(named_tensors, version)
+
+    def _install(self, named_tensors, version: int) -> None:
         params = dict(self.model.named_parameters())
         incoming = dict(named_tensors)
         for name, tensor in incoming.items():
