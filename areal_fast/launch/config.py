@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from areal_fast.controller.async_loop import Timeouts
 from areal_fast.data.rewards import DEFAULT_INSTRUCTION
 from areal_fast.models.loading import DEMO_MODEL
 from areal_fast.rl.advantages import ADVANTAGE_MODES
@@ -69,13 +70,23 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    """Sampling during training (the inference engine)."""
+    """Sampling during training (the inference engines) and how far it may run ahead.
+
+    Rollouts are counted in prompt groups (one prompt sampled group_size times).
+    """
 
     group_size: int = 4  # samples per prompt (GRPO group)
     temperature: float = 0.7
     top_p: float = 1.0
     max_new_tokens: int = 32
-    max_batch_size: int = 64  # sequences generated together
+    max_batch_size: int = 64  # sequences an engine generates together
+    # η: a rollout may start only while accepted + running < (η + version + 1) · batch_size;
+    # 0 is synchronous RL (AReaL §4.1)
+    max_head_offpolicyness: int = 2
+    # prompt groups in flight at most over all engines; None: (η + 1) · batch_size
+    max_concurrent_rollouts: Optional[int] = None
+    dynamic_filter: bool = False  # DAPO: drop groups whose rewards are all equal, resample
+    num_workers: int = 1  # rollout worker processes (one engine each)
 
     def __post_init__(self):
         _at_least("group_size", self.group_size, 2, "(GRPO compares samples of a prompt)")
@@ -84,6 +95,10 @@ class RolloutConfig:
             raise ValueError(f"top_p = {self.top_p} must be in (0, 1]")
         _at_least("max_new_tokens", self.max_new_tokens, 1)
         _at_least("max_batch_size", self.max_batch_size, 1)
+        _at_least("max_head_offpolicyness", self.max_head_offpolicyness, 0)
+        if self.max_concurrent_rollouts is not None:
+            _at_least("max_concurrent_rollouts", self.max_concurrent_rollouts, 1)
+        _at_least("num_workers", self.num_workers, 1)
 
 
 @dataclass
@@ -96,6 +111,12 @@ class ActorConfig:
     max_tokens_per_mb: int = 4096  # token budget of one micro-batch
     pack_method: str = "kk"  # "kk" (Karmarkar–Karp) | "ffd" (first-fit decreasing)
     keep_groups: bool = False  # keep each GRPO group in one micro-batch
+    # decoupled PPO (AReaL, Fu et al. 2025, Eq. 5): ratio against the proximal policy (the
+    # trainer's weights at the start of the step), weighted by exp(prox − behav)
+    use_decoupled_loss: bool = True
+    prox_logp_method: str = "recompute"  # "recompute" | "loglinear" (version interpolation)
+    behav_weight_cap: Optional[float] = None  # cap on exp(prox − behav); sets loss.behav_weight_cap
+    ppo_n_minibatches: int = 1  # optimizer steps per batch (one policy version per batch)
 
     def __post_init__(self):
         if self.adv_mode not in ADVANTAGE_MODES:
@@ -103,6 +124,36 @@ class ActorConfig:
         if self.pack_method not in ("kk", "ffd"):
             raise ValueError(f"pack_method = {self.pack_method!r} is not 'kk' or 'ffd'")
         _at_least("max_tokens_per_mb", self.max_tokens_per_mb, 1)
+        if self.prox_logp_method not in ("recompute", "loglinear"):
+            raise ValueError(f"prox_logp_method = {self.prox_logp_method!r} is not "
+                             f"'recompute' or 'loglinear'")
+        _at_least("ppo_n_minibatches", self.ppo_n_minibatches, 1)
+        if self.behav_weight_cap is not None:
+            if not self.behav_weight_cap > 0:
+                raise ValueError(f"behav_weight_cap = {self.behav_weight_cap} must be > 0")
+            if self.loss.behav_weight_cap not in (None, self.behav_weight_cap):
+                raise ValueError(f"behav_weight_cap = {self.behav_weight_cap} contradicts "
+                                 f"loss.behav_weight_cap = {self.loss.behav_weight_cap}")
+            self.loss.behav_weight_cap = self.behav_weight_cap
+
+
+@dataclass
+class LauncherConfig:
+    """Local launcher: processes, their CPU threads, and how long to wait for them."""
+
+    # torch threads per process; None: every process gets all cores when
+    # rollout.max_head_offpolicyness = 0 (trainer and engines take turns), else the cores
+    # are split between the trainer and the rollout workers (they run at the same time)
+    trainer_threads: Optional[int] = None
+    rollout_threads: Optional[int] = None
+    startup_timeout: float = 600.0  # seconds for every worker to load its model
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+    def __post_init__(self):
+        for name in ("trainer_threads", "rollout_threads"):
+            if getattr(self, name) is not None:
+                _at_least(name, getattr(self, name), 1)
+        _positive_finite("startup_timeout", self.startup_timeout)
 
 
 @dataclass
@@ -110,13 +161,11 @@ class EvalConfig:
     """Greedy evaluation on the held-out set, before and after training."""
 
     max_new_tokens: int = 32
-    batch_size: int = 100
     before: bool = True
     after: bool = True
 
     def __post_init__(self):
         _at_least("max_new_tokens", self.max_new_tokens, 1)
-        _at_least("batch_size", self.batch_size, 1)
 
 
 @dataclass
@@ -136,6 +185,7 @@ class ExperimentConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
     tags: List[str] = field(default_factory=list)
 
     def __post_init__(self):

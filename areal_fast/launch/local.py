@@ -1,9 +1,9 @@
-"""Local launcher: build every component of one experiment in this process and run it."""
+"""Local launcher: check the inputs, start rollout and trainer processes, run the controller."""
 
 from __future__ import annotations
 
-import copy
 import json
+import os
 import platform
 import random
 import shutil
@@ -13,15 +13,22 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from areal_fast.controller.loop import LoopSettings, train_loop
+from tqdm import tqdm
+
+from areal_fast.controller.async_loop import AsyncController, ControllerSettings
+from areal_fast.controller.messages import Saved, SaveCheckpoint
 from areal_fast.controller.metrics import MetricsLog, plot_progress
-from areal_fast.controller.rollout import MathRollout, ProblemStream
+from areal_fast.controller.rollout import ChatPrompts, MathRequests, ProblemStream, eval_requests
+from areal_fast.controller.rollout_worker import RolloutWorkerSpec
+from areal_fast.controller.trainer_worker import TrainerWorkerSpec
+from areal_fast.controller.workers import WorkerError, wait_messages
+from areal_fast.data.rewards import math_reward
 from areal_fast.data.tasks import drop_eval_overlap, load_problems
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
-from areal_fast.models.loading import load_causal_lm, load_tokenizer
+from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
+from areal_fast.launch.processes import ClusterSpec, LocalCluster
+from areal_fast.models.loading import load_model_config, load_tokenizer
 from areal_fast.rollout.engine import SamplingParams
-from areal_fast.rollout.hf_engine import HFEngine
-from areal_fast.train.torch_engine import TorchTrainEngine
 
 
 def seed_everything(seed: int) -> None:
@@ -102,7 +109,7 @@ def prepare_run_dir(cfg: ExperimentConfig) -> Path:
     return run_dir
 
 
-def check_lengths(cfg: ExperimentConfig, rollout: MathRollout, problems, max_positions) -> None:
+def check_lengths(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_positions) -> None:
     """Fail before any work if the longest possible sequence fits no micro-batch or model.
 
     Raises
@@ -111,7 +118,7 @@ def check_lengths(cfg: ExperimentConfig, rollout: MathRollout, problems, max_pos
         Naming ``actor.max_tokens_per_mb`` or ``rollout.max_new_tokens`` /
         ``eval.max_new_tokens``.
     """
-    longest_prompt = max(len(rollout.prompt_ids(p)) for p in problems)
+    longest_prompt = max(len(prompts(p)) for p in problems)
     new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
     if max_positions and longest_prompt + new_tokens > max_positions:
         raise ValueError(f"rollout.max_new_tokens / eval.max_new_tokens = {new_tokens}: with "
@@ -127,72 +134,138 @@ def check_lengths(cfg: ExperimentConfig, rollout: MathRollout, problems, max_pos
                          f"+ rollout.max_new_tokens {cfg.rollout.max_new_tokens})")
 
 
+def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
+    """(trainer, rollout-worker) torch threads: ``launcher.*_threads`` when set; otherwise all
+    cores each when η = 0 (trainer and engines take turns), else the cores split between the
+    trainer and the rollout workers, which then run at the same time."""
+    cores = cfg.threads or os.cpu_count() or 1
+    if cfg.rollout.max_head_offpolicyness == 0:
+        trainer, rollout = cores, max(1, cores // cfg.rollout.num_workers)
+    else:
+        trainer = max(1, cores // 2)
+        rollout = max(1, (cores - trainer) // cfg.rollout.num_workers)
+    return (cfg.launcher.trainer_threads or trainer, cfg.launcher.rollout_threads or rollout)
+
+
+def cluster_spec(cfg: ExperimentConfig) -> ClusterSpec:
+    """Worker specs of one experiment: HF engines, the torch trainer, math rewards."""
+    m, a = cfg.model, cfg.actor
+    trainer_threads, rollout_threads = worker_threads(cfg)
+    engine = HFEngineFactory(m.path, m.dtype, m.attn_implementation, m.device,
+                             cfg.rollout.max_batch_size)
+    trainer = TorchTrainerFactory(
+        m.path, a.loss, a.optim, m.dtype, m.attn_implementation, m.device,
+        temperature=cfg.rollout.temperature, max_tokens_per_mb=a.max_tokens_per_mb,
+        pack_method=a.pack_method, keep_groups=a.keep_groups,
+        use_decoupled_loss=a.use_decoupled_loss, prox_logp_method=a.prox_logp_method,
+        ppo_n_minibatches=a.ppo_n_minibatches, seed=cfg.seed)
+    return ClusterSpec(
+        rollout=RolloutWorkerSpec(engine, math_reward, threads=rollout_threads),
+        trainer=TrainerWorkerSpec(trainer, adv_mode=a.adv_mode,
+                                  fetch_timeout=cfg.launcher.timeouts.weight_update,
+                                  threads=trainer_threads),
+        num_rollout_workers=cfg.rollout.num_workers,
+        startup_timeout=cfg.launcher.startup_timeout)
+
+
+def controller_settings(cfg: ExperimentConfig) -> ControllerSettings:
+    """Staleness and batch settings of the controller from the config."""
+    r = cfg.rollout
+    concurrent = r.max_concurrent_rollouts or (r.max_head_offpolicyness + 1) * cfg.batch_size
+    return ControllerSettings(cfg.total_steps, cfg.batch_size, r.max_head_offpolicyness,
+                              concurrent, r.dynamic_filter, cfg.launcher.timeouts)
+
+
 def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
-    """Run one synchronous GRPO experiment end to end; returns the summary dict.
+    """Run one GRPO experiment end to end (asynchronous controller); returns the summary.
 
     Everything that can fail on bad input (data files, task names, model path) is loaded
-    before the run directory is created. The run directory gets ``config.yaml``,
-    ``metrics.jsonl`` (one line per step), ``eval_before.jsonl`` / ``eval_after.jsonl``,
-    ``progress.png``, ``checkpoint/`` and, last of all, ``summary.json``: a run directory
-    without ``summary.json`` did not finish (a failed run also gets ``FAILED`` with the error).
+    before the run directory is created and before any worker starts. The run directory gets
+    ``config.yaml``, ``metrics.jsonl`` (one line per step), ``eval_before.jsonl`` /
+    ``eval_after.jsonl``, ``progress.png``, ``checkpoint/`` and, last of all,
+    ``summary.json``: a run directory without ``summary.json`` did not finish (a failed run
+    also gets ``FAILED`` with the error).
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     check_run_dir(cfg)  # raises the one-line error before any slow work
     train_set, eval_set, removed = load_datasets(cfg)
-    tokenizer = load_tokenizer(cfg.model.path)
-    policy = load_causal_lm(cfg.model.path, cfg.model.dtype, cfg.model.attn_implementation,
-                            cfg.model.device)
-    engine = HFEngine(copy.deepcopy(policy), tokenizer, cfg.rollout.max_batch_size)
-    ref = copy.deepcopy(policy) if cfg.actor.loss.kl_coef > 0 else None
-    trainer = TorchTrainEngine(policy, cfg.actor.loss, cfg.actor.optim,
-                               temperature=cfg.rollout.temperature,
-                               max_tokens_per_mb=cfg.actor.max_tokens_per_mb,
-                               pack_method=cfg.actor.pack_method,
-                               keep_groups=cfg.actor.keep_groups, ref_model=ref)
-    rollout = MathRollout(engine, tokenizer, cfg.data.instruction)
-    check_lengths(cfg, rollout, train_set + eval_set,
-                  getattr(policy.config, "max_position_embeddings", None))
+    tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
+    prompts = ChatPrompts(tokenizer, cfg.data.instruction)
+    model_config = load_model_config(cfg.model.path)
+    check_lengths(cfg, prompts, train_set + eval_set,
+                  getattr(model_config, "max_position_embeddings", None))
     run_dir = prepare_run_dir(cfg)
     try:
-        return _run(cfg, run_dir, rollout, trainer, train_set, eval_set, removed, show_progress)
+        with LocalCluster(cluster_spec(cfg)) as cluster:
+            return _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set,
+                        removed, show_progress)
     except BaseException as exc:
         (run_dir / "FAILED").write_text(f"{type(exc).__name__}: {exc}\n")
         raise
 
 
-def _run(cfg, run_dir, rollout, trainer, train_set, eval_set, removed, show_progress):
+def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed,
+         show_progress):
     start = time.perf_counter()
     summary: dict = {"train_problems": len(train_set), "eval_problems": len(eval_set),
                      "train_removed_overlap": removed, "seed": cfg.seed}
-    eval_points = {}
-    if cfg.eval.before:
-        summary["eval_before"] = _evaluate(rollout, eval_set, cfg, run_dir / "eval_before.jsonl")
-        eval_points["before"] = (0, summary["eval_before"])
-    settings = LoopSettings(cfg.total_steps, cfg.batch_size, SamplingParams(
-        n=cfg.rollout.group_size, temperature=cfg.rollout.temperature, top_p=cfg.rollout.top_p,
-        max_new_tokens=cfg.rollout.max_new_tokens), adv_mode=cfg.actor.adv_mode)
+    params = SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
+                            top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens)
     log = MetricsLog(run_dir / "metrics.jsonl")
-    train_loop(rollout, trainer, ProblemStream(train_set, cfg.seed), settings, log,
-               show_progress)
+    bar = tqdm(total=cfg.total_steps, desc="train", disable=not show_progress)
+
+    def on_step(record: dict) -> None:
+        log.append(record)
+        bar.update(1)
+        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
+
+    controller = AsyncController(
+        cluster.rollout_workers, cluster.trainer, cluster.weight_buffers,
+        MathRequests(ProblemStream(train_set, cfg.seed), prompts, params, cfg.seed),
+        controller_settings(cfg), on_step)
+    eval_points = {}
+    held_out = eval_requests(eval_set, prompts, cfg.eval.max_new_tokens)
+    if cfg.eval.before:
+        summary["eval_before"] = _evaluate(controller, held_out, run_dir / "eval_before.jsonl")
+        eval_points["before"] = (0, summary["eval_before"])
+    counts = controller.run()
+    bar.close()
     if cfg.eval.after:
-        summary["eval_after"] = _evaluate(rollout, eval_set, cfg, run_dir / "eval_after.jsonl")
+        summary["eval_after"] = _evaluate(controller, held_out, run_dir / "eval_after.jsonl")
         eval_points["after"] = (cfg.total_steps, summary["eval_after"])
     if log.records:
         plot_progress(log.records, eval_points, run_dir / "progress.png")
-    trainer.save(str(run_dir / "checkpoint"))
-    rollout.tokenizer.save_pretrained(str(run_dir / "checkpoint"))
+    save_checkpoint(cluster, str(run_dir / "checkpoint"), cfg.launcher.timeouts.train_step)
+    tokenizer.save_pretrained(str(run_dir / "checkpoint"))
     summary.update(steps=cfg.total_steps, wall_seconds=time.perf_counter() - start,
-                   torch=torch.__version__, torch_threads=torch.get_num_threads(),
-                   machine=platform.machine())
+                   max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+                   **counts.as_dict(), torch=torch.__version__,
+                   trainer_threads=worker_threads(cfg)[0],
+                   rollout_threads=worker_threads(cfg)[1], machine=platform.machine())
+    if log.records:
+        summary["trained_tokens_per_s"] = log.records[-1]["trained_tokens_per_s"]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
-def _evaluate(rollout: MathRollout, eval_set, cfg: ExperimentConfig, path: Path) -> float:
-    accuracy, records = rollout.evaluate(eval_set, cfg.eval.max_new_tokens, cfg.eval.batch_size)
+def save_checkpoint(cluster: LocalCluster, path: str, timeout: float) -> None:
+    """Ask the trainer to write a HF checkpoint directory at ``path`` and wait for it."""
+    cluster.trainer.send(SaveCheckpoint(path))
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise WorkerError(f"trainer did not save {path} within {timeout:g} s")
+        for handle, message in wait_messages([cluster.trainer], left, "while saving"):
+            if isinstance(message, Saved):
+                return
+
+
+def _evaluate(controller: AsyncController, requests, path: Path) -> float:
+    records = controller.evaluate(requests)
     with path.open("w") as fh:
         for record in records:
             fh.write(json.dumps(record) + "\n")
-    return accuracy
+    return sum(r["correct"] for r in records) / max(len(records), 1)

@@ -145,6 +145,23 @@ def load_tokenizer(path: str):
     return tok
 
 
+def load_model_config(path: str):
+    """The transformers ``AutoConfig`` of ``path`` (see :func:`resolve_model_path`).
+
+    Raises
+    ------
+    ValueError
+        If no model config can be loaded from the path.
+    """
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(resolve_model_path(path))
+    except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
+        raise ValueError(f"model.path = {path!r}: cannot load a model config "
+                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+
+
 def load_causal_lm(path: str, dtype: str = "float32", attn_implementation: str = "sdpa",
                    device: str | torch.device = "cpu") -> torch.nn.Module:
     """Load a Hugging Face causal LM (``AutoModelForCausalLM``) by id, local path or demo name.

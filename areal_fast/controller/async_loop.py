@@ -1,0 +1,321 @@
+"""The asynchronous RL controller: rollout and training run at the same time, bounded by
+staleness (AReaL, Fu et al. 2025). η = max_head_offpolicyness = 0 is synchronous RL through
+the same code path.
+
+The controller holds no tensors. It starts rollouts on the rollout workers as the
+:class:`~areal_fast.controller.staleness.StalenessManager` allows, collects finished groups
+as shard metadata, hands every batch_size accepted groups (in acceptance order) to the trainer
+as a :class:`~areal_fast.controller.batch.DistributedBatch`, and after each step tells every
+rollout worker to load the new weights (they interrupt and resume their running samples).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from areal_fast.controller import messages as msg
+from areal_fast.controller.batch import DistributedBatch
+from areal_fast.controller.staleness import StalenessManager
+from areal_fast.controller.workers import WorkerError, WorkerHandle, wait_messages
+
+TRAIN_PIPELINE = 2  # batches handed to the trainer ahead of completion (prefetch depth)
+
+
+@dataclass
+class Timeouts:
+    """Seconds before the controller gives up on a worker (each error names the worker)."""
+
+    train_step: float = 3600.0  # one TrainStep, fetch to publish
+    weight_update: float = 600.0  # a rollout worker acknowledging new weights
+    rollout_stall: float = 1800.0  # no rollout finished while some are running
+    evaluate: float = 3600.0
+
+    def __post_init__(self):
+        for name in ("train_step", "weight_update", "rollout_stall", "evaluate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} = {getattr(self, name)} must be > 0")
+
+
+@dataclass
+class ControllerSettings:
+    """What the controller itself needs (components carry the rest).
+
+    Attributes
+    ----------
+    total_steps : int
+    batch_size : int
+        B, prompt groups per training step.
+    max_head_offpolicyness : int
+        η of the staleness bound (0 = synchronous).
+    max_concurrent_rollouts : int
+        Prompt groups in flight at most, over all rollout workers.
+    dynamic_filter : bool
+        Drop groups whose rewards are all equal (DAPO dynamic sampling, Yu et al. 2025) and
+        keep sampling until the batch is full.
+    timeouts : Timeouts
+    """
+
+    total_steps: int
+    batch_size: int
+    max_head_offpolicyness: int
+    max_concurrent_rollouts: int
+    dynamic_filter: bool = False
+    timeouts: Timeouts = field(default_factory=Timeouts)
+
+
+@dataclass
+class RunCounts:
+    """Where every submitted rollout went: trained exactly once, or dropped with a reason."""
+
+    submitted: int = 0
+    trained: int = 0
+    dropped: dict = field(default_factory=lambda: collections.Counter())
+    interruptions: int = 0
+
+    def as_dict(self) -> dict:
+        return {"rollouts_submitted": self.submitted, "rollouts_trained": self.trained,
+                "rollouts_dropped": dict(self.dropped),
+                "sample_interruptions": self.interruptions}
+
+
+class AsyncController:
+    """Drives rollout workers and one trainer worker; see the module docstring.
+
+    Parameters
+    ----------
+    rollout_workers : list[WorkerHandle]
+        Started rollout workers (their :class:`WorkerReady` already received).
+    trainer : WorkerHandle
+        Started trainer worker.
+    weight_buffers : tuple[WeightBufferSpec, WeightBufferSpec]
+        The trainer's two weight slots (version v is published into slot v % 2).
+    next_request : callable (group_id) -> GroupRequest
+        Supplies the next prompt group to sample.
+    settings : ControllerSettings
+    on_step : callable (dict) -> None
+        Receives each step's metrics record.
+    """
+
+    def __init__(self, rollout_workers: list[WorkerHandle], trainer: WorkerHandle,
+                 weight_buffers, next_request: Callable[[int], msg.GroupRequest],
+                 settings: ControllerSettings, on_step: Callable[[dict], None]):
+        self.workers, self.trainer, self.buffers = rollout_workers, trainer, weight_buffers
+        self.next_request, self.s, self.on_step = next_request, settings, on_step
+        self.staleness = StalenessManager(settings.batch_size, settings.max_head_offpolicyness,
+                                          settings.max_concurrent_rollouts)
+        self.version = 0
+        self.counts = RunCounts()
+        self.ready: collections.deque[msg.GroupDone] = collections.deque()
+        self.in_flight = {w.name: 0 for w in rollout_workers}
+        self.acked = {w.name: 0 for w in rollout_workers}
+        # batches sent to the trainer and not finished: (groups, send time); at most
+        # TRAIN_PIPELINE, so the trainer fetches batch k + 1 while it trains batch k
+        self.training: collections.deque[tuple[list[msg.GroupDone], float]] = collections.deque()
+        self.eval_records: dict[str, list] = {}
+        self.start = self.last_step = self.last_finish = time.monotonic()
+        self.trained_tokens = 0
+        self.generated_tokens = 0
+
+    # ---- the loop -------------------------------------------------------------------
+    def run(self) -> RunCounts:
+        """Train ``total_steps`` steps; returns the rollout accounting.
+
+        Raises
+        ------
+        WorkerError
+            A worker died, failed or missed its deadline (the message names it).
+        """
+        self.start = self.last_step = self.last_finish = time.monotonic()
+        while self.version < self.s.total_steps:
+            self._submit_rollouts()
+            self._train_if_ready()
+            for worker, message in wait_messages(self._all(), self._wait_seconds(),
+                                                 self._doing()):
+                self._on_message(worker, message)
+            self._check_deadlines()
+        self._wind_down()
+        return self.counts
+
+    def _submit_rollouts(self) -> None:
+        capacity = self.staleness.capacity(self.version)
+        if capacity == 0:
+            return
+        per_worker: dict[str, list[msg.GroupRequest]] = {}
+        for _ in range(capacity):
+            worker = min(self.workers, key=lambda w: self.in_flight[w.name])
+            self.in_flight[worker.name] += 1
+            per_worker.setdefault(worker.name, []).append(self.next_request(self.counts.submitted))
+            self.counts.submitted += 1
+        self.staleness.on_submit(capacity)
+        for worker in self.workers:
+            if worker.name in per_worker:
+                worker.send(msg.SubmitGroups(per_worker[worker.name]))
+
+    def _train_if_ready(self) -> None:
+        while len(self.training) < TRAIN_PIPELINE and len(self.ready) >= self.s.batch_size:
+            new_version = self.version + len(self.training) + 1
+            if new_version > self.s.total_steps:
+                return
+            # its slot last held new_version - 2: every worker must have loaded that already
+            if min(self.acked.values(), default=self.version) < new_version - 2:
+                return
+            batch = sorted((self.ready.popleft() for _ in range(self.s.batch_size)),
+                           key=lambda g: g.group_id)
+            self.training.append((batch, time.monotonic()))
+            self.trainer.send(msg.TrainStep(DistributedBatch([g.shard for g in batch]),
+                                            slot=new_version % 2))
+
+    def _on_message(self, worker: WorkerHandle, message) -> None:
+        if isinstance(message, msg.GroupDone):
+            self._on_group_done(worker, message)
+        elif isinstance(message, msg.StepDone):
+            self._on_step_done(message)
+        elif isinstance(message, msg.WeightsUpdated):
+            self.acked[worker.name] = max(self.acked[worker.name], message.version)
+        elif isinstance(message, msg.EvalDone):
+            self.eval_records[worker.name] = message.records
+        else:
+            raise WorkerError(f"worker {worker.name!r} sent an unexpected "
+                              f"{type(message).__name__}")
+
+    def _on_group_done(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
+        self.in_flight[worker.name] -= 1
+        self.last_finish = time.monotonic()
+        self.counts.interruptions += done.interruptions
+        self.generated_tokens += sum(done.completion_lengths)
+        keep = not (self.s.dynamic_filter and len(set(done.rewards)) == 1)
+        self.staleness.on_finish(accepted=keep)
+        if keep:
+            self.ready.append(done)
+        else:
+            self.counts.dropped["dynamic_filter"] += 1
+            worker.send(msg.DropShards([done.group_id]))
+
+    def _on_step_done(self, done: msg.StepDone) -> None:
+        if done.version != self.version + 1:
+            raise WorkerError(f"trainer {self.trainer.name!r} reported version {done.version} "
+                              f"after version {self.version}")
+        batch, sent = self.training.popleft()
+        self.version = done.version
+        self.counts.trained += len(batch)
+        for worker in self.workers:
+            worker.send(msg.UpdateWeights(self.version, self.buffers[self.version % 2]))
+        self.on_step(self._step_record(batch, sent, done))
+
+    # ---- metrics ----------------------------------------------------------------------
+    def _step_record(self, batch: list[msg.GroupDone], sent: float, done: msg.StepDone) -> dict:
+        now = time.monotonic()
+        self.trained_tokens += done.trained_tokens
+        rewards = [r for g in batch for r in g.rewards]
+        lengths = [n for g in batch for n in g.completion_lengths]
+        record = {
+            "step": self.version, "policy_version": self.version,
+            "reward_mean": statistics.fmean(rewards),
+            "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+            "solve_rate": sum(max(g.rewards) == 1.0 for g in batch) / len(batch),
+            "zero_adv_group_fraction": sum(len(set(g.rewards)) == 1 for g in batch) / len(batch),
+            "response_length_mean": statistics.fmean(lengths),
+            "response_length_max": float(max(lengths)),
+            "truncated_fraction": sum(r == "length" for g in batch for r in g.stop_reasons)
+            / len(rewards),
+            "interrupted_samples": sum(g.interruptions for g in batch),
+            **done.stats,
+            "trained_tokens": done.trained_tokens,
+            "trained_tokens_per_s": self.trained_tokens / (now - self.start),
+            "gen_tokens_per_s": self.generated_tokens / (now - self.start),
+            "train_tokens_per_s": sum(g.shard.num_tokens for g in batch)
+            / max(done.train_seconds, 1e-9),
+            "fetch_seconds": done.fetch_seconds, "train_seconds": done.train_seconds,
+            "publish_seconds": done.publish_seconds,
+            "trainer_wait_seconds": max(0.0, sent - self.last_step),
+            "step_seconds": now - self.last_step, "elapsed_seconds": now - self.start,
+            "rollouts_running": self.staleness.counts.running, "rollouts_ready": len(self.ready),
+            "rollouts_dropped": sum(self.counts.dropped.values()),
+        }
+        self.last_step = now
+        return record
+
+    # ---- deadlines and shutdown -----------------------------------------------------
+    def _all(self) -> list[WorkerHandle]:
+        return [*self.workers, self.trainer]
+
+    def _doing(self) -> str:
+        return f"at policy version {self.version} (step {self.version + 1})"
+
+    def _wait_seconds(self) -> float:
+        return 1.0
+
+    def _check_deadlines(self) -> None:
+        now, t = time.monotonic(), self.s.timeouts
+        if self.training and now - max(self.training[0][1], self.last_step) > t.train_step:
+            raise WorkerError(f"trainer {self.trainer.name!r} did not finish step "
+                              f"{self.version + 1} within timeouts.train_step = {t.train_step:g} s")
+        late = [w.name for w in self.workers if self.acked[w.name] < self.version]
+        if late and now - self.last_step > t.weight_update:
+            raise WorkerError(f"rollout worker {late[0]!r} did not load weights version "
+                              f"{self.version} within timeouts.weight_update = "
+                              f"{t.weight_update:g} s")
+        busy = [w.name for w in self.workers if self.in_flight[w.name] > 0]
+        if busy and now - self.last_finish > t.rollout_stall:
+            raise WorkerError(f"rollout worker {busy[0]!r} finished no rollout within "
+                              f"timeouts.rollout_stall = {t.rollout_stall:g} s "
+                              f"({self.in_flight[busy[0]]} running)")
+
+    def _wind_down(self) -> None:
+        """Cancel running rollouts, drop unused ones, wait until every worker serves the
+        final weights; each discarded rollout is counted with its reason."""
+        for worker in self.workers:
+            worker.send(msg.CancelAll())
+        unused = list(self.ready)
+        self.ready.clear()
+        self.counts.dropped["unused_at_end"] += len(unused)
+        by_worker: dict[str, list[int]] = {}
+        for group in unused:
+            by_worker.setdefault(group.shard.node_id, []).append(group.group_id)
+        for worker in self.workers:
+            if worker.name in by_worker:
+                worker.send(msg.DropShards(by_worker[worker.name]))
+        cancelled = {w.name for w in self.workers}
+        deadline = time.monotonic() + self.s.timeouts.weight_update
+        while cancelled or min(self.acked.values()) < self.version:
+            if time.monotonic() > deadline:
+                raise WorkerError(f"rollout workers {sorted(cancelled)} did not wind down "
+                                  f"within {self.s.timeouts.weight_update:g} s")
+            for worker, message in wait_messages(self._all(), 1.0, "while winding down"):
+                if isinstance(message, msg.Cancelled):
+                    cancelled.discard(worker.name)
+                    self.counts.dropped["in_flight_at_end"] += message.groups
+                elif isinstance(message, msg.GroupDone):  # finished before the cancel
+                    self.in_flight[worker.name] -= 1
+                    self.counts.dropped["unused_at_end"] += 1
+                    worker.send(msg.DropShards([message.group_id]))
+                else:
+                    self._on_message(worker, message)
+
+    def evaluate(self, requests: list[msg.GroupRequest]) -> list[dict]:
+        """Run evaluation groups (greedy, n=1) spread over the rollout workers; returns one
+        record per request (uid, answer, completion, correct, reward), in request order.
+
+        Raises
+        ------
+        WorkerError
+            A worker died or did not finish within ``timeouts.evaluate``.
+        """
+        self.eval_records = {}
+        for i, worker in enumerate(self.workers):
+            worker.send(msg.Evaluate(requests[i::len(self.workers)]))
+        deadline = time.monotonic() + self.s.timeouts.evaluate
+        while len(self.eval_records) < len(self.workers):
+            if time.monotonic() > deadline:
+                missing = [w.name for w in self.workers if w.name not in self.eval_records]
+                raise WorkerError(f"rollout worker {missing[0]!r} did not finish evaluation "
+                                  f"within timeouts.evaluate = {self.s.timeouts.evaluate:g} s")
+            for worker, message in wait_messages(self._all(), 1.0, "during evaluation"):
+                self._on_message(worker, message)
+        order = {r.uid: i for i, r in enumerate(requests)}
+        records = [r for recs in self.eval_records.values() for r in recs]
+        return sorted(records, key=lambda r: order.get(r["uid"], 0))

@@ -1,0 +1,279 @@
+"""DistributedBatch: the controller moves shard metadata; trainer shards fetch the tensors.
+
+A rollout worker keeps every finished GRPO group (one shard) in its own process, in a
+:class:`ShardStore` served over an authenticated local connection. The controller only sees
+:class:`ShardMetadata`; a trainer turns a :class:`DistributedBatch` into a
+:class:`~areal_fast.rl.batch.PackedBatch` by fetching the shards from their workers
+(:func:`fetch_packed_batch`). A fetched shard is removed from its store, so each accepted
+group is trained on at most once.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass, field
+from multiprocessing.connection import Client, Listener
+
+import numpy as np
+import torch
+
+from areal_fast.ops.packing import (
+    cu_seqlens_from_lengths,
+    partition_balanced,
+    position_ids_from_cu_seqlens,
+)
+from areal_fast.rl.advantages import group_advantages
+from areal_fast.rl.batch import PackedBatch, Trajectory, pack_trajectories
+
+TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "behav_logprobs", "versions")
+SEQ_FIELDS = ("seq_lens", "rewards", "group_ids")
+
+
+@dataclass(frozen=True)
+class TensorMetadata:
+    """Shape, dtype and device of a tensor that lives in another process."""
+
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name, e.g. "int64"
+    device: str = "cpu"
+
+
+@dataclass(frozen=True)
+class ShardMetadata:
+    """Where one shard (one finished GRPO group) lives and what it holds.
+
+    Attributes
+    ----------
+    node_id : str
+        Name of the worker process that holds it.
+    node_addr : str
+        "host:port" of that worker's shard server.
+    shard_id : int
+        Key in the worker's store (the group id).
+    batch_size : int
+        Sequences in the shard (the group size).
+    offset : int
+        Index of the shard's first sequence within its DistributedBatch (0 until batched).
+    fields : dict[str, TensorMetadata]
+        Per-token fields ([T_shard]): input_ids, labels, loss_mask, behav_logprobs, versions;
+        per-sequence fields ([batch_size]): seq_lens, rewards, group_ids.
+    """
+
+    node_id: str
+    node_addr: str
+    shard_id: int
+    batch_size: int
+    offset: int
+    fields: dict = field(hash=False)
+
+    @property
+    def num_tokens(self) -> int:
+        """Packed tokens of the shard (prompt and completion)."""
+        return int(self.fields["input_ids"].shape[0])
+
+
+@dataclass
+class DistributedBatch:
+    """One training batch as a list of shards held by rollout workers (metadata only)."""
+
+    shards: list[ShardMetadata]
+
+    def __post_init__(self):
+        offset, placed = 0, []
+        for shard in self.shards:
+            placed.append(ShardMetadata(shard.node_id, shard.node_addr, shard.shard_id,
+                                        shard.batch_size, offset, shard.fields))
+            offset += shard.batch_size
+        self.shards = placed
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences over all shards."""
+        return sum(s.batch_size for s in self.shards)
+
+    @property
+    def num_tokens(self) -> int:
+        """Packed tokens over all shards."""
+        return sum(s.num_tokens for s in self.shards)
+
+    def split(self, num_parts: int) -> list["DistributedBatch"]:
+        """Split into ``num_parts`` token-balanced batches (trainer data-parallel ranks).
+
+        Shards (GRPO groups) are never split; balancing uses the native Karmarkar–Karp
+        partitioner over shard token counts.
+
+        Raises
+        ------
+        ValueError
+            If num_parts < 1 or there are fewer shards than parts.
+        """
+        if num_parts < 1 or num_parts > len(self.shards):
+            raise ValueError(f"num_parts = {num_parts} must be in [1, {len(self.shards)}] "
+                             f"(shards in the batch)")
+        lengths = [s.num_tokens for s in self.shards]
+        parts = partition_balanced(lengths, max(lengths), method="kk", min_num_mbs=num_parts) \
+            if num_parts > 1 else [list(range(len(self.shards)))]
+        return [DistributedBatch([self.shards[i] for i in sorted(part)]) for part in parts]
+
+
+def _no_delay(conn) -> None:
+    """Switch off Nagle's algorithm on a TCP connection: replies larger than 16 KiB are sent
+    as a header and a body, and Nagle plus delayed ACKs would stall each by ~40 ms."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    finally:
+        sock.detach()
+
+
+def shard_tensors(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """Pack one finished group into the shard fields (advantages are left to the trainer)."""
+    packed = pack_trajectories(trajectories, torch.zeros(len(trajectories)))
+    lengths = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
+    out = {name: getattr(packed, name) for name in TOKEN_FIELDS}
+    out.update(seq_lens=lengths.to(torch.int64), rewards=packed.rewards,
+               group_ids=packed.group_ids)
+    return out
+
+
+def tensor_metadata(tensors: dict[str, torch.Tensor]) -> dict[str, TensorMetadata]:
+    """:class:`TensorMetadata` of each tensor in ``tensors``."""
+    return {k: TensorMetadata(tuple(v.shape), str(v.dtype).split(".")[-1], str(v.device))
+            for k, v in tensors.items()}
+
+
+class ShardStore:
+    """Shards of one rollout worker, served to trainers over ``multiprocessing.connection``.
+
+    The server binds 127.0.0.1 on a free port and requires ``authkey`` (an HMAC challenge
+    before any data is read), so only processes of the same job can connect; tensors travel
+    as numpy arrays.
+    """
+
+    def __init__(self, authkey: bytes, host: str = "127.0.0.1"):
+        self._shards: dict[int, dict[str, torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self._listener = Listener((host, 0), authkey=authkey)
+        self.address = "%s:%d" % self._listener.address
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="shard-server")
+
+    def start(self) -> None:
+        """Start accepting trainer connections."""
+        self._thread.start()
+
+    def put(self, shard_id: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Keep ``tensors`` under ``shard_id`` until fetched or dropped."""
+        with self._lock:
+            self._shards[shard_id] = tensors
+
+    def drop(self, shard_ids: list[int]) -> int:
+        """Forget shards (dynamic filter, end of run); returns how many existed."""
+        with self._lock:
+            return sum(self._shards.pop(i, None) is not None for i in shard_ids)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._shards)
+
+    def _take(self, shard_ids: list[int]) -> dict:
+        with self._lock:
+            missing = [i for i in shard_ids if i not in self._shards]
+            if missing:
+                return {"error": f"shard {missing[0]} is not held (already fetched or dropped)"}
+            return {i: {k: v.numpy() for k, v in self._shards.pop(i).items()}
+                    for i in shard_ids}
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn = self._listener.accept()
+            except OSError:
+                return  # listener closed
+            except Exception:  # a peer failed authentication: ignore it
+                continue
+            _no_delay(conn)
+            threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
+
+    def _serve_one(self, conn) -> None:
+        with conn:
+            try:
+                while True:
+                    request = conn.recv()
+                    conn.send(self._take(list(request["fetch"])))
+            except (EOFError, OSError):
+                return
+
+    def close(self) -> None:
+        """Stop serving."""
+        self._listener.close()
+
+
+def fetch_shards(batch: DistributedBatch, authkey: bytes, timeout: float
+                 ) -> list[dict[str, torch.Tensor]]:
+    """Fetch every shard of ``batch`` from its worker, in the batch's order.
+
+    Raises
+    ------
+    TimeoutError
+        A worker did not answer within ``timeout`` seconds (named in the message).
+    RuntimeError
+        A worker no longer holds a shard, or the connection broke (worker named).
+    """
+    by_addr: dict[str, list[ShardMetadata]] = {}
+    for shard in batch.shards:
+        by_addr.setdefault(shard.node_addr, []).append(shard)
+    fetched: dict[tuple[str, int], dict] = {}
+    for addr, shards in by_addr.items():
+        node = shards[0].node_id
+        host, port = addr.rsplit(":", 1)
+        try:
+            with Client((host, int(port)), authkey=authkey) as conn:
+                _no_delay(conn)
+                conn.send({"fetch": [s.shard_id for s in shards]})
+                if not conn.poll(timeout):
+                    raise TimeoutError(f"fetching {len(shards)} shards from worker {node!r} "
+                                       f"({addr}) took more than {timeout:g} s")
+                reply = conn.recv()
+        except (OSError, EOFError) as exc:
+            raise RuntimeError(f"fetching shards from worker {node!r} ({addr}) failed: "
+                               f"{exc}") from exc
+        if "error" in reply:
+            raise RuntimeError(f"worker {node!r}: {reply['error']}")
+        for shard in shards:
+            fetched[(addr, shard.shard_id)] = {k: torch.from_numpy(v)
+                                               for k, v in reply[shard.shard_id].items()}
+    return [fetched[(s.node_addr, s.shard_id)] for s in batch.shards]
+
+
+def assemble_packed_batch(shards: list[dict[str, torch.Tensor]], adv_mode: str) -> PackedBatch:
+    """Concatenate fetched shards into one :class:`PackedBatch` with group advantages.
+
+    Parameters
+    ----------
+    shards : list of dict[str, Tensor]
+        Fields of :func:`shard_tensors`, one dict per GRPO group.
+    adv_mode : str
+        Advantage estimator of :func:`~areal_fast.rl.advantages.group_advantages`.
+    """
+    cat = {k: torch.cat([s[k] for s in shards]) for k in TOKEN_FIELDS + SEQ_FIELDS}
+    seq_adv = group_advantages(cat["rewards"], group_ids=cat["group_ids"], mode=adv_mode)
+    cu_seqlens = cu_seqlens_from_lengths(cat["seq_lens"])
+    token_adv = torch.repeat_interleave(seq_adv, cat["seq_lens"]) * cat["loss_mask"]
+    return PackedBatch(
+        input_ids=cat["input_ids"], position_ids=position_ids_from_cu_seqlens(cu_seqlens),
+        cu_seqlens=cu_seqlens, max_seqlen=int(cat["seq_lens"].max()), labels=cat["labels"],
+        loss_mask=cat["loss_mask"], behav_logprobs=cat["behav_logprobs"],
+        versions=cat["versions"], advantages=token_adv.float(), rewards=cat["rewards"],
+        group_ids=cat["group_ids"])
+
+
+def fetch_packed_batch(batch: DistributedBatch, authkey: bytes, adv_mode: str,
+                       timeout: float) -> PackedBatch:
+    """:func:`fetch_shards` then :func:`assemble_packed_batch`."""
+    return assemble_packed_batch(fetch_shards(batch, authkey, timeout), adv_mode)
+
+
+def shard_arrays_nbytes(tensors: dict[str, np.ndarray]) -> int:
+    """Bytes of a fetched shard (for transfer metrics)."""
+    return sum(v.nbytes for v in tensors.values())

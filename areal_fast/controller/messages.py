@@ -1,0 +1,132 @@
+"""Typed messages between the controller and its worker processes (small: metadata only)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from areal_fast.controller.batch import DistributedBatch, ShardMetadata
+from areal_fast.rollout.engine import SamplingParams
+from areal_fast.sync.shared_memory import WeightBufferSpec
+
+
+@dataclass
+class GroupRequest:
+    """One rollout: a prompt sampled ``params.n`` times (a GRPO group).
+
+    ``seed`` is the group's sampling seed (sample i uses ``sample_seed(seed, i)``);
+    ``answer`` is what the worker's reward function compares completions with.
+    """
+
+    group_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    answer: str = ""
+    uid: str = ""
+
+
+# controller → rollout worker
+@dataclass
+class SubmitGroups:
+    groups: list[GroupRequest]
+
+
+@dataclass
+class UpdateWeights:
+    version: int
+    buffer: WeightBufferSpec
+
+
+@dataclass
+class DropShards:
+    shard_ids: list[int]
+
+
+@dataclass
+class Evaluate:
+    groups: list[GroupRequest]
+
+
+@dataclass
+class CancelAll:
+    """Abort and forget every running rollout (end of training)."""
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# rollout worker → controller
+@dataclass
+class WorkerReady:
+    name: str
+    node_addr: str = ""
+    weight_buffers: tuple = ()  # trainer: its two WeightBufferSpec slots
+
+
+@dataclass
+class GroupDone:
+    """A finished rollout: shard metadata plus the scalars the controller needs."""
+
+    shard: ShardMetadata
+    group_id: int
+    rewards: list[float]
+    completion_lengths: list[int]
+    stop_reasons: list[str]
+    interruptions: int  # times a sample of the group was aborted and resumed
+
+
+@dataclass
+class WeightsUpdated:
+    version: int
+    seconds: float
+
+
+@dataclass
+class EvalDone:
+    records: list[dict]
+
+
+@dataclass
+class Cancelled:
+    groups: int
+
+
+@dataclass
+class WorkerFailed:
+    """A worker caught an exception; the controller stops with this message."""
+
+    name: str
+    message: str
+
+
+# controller → trainer
+@dataclass
+class TrainStep:
+    batch: DistributedBatch
+    slot: int  # weight buffer to publish the new version into
+
+
+@dataclass
+class SaveCheckpoint:
+    path: str
+
+
+# trainer → controller
+@dataclass
+class StepDone:
+    version: int
+    stats: dict
+    group_ids: list[int] = field(default_factory=list)
+    trained_tokens: int = 0
+    fetch_seconds: float = 0.0
+    train_seconds: float = 0.0
+    publish_seconds: float = 0.0
+
+
+@dataclass
+class Saved:
+    path: str
+    error: Optional[str] = None

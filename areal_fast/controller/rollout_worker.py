@@ -1,0 +1,232 @@
+"""Rollout worker process: runs GRPO groups on a request-level engine, keeps the results.
+
+The worker owns an :class:`~areal_fast.rollout.engine.AsyncInferenceEngine`, a
+:class:`~areal_fast.controller.batch.ShardStore` (finished groups stay here until a trainer
+fetches them) and the group bookkeeping. On a weight update it pauses the engine (running
+samples come back aborted with their partial tokens), installs the new weights, resumes,
+and resubmits every aborted sample as prompt + partial with the remaining budget: log-probs
+and versions stay per token across the seam, and no sample is lost or duplicated.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from areal_fast.controller import messages as msg
+from areal_fast.controller.batch import ShardMetadata, ShardStore, shard_tensors, tensor_metadata
+from areal_fast.rl.batch import Trajectory
+from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
+from areal_fast.sync.shared_memory import SharedWeightBuffer
+
+PAUSE_TIMEOUT_S = 300.0
+
+
+@dataclass
+class RolloutWorkerSpec:
+    """How to build a rollout worker's parts inside its process (picklable).
+
+    Attributes
+    ----------
+    engine_factory : callable () -> (engine, decode)
+        Builds the :class:`AsyncInferenceEngine` and a ``decode(token_ids) -> str``.
+    reward_fn : callable (completion_text, answer) -> float
+        Module-level function (pickled by reference).
+    threads : int, optional
+        torch CPU threads of this process.
+    """
+
+    engine_factory: Callable
+    reward_fn: Callable
+    threads: Optional[int] = None
+
+
+@dataclass
+class _Sample:
+    group_id: int
+    index: int
+    prompt_ids: list[int]
+    seed: int
+    budget: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    stop_reason: str = ""
+    interruptions: int = 0
+
+
+@dataclass
+class _Group:
+    request: msg.GroupRequest
+    samples: list[_Sample]
+    done: int = 0
+    evaluation: bool = False
+
+
+class RolloutWorker:
+    """The worker's state and message handlers (its process runs :func:`rollout_worker_main`)."""
+
+    def __init__(self, name: str, conn, spec: RolloutWorkerSpec, authkey: bytes):
+        self.name, self.conn, self.spec = name, conn, spec
+        self.engine, self.decode = spec.engine_factory()
+        self.store = ShardStore(authkey)
+        self.inbox: queue.Queue = queue.Queue()
+        self.groups: dict[int, _Group] = {}
+        self.running: dict[int, _Sample] = {}
+        self.eval_records: Optional[list[dict]] = None
+        self.eval_pending = 0
+        self.buffers: dict[str, SharedWeightBuffer] = {}
+        self.next_rid = 0
+        self.stopped = False
+
+    def run(self) -> None:
+        """Serve until :class:`Shutdown` (or the controller's pipe closes)."""
+        self.engine.start()
+        self.store.start()
+        threading.Thread(target=self._read_control, daemon=True).start()
+        threading.Thread(target=self._pump_outputs, daemon=True).start()
+        self.conn.send(msg.WorkerReady(self.name, self.store.address))
+        try:
+            while not self.stopped:
+                kind, item = self.inbox.get()
+                if kind == "error":
+                    raise item
+                if kind == "control":
+                    self._handle_control(item)
+                else:
+                    self._handle_outputs(item)
+        finally:
+            self.engine.close()
+            self.store.close()
+            for buffer in self.buffers.values():
+                buffer.close()
+
+    def _read_control(self) -> None:
+        try:
+            while True:
+                self.inbox.put(("control", self.conn.recv()))
+        except (EOFError, OSError):
+            self.inbox.put(("control", msg.Shutdown()))
+
+    def _pump_outputs(self) -> None:
+        try:
+            while not self.stopped:
+                outputs = self.engine.get_outputs(1.0)
+                if outputs:
+                    self.inbox.put(("outputs", outputs))
+        except Exception as exc:  # noqa: BLE001 - handed to the main loop
+            self.inbox.put(("error", exc))
+
+    def _handle_control(self, message) -> None:
+        if isinstance(message, msg.SubmitGroups):
+            self._start_groups(message.groups, evaluation=False)
+        elif isinstance(message, msg.Evaluate):
+            self.eval_records, self.eval_pending = [], len(message.groups)
+            self._start_groups(message.groups, evaluation=True)
+            self._maybe_finish_eval()
+        elif isinstance(message, msg.UpdateWeights):
+            self._update_weights(message)
+        elif isinstance(message, msg.DropShards):
+            self.store.drop(message.shard_ids)
+        elif isinstance(message, msg.CancelAll):
+            self.conn.send(msg.Cancelled(self._cancel_all()))
+        elif isinstance(message, msg.Shutdown):
+            self.stopped = True
+
+    def _start_groups(self, requests: list[msg.GroupRequest], evaluation: bool) -> None:
+        gen = []
+        for request in requests:
+            samples = [_Sample(request.group_id, i, list(request.prompt_ids),
+                               sample_seed(request.seed, i), request.params.max_new_tokens)
+                       for i in range(request.params.n)]
+            self.groups[request.group_id] = _Group(request, samples, evaluation=evaluation)
+            gen.extend(self._request(s) for s in samples)
+        self.engine.submit(gen)
+
+    def _request(self, sample: _Sample) -> GenRequest:
+        params = self.groups[sample.group_id].request.params
+        rid, self.next_rid = self.next_rid, self.next_rid + 1
+        self.running[rid] = sample
+        return GenRequest(rid, sample.prompt_ids + sample.tokens,
+                          sample.budget - len(sample.tokens), params.temperature,
+                          params.top_p, sample.seed, len(sample.tokens))
+
+    def _update_weights(self, message: msg.UpdateWeights) -> None:
+        start = time.perf_counter()
+        spec = message.buffer
+        if spec.path not in self.buffers:
+            self.buffers[spec.path] = SharedWeightBuffer.attach(spec)
+        self.engine.pause(PAUSE_TIMEOUT_S)
+        self.engine.update_weights(self.buffers[spec.path].named_tensors(), message.version)
+        self.engine.resume()
+        self.conn.send(msg.WeightsUpdated(message.version, time.perf_counter() - start))
+
+    def _handle_outputs(self, outputs: list[GenOutput]) -> None:
+        resubmit = []
+        for out in outputs:
+            sample = self.running.pop(out.rid, None)
+            if sample is None:  # cancelled
+                continue
+            sample.tokens += out.output_ids
+            sample.logprobs += out.logprobs
+            sample.versions += out.versions
+            if out.stop_reason == "abort" and len(sample.tokens) < sample.budget:
+                sample.interruptions += 1
+                resubmit.append(self._request(sample))
+                continue
+            sample.stop_reason = "length" if out.stop_reason == "abort" else out.stop_reason
+            group = self.groups[sample.group_id]
+            group.done += 1
+            if group.done == len(group.samples):
+                self._finish_group(self.groups.pop(sample.group_id))
+        if resubmit:
+            self.engine.submit(resubmit)
+
+    def _finish_group(self, group: _Group) -> None:
+        request = group.request
+        texts = [self.decode(s.tokens) for s in group.samples]
+        rewards = [float(self.spec.reward_fn(text, request.answer)) for text in texts]
+        if group.evaluation:
+            self.eval_records.append({"uid": request.uid, "answer": request.answer,
+                                      "completion": texts[0], "correct": rewards[0] == 1.0,
+                                      "reward": rewards[0]})
+            self.eval_pending -= 1
+            self._maybe_finish_eval()
+            return
+        trajectories = [Trajectory(s.prompt_ids, s.tokens, s.logprobs, s.versions,
+                                   s.stop_reason, request.group_id, reward)
+                        for s, reward in zip(group.samples, rewards)]
+        tensors = shard_tensors(trajectories)
+        self.store.put(request.group_id, tensors)
+        shard = ShardMetadata(self.name, self.store.address, request.group_id,
+                              len(trajectories), 0, tensor_metadata(tensors))
+        self.conn.send(msg.GroupDone(shard, request.group_id, rewards,
+                                     [len(s.tokens) for s in group.samples],
+                                     [s.stop_reason for s in group.samples],
+                                     sum(s.interruptions for s in group.samples)))
+
+    def _maybe_finish_eval(self) -> None:
+        if self.eval_pending == 0 and self.eval_records is not None:
+            self.conn.send(msg.EvalDone(self.eval_records))
+            self.eval_records = None
+
+    def _cancel_all(self) -> int:
+        self.engine.pause(PAUSE_TIMEOUT_S)
+        self.engine.drop_queued()
+        cancelled = sum(not g.evaluation for g in self.groups.values())
+        self.groups = {k: g for k, g in self.groups.items() if g.evaluation}
+        self.running = {rid: s for rid, s in self.running.items() if s.group_id in self.groups}
+        self.engine.resume()
+        return cancelled
+
+
+def rollout_worker_main(conn, name: str, spec: RolloutWorkerSpec, authkey: bytes) -> None:
+    """Process entry point of a rollout worker."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    RolloutWorker(name, conn, spec, authkey).run()

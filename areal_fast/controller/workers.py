@@ -1,0 +1,136 @@
+"""Worker processes of the local launcher: spawn, message, wait with deadlines, detect death.
+
+Each worker is a ``spawn``-ed process connected to the controller by a duplex pipe. Messages
+are the dataclasses of :mod:`areal_fast.controller.messages` (pickled between processes of
+the same job only). :func:`wait_messages` waits on every pipe and every process sentinel at
+once, so a worker that dies is reported at once, by name, instead of hanging the run.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+
+from areal_fast.controller.messages import WorkerFailed
+
+
+class WorkerError(RuntimeError):
+    """A worker died, failed, or did not answer in time; the message names it."""
+
+
+@dataclass
+class WorkerHandle:
+    """The controller's end of one worker process."""
+
+    name: str
+    process: mp.Process
+    conn: object  # multiprocessing.connection.Connection
+
+    def send(self, message) -> None:
+        """Send one message.
+
+        Raises
+        ------
+        WorkerError
+            The pipe is broken (the worker died).
+        """
+        try:
+            self.conn.send(message)
+        except (OSError, ValueError) as exc:
+            raise WorkerError(f"worker {self.name!r} is unreachable "
+                              f"({self._exit_status()}): {exc}") from exc
+
+    def _exit_status(self) -> str:
+        code = self.process.exitcode
+        return "still running" if code is None else f"exit code {code}"
+
+    def died_message(self, doing: str) -> str:
+        """One line saying that this worker died and what it was doing."""
+        return (f"worker {self.name!r} (pid {self.process.pid}) died with "
+                f"{self._exit_status()} {doing}")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask the worker to exit; terminate it if it has not after ``timeout`` seconds."""
+        from areal_fast.controller.messages import Shutdown
+
+        if self.process.is_alive():
+            try:
+                self.conn.send(Shutdown())
+            except (OSError, ValueError):
+                pass
+            self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(timeout)
+        self.conn.close()
+
+
+def _worker_entry(target, conn, name: str, spec, authkey: bytes) -> None:
+    """Run ``target(conn, name, spec, authkey)``; report an exception before exiting."""
+    try:
+        target(conn, name, spec, authkey)
+    except BaseException as exc:  # noqa: BLE001 - reported, then re-raised
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        try:
+            conn.send(WorkerFailed(name, f"{type(exc).__name__}: {first}"))
+        except (OSError, ValueError):
+            pass
+        if os.environ.get("AREAL_FAST_DEBUG"):
+            traceback.print_exc()
+        raise
+
+
+def spawn_worker(name: str, target, spec, authkey: bytes) -> WorkerHandle:
+    """Start ``target(conn, name, spec, authkey)`` in a new ``spawn`` process.
+
+    ``target`` and ``spec`` must be picklable (module-level function, dataclass spec).
+    """
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    process = ctx.Process(target=_worker_entry, args=(target, child, name, spec, authkey),
+                          name=name, daemon=True)
+    process.start()
+    child.close()
+    return WorkerHandle(name, process, parent)
+
+
+def wait_messages(handles: list[WorkerHandle], timeout: float, doing: str
+                  ) -> list[tuple[WorkerHandle, object]]:
+    """Every message that arrives within ``timeout`` seconds (at least one unless timed out).
+
+    Returns a possibly empty list of (handle, message) when the time runs out.
+
+    Raises
+    ------
+    WorkerError
+        A worker process exited, or reported :class:`WorkerFailed`; the message names the
+        worker and ``doing`` (what the controller was waiting for).
+    """
+    by_conn = {h.conn: h for h in handles}
+    by_sentinel = {h.process.sentinel: h for h in handles}
+    ready = wait(list(by_conn) + list(by_sentinel), timeout)
+    out = []
+    for obj in ready:
+        if obj in by_conn:
+            handle = by_conn[obj]
+            while handle.conn.poll():
+                try:
+                    message = handle.conn.recv()
+                except (EOFError, OSError):
+                    handle.process.join(1.0)
+                    raise WorkerError(handle.died_message(doing)) from None
+                if isinstance(message, WorkerFailed):
+                    raise WorkerError(f"worker {message.name!r} failed {doing}: "
+                                      f"{message.message}")
+                out.append((handle, message))
+    for obj in ready:
+        if obj in by_sentinel and not by_sentinel[obj].conn.poll():
+            handle = by_sentinel[obj]
+            handle.process.join(1.0)
+            raise WorkerError(handle.died_message(doing))
+    return out
+

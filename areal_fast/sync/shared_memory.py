@@ -1,0 +1,160 @@
+"""Same-machine weight transport: a complete set of named weights in one shared-memory file.
+
+The trainer process writes its parameters into a flat, 256-byte-aligned buffer mapped from
+a file under ``/dev/shm`` (``torch.from_file(shared=True)``); engine processes on the same
+machine map the same file and copy from it. Only the small :class:`WeightBufferSpec`
+(names, shapes, dtypes, offsets) crosses the process boundary. Two buffers used alternately
+(version v in slot v % 2) let the trainer write version v + 1 while engines still read v.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+ALIGNMENT = 256
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    """Where one named tensor lives in the buffer (bytes from the start)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class WeightBufferSpec:
+    """Everything a reader needs to map a buffer: file path, total size and the layout."""
+
+    path: str
+    total_bytes: int
+    entries: tuple[WeightEntry, ...]
+
+
+def plan_layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[WeightEntry], int]:
+    """Byte layout of ``named_tensors`` in their given order, each entry 256-byte aligned.
+
+    Returns
+    -------
+    entries : list[WeightEntry]
+    total_bytes : int
+
+    Raises
+    ------
+    ValueError
+        A name that appears twice.
+    """
+    entries, offset, seen = [], 0, set()
+    for name, tensor in named_tensors:
+        if name in seen:
+            raise ValueError(f"weight buffer: tensor name {name!r} appears twice")
+        seen.add(name)
+        nbytes = tensor.numel() * tensor.element_size()
+        entries.append(WeightEntry(name, tuple(tensor.shape), str(tensor.dtype).split(".")[-1],
+                                   offset, nbytes))
+        offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
+    return entries, max(offset, ALIGNMENT)
+
+
+def _shm_dir() -> Path:
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+
+
+class SharedWeightBuffer:
+    """One mapped weight buffer (writer or reader side).
+
+    Use :meth:`create` in the trainer and :meth:`attach` (with the creator's ``spec``) in
+    engine processes. Reading while the writer writes yields a mix of versions, so the
+    caller sequences them (the controller hands a buffer to engines only after the trainer
+    finished writing it, and the trainer rewrites it only after every engine loaded it).
+    """
+
+    def __init__(self, spec: WeightBufferSpec, owner: bool):
+        self.spec = spec
+        self.owner = owner
+        self._data = torch.from_file(spec.path, shared=True, size=spec.total_bytes,
+                                     dtype=torch.uint8)
+
+    @classmethod
+    def create(cls, named_tensors: Iterable[tuple[str, torch.Tensor]],
+               directory: str | None = None) -> "SharedWeightBuffer":
+        """A new zero-filled buffer laid out for ``named_tensors`` (their values are not copied).
+
+        Raises
+        ------
+        OSError
+            The file cannot be created (e.g. /dev/shm full).
+        """
+        entries, total = plan_layout(named_tensors)
+        folder = Path(directory) if directory else _shm_dir()
+        path = folder / f"areal_fast-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        with open(path, "wb") as fh:
+            fh.truncate(total)
+        return cls(WeightBufferSpec(str(path), total, tuple(entries)), owner=True)
+
+    @classmethod
+    def attach(cls, spec: WeightBufferSpec) -> "SharedWeightBuffer":
+        """Map an existing buffer described by ``spec``.
+
+        Raises
+        ------
+        FileNotFoundError
+            The buffer file no longer exists (its creator closed it).
+        """
+        if not Path(spec.path).is_file():
+            raise FileNotFoundError(f"weight buffer {spec.path} does not exist")
+        return cls(spec, owner=False)
+
+    def view(self, entry: WeightEntry) -> torch.Tensor:
+        """The tensor of ``entry`` as a view into the mapped buffer (no copy)."""
+        dtype = getattr(torch, entry.dtype)
+        raw = self._data[entry.offset:entry.offset + entry.nbytes]
+        return raw.view(dtype).view(entry.shape)
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Copy ``named_tensors`` into the buffer; returns the bytes written.
+
+        Raises
+        ------
+        ValueError
+            A name not in the layout, a shape or dtype that differs from it, or a layout
+            entry left unwritten (each message names the tensor).
+        """
+        by_name = {e.name: e for e in self.spec.entries}
+        written, total = set(), 0
+        for name, tensor in named_tensors:
+            entry = by_name.get(name)
+            if entry is None:
+                raise ValueError(f"weight buffer: no entry for tensor {name!r}")
+            if tuple(tensor.shape) != entry.shape or str(tensor.dtype).split(".")[-1] != entry.dtype:
+                raise ValueError(f"weight buffer: {name!r} is {tuple(tensor.shape)} "
+                                 f"{tensor.dtype}, the layout says {entry.shape} {entry.dtype}")
+            self.view(entry).copy_(tensor.detach())
+            written.add(name)
+            total += entry.nbytes
+        missing = [e.name for e in self.spec.entries if e.name not in written]
+        if missing:
+            raise ValueError(f"weight buffer: {len(missing)} tensors not written, "
+                             f"first {missing[0]!r}")
+        return total
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, view) of every entry, in layout order (views alias the shared file)."""
+        for entry in self.spec.entries:
+            yield entry.name, self.view(entry)
+
+    def close(self) -> None:
+        """Unmap; the creator also deletes the file."""
+        self._data = None
+        if self.owner:
+            Path(self.spec.path).unlink(missing_ok=True)

@@ -1,0 +1,168 @@
+"""Asynchronous vs synchronous RL throughput of the real controller.
+
+``--simulated`` drives :class:`~areal_fast.controller.async_loop.AsyncController` (the code
+of real runs) with stand-in engines and a stand-in trainer on a fixed workload, so numbers are
+comparable across versions:
+
+- 4 rollout workers, 32 concurrent sequences each, every sequence decoding at 1 token/ms;
+- 32 prompts × 4 samples per step, 20 steps; completion lengths lognormal (median 512,
+  σ = 0.8, capped at 4096), seeded;
+- trainer time 14 µs per trained (completion) token.
+
+All times may be scaled down uniformly with ``--time-scale`` (throughputs are reported in
+unscaled tokens/s). Output fields: ``throughput_ratio_async_vs_sync`` (trained tokens/s at
+η = 4 over η = 0, same samples), ``async_efficiency_vs_bound`` (η = 4 over
+min(generation capacity, trainer capacity)) and ``controller_overhead_ms_per_trajectory``
+(controller CPU time per finished trajectory with 10 000 rollouts in flight).
+
+    python benches/bench_async.py --simulated --json benches/results/async_simulated.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import base_metadata, eprint, fmt, markdown_table  # noqa: E402
+
+from areal_fast.controller.async_loop import AsyncController, ControllerSettings  # noqa: E402
+from areal_fast.controller.messages import GroupRequest  # noqa: E402
+from areal_fast.controller.rollout_worker import RolloutWorkerSpec  # noqa: E402
+from areal_fast.controller.trainer_worker import TrainerWorkerSpec  # noqa: E402
+from areal_fast.launch.processes import ClusterSpec, LocalCluster  # noqa: E402
+from areal_fast.rollout.engine import SamplingParams, sample_seed  # noqa: E402
+from areal_fast.rollout.simulated import (  # noqa: E402
+    SimulatedEngineConfig,
+    SimulatedEngineFactory,
+    sim_reward,
+)
+from areal_fast.train.simulated import SimulatedTrainerFactory  # noqa: E402
+
+WORKLOAD = dict(workers=4, seqs_per_worker=32, token_ms=1.0, prompts=32, group_size=4,
+                steps=20, median=512.0, sigma=0.8, cap=4096, train_us_per_token=14.0,
+                prompt_len=16)
+
+
+def _cluster(scale: float, max_running: int, w: dict) -> ClusterSpec:
+    engine = SimulatedEngineConfig(token_seconds=w["token_ms"] * 1e-3 * scale,
+                                   max_running=max_running, median_length=w["median"],
+                                   sigma=w["sigma"], max_length=w["cap"])
+    return ClusterSpec(
+        rollout=RolloutWorkerSpec(SimulatedEngineFactory(engine), sim_reward, threads=1),
+        trainer=TrainerWorkerSpec(SimulatedTrainerFactory(w["train_us_per_token"] * 1e-6 * scale),
+                                  threads=1),
+        num_rollout_workers=w["workers"])
+
+
+def _requests(seed: int, w: dict):
+    params = SamplingParams(n=w["group_size"], temperature=1.0, max_new_tokens=w["cap"])
+
+    def next_request(group_id: int) -> GroupRequest:
+        return GroupRequest(group_id, [1] * w["prompt_len"], params,
+                            sample_seed(seed, group_id))
+    return next_request
+
+
+def run_case(eta: int, scale: float, seed: int, w: dict, max_concurrent: int,
+             max_running: int, steps: int) -> dict:
+    """One controller run; throughput in unscaled trained tokens per second."""
+    records: list[dict] = []
+    settings = ControllerSettings(total_steps=steps, batch_size=w["prompts"],
+                                  max_head_offpolicyness=eta,
+                                  max_concurrent_rollouts=max_concurrent)
+    with LocalCluster(_cluster(scale, max_running, w)) as cluster:
+        controller = AsyncController(cluster.rollout_workers, cluster.trainer,
+                                     cluster.weight_buffers, _requests(seed, w), settings,
+                                     records.append)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        counts = controller.run()
+        cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
+    trained = sum(r["trained_tokens"] for r in records)
+    elapsed = records[-1]["elapsed_seconds"]
+    trajectories = (counts.trained + counts.dropped.get("unused_at_end", 0)) * w["group_size"]
+    return {"eta": eta, "steps": steps, "trained_samples": counts.trained * w["group_size"],
+            "trained_tokens": trained, "elapsed_s_scaled": elapsed,
+            "trained_tokens_per_s": trained / elapsed * scale,
+            "controller_cpu_s": cpu, "wall_s": wall,
+            "controller_cpu_ms_per_trajectory": 1e3 * cpu / max(trajectories, 1),
+            "staleness_max": max(r.get("staleness_max", 0.0) for r in records),
+            "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in records) / len(records),
+            "interruptions": counts.interruptions, "counts": counts.as_dict()}
+
+
+def simulated(args) -> dict:
+    w = dict(WORKLOAD, steps=args.steps)
+    slots = w["workers"] * w["seqs_per_worker"]
+    groups_in_flight = slots // w["group_size"]
+    cases = [run_case(eta, args.time_scale, args.seed, w, groups_in_flight,
+                      w["seqs_per_worker"], w["steps"]) for eta in args.etas]
+    eprint(json.dumps(cases, indent=1))
+    gen_capacity = slots / (w["token_ms"] * 1e-3)
+    train_capacity = 1.0 / (w["train_us_per_token"] * 1e-6)
+    bound = min(gen_capacity, train_capacity)
+    by_eta = {c["eta"]: c for c in cases}
+    # controller overhead: 10 000 rollouts in flight (2 500 per worker, all decoding at once)
+    overhead = run_case(10_000 // w["prompts"], args.time_scale, args.seed + 1,
+                        dict(w, median=64.0, cap=256), 10_000, 10_000, args.overhead_steps)
+    result = {
+        "workload": w, "time_scale": args.time_scale, "seed": args.seed,
+        "generation_capacity_tokens_per_s": gen_capacity,
+        "trainer_capacity_tokens_per_s": train_capacity,
+        "pipelined_bound_tokens_per_s": bound, "cases": cases, "overhead_case": overhead,
+        "controller_overhead_ms_per_trajectory": overhead["controller_cpu_ms_per_trajectory"],
+        "meta": base_metadata(),
+    }
+    if 0 in by_eta and 4 in by_eta:
+        result["throughput_ratio_async_vs_sync"] = (by_eta[4]["trained_tokens_per_s"]
+                                                    / by_eta[0]["trained_tokens_per_s"])
+        result["async_efficiency_vs_bound"] = by_eta[4]["trained_tokens_per_s"] / bound
+    return result
+
+
+def table(result: dict) -> str:
+    rows = [[c["eta"], c["trained_samples"], fmt(c["trained_tokens_per_s"], ",.0f"),
+             fmt(c["trained_tokens_per_s"] / result["pipelined_bound_tokens_per_s"], ".3f"),
+             fmt(c["staleness_mean"], ".2f"), fmt(c["staleness_max"], ".0f"),
+             c["interruptions"]] for c in result["cases"]]
+    text = markdown_table(["η", "trained samples", "trained tok/s", "of bound",
+                           "staleness mean", "staleness max", "interruptions"], rows)
+    extra = [f"pipelined bound {result['pipelined_bound_tokens_per_s']:,.0f} tok/s; "
+             f"controller overhead {result['controller_overhead_ms_per_trajectory']:.4f} ms "
+             f"per trajectory (10 000 rollouts in flight)"]
+    if "throughput_ratio_async_vs_sync" in result:
+        extra.append(f"throughput_ratio_async_vs_sync = "
+                     f"{result['throughput_ratio_async_vs_sync']:.2f}, async_efficiency_vs_bound"
+                     f" = {result['async_efficiency_vs_bound']:.3f}")
+    return text + "\n\n" + "\n".join(extra)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--simulated", action="store_true", required=True,
+                        help="stand-in engines and trainer (the only mode of this script)")
+    parser.add_argument("--json", help="write the result here")
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply every simulated duration by this (≤ 1 runs faster)")
+    parser.add_argument("--steps", type=int, default=WORKLOAD["steps"])
+    parser.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4])
+    parser.add_argument("--overhead-steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if not args.time_scale > 0:
+        parser.error("--time-scale must be > 0")
+    result = simulated(args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
