@@ -1,5 +1,9 @@
 """Asynchronous vs synchronous RL throughput of the real controller.
 
+``--real`` trains the demo model on this machine's CPU through ``areal-fast train`` once per
+η (same seed, same number of trained samples) and reports effective trained tokens/s and
+held-out accuracy against wall-clock minutes.
+
 ``--simulated`` drives :class:`~areal_fast.controller.async_loop.AsyncController` (the code
 of real runs) with stand-in engines and a stand-in trainer on a fixed workload, so numbers are
 comparable across versions:
@@ -16,13 +20,16 @@ min(generation capacity, trainer capacity)) and ``controller_overhead_ms_per_tra
 (controller CPU time per finished trajectory with 10 000 rollouts in flight).
 
     python benches/bench_async.py --simulated --json benches/results/async_simulated.json
+    python benches/bench_async.py --real --json benches/results/async_real_cpu.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -141,11 +148,73 @@ def table(result: dict) -> str:
     return text + "\n\n" + "\n".join(extra)
 
 
+REAL_OVERRIDES = ["total_steps=8", "batch_size=8", "data.eval_size=100"]
+
+
+def real(args) -> dict:
+    """One ``areal-fast train`` run per η on the demo model (CPU), in fresh processes."""
+    from omegaconf import OmegaConf
+
+    cases = []
+    root = Path(args.run_root or tempfile.mkdtemp(prefix="areal_fast_bench_"))
+    for eta in args.etas:
+        trial = f"eta{eta}"
+        cmd = [sys.executable, "-m", "areal_fast.cli", "train", "--config",
+               str(Path(__file__).resolve().parent.parent / "examples" / "arith.yaml"),
+               "--no-progress", f"fileroot={root}", f"trial_name={trial}", "overwrite=true",
+               f"seed={args.seed + 1}", f"rollout.max_head_offpolicyness={eta}",
+               *REAL_OVERRIDES, *args.override]
+        eprint(" ".join(cmd))
+        start = time.perf_counter()
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        wall = time.perf_counter() - start
+        run = root / "grpo-arith" / trial
+        summary = json.loads((run / "summary.json").read_text())
+        steps = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        train_s = steps[-1]["elapsed_seconds"]
+        gain = summary["eval_after"] - summary["eval_before"]
+        group_size = OmegaConf.load(run / "config.yaml").rollout.group_size
+        cases.append({
+            "eta": eta, "trained_samples": summary["rollouts_trained"] * group_size,
+            "trained_tokens": sum(r["trained_tokens"] for r in steps),
+            "train_wall_s": train_s, "command_wall_s": wall,
+            "trained_tokens_per_s": sum(r["trained_tokens"] for r in steps) / train_s,
+            "eval_before": summary["eval_before"], "eval_after": summary["eval_after"],
+            "accuracy_gain_per_train_minute": gain / (train_s / 60),
+            "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in steps) / len(steps),
+            "staleness_max": max(r.get("staleness_max", 0.0) for r in steps),
+            "interruptions": summary["sample_interruptions"],
+            "trainer_threads": summary["trainer_threads"],
+            "rollout_threads": summary["rollout_threads"],
+            "reward_mean_last": steps[-1]["reward_mean"], "counts": {
+                k: summary[k] for k in ("rollouts_submitted", "rollouts_trained",
+                                        "rollouts_dropped")}})
+    return {"mode": "real", "overrides": REAL_OVERRIDES + args.override, "cases": cases,
+            "meta": base_metadata()}
+
+
+def real_table(result: dict) -> str:
+    """Markdown table of a ``--real`` result."""
+    rows = [[c["eta"], c["trained_samples"], fmt(c["train_wall_s"] / 60, ".2f"),
+             fmt(c["trained_tokens_per_s"], ".1f"), fmt(c["eval_before"], ".3f"),
+             fmt(c["eval_after"], ".3f"), fmt(c["accuracy_gain_per_train_minute"], "+.4f"),
+             fmt(c["staleness_mean"], ".2f"), c["interruptions"]] for c in result["cases"]]
+    return markdown_table(["η", "trained samples", "train minutes", "trained tok/s",
+                           "held-out before", "after", "gain per minute", "staleness mean",
+                           "interruptions"], rows)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--simulated", action="store_true", required=True,
-                        help="stand-in engines and trainer (the only mode of this script)")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--simulated", action="store_true",
+                      help="stand-in engines and trainer on the fixed workload")
+    mode.add_argument("--real", action="store_true",
+                      help="the demo model on this CPU through areal-fast train, once per η")
+    parser.add_argument("--run-root", help="--real: where the run directories go")
+    parser.add_argument("--override", nargs="*", default=[],
+                        help="--real: extra key=value config overrides for every run")
     parser.add_argument("--json", help="write the result here")
     parser.add_argument("--time-scale", type=float, default=1.0,
                         help="multiply every simulated duration by this (≤ 1 runs faster)")
@@ -156,11 +225,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not args.time_scale > 0:
         parser.error("--time-scale must be > 0")
-    result = simulated(args)
+    result = simulated(args) if args.simulated else real(args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
+    print(table(result) if args.simulated else real_table(result))
     return 0
 
 

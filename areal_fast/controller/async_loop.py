@@ -110,6 +110,7 @@ class AsyncController:
         self.version = 0
         self.counts = RunCounts()
         self.ready: collections.deque[msg.GroupDone] = collections.deque()
+        self.submitted_at: dict[int, int] = {}  # group id -> policy version at submission
         self.in_flight = {w.name: 0 for w in rollout_workers}
         self.acked = {w.name: 0 for w in rollout_workers}
         # batches sent to the trainer and not finished: (groups, send time); at most
@@ -141,14 +142,18 @@ class AsyncController:
         return self.counts
 
     def _submit_rollouts(self) -> None:
-        capacity = self.staleness.capacity(self.version)
-        if capacity == 0:
+        c = self.staleness.counts
+        still_needed = self.s.total_steps * self.s.batch_size - (c.accepted + c.running)
+        capacity = min(self.staleness.capacity(self.version), still_needed)
+        if capacity <= 0:
             return
         per_worker: dict[str, list[msg.GroupRequest]] = {}
         for _ in range(capacity):
             worker = min(self.workers, key=lambda w: self.in_flight[w.name])
             self.in_flight[worker.name] += 1
-            per_worker.setdefault(worker.name, []).append(self.next_request(self.counts.submitted))
+            group_id = self.counts.submitted
+            per_worker.setdefault(worker.name, []).append(self.next_request(group_id))
+            self.submitted_at[group_id] = self.version
             self.counts.submitted += 1
         self.staleness.on_submit(capacity)
         for worker in self.workers:
@@ -163,11 +168,38 @@ class AsyncController:
             # its slot last held new_version - 2: every worker must have loaded that already
             if min(self.acked.values(), default=self.version) < new_version - 2:
                 return
-            batch = sorted((self.ready.popleft() for _ in range(self.s.batch_size)),
-                           key=lambda g: g.group_id)
+            batch = self._take_batch(train_version=new_version - 1)
+            if batch is None:
+                return
             self.training.append((batch, time.monotonic()))
             self.trainer.send(msg.TrainStep(DistributedBatch([g.shard for g in batch]),
                                             slot=new_version % 2))
+
+    def _take_batch(self, train_version: int) -> list[msg.GroupDone] | None:
+        """The next batch_size ready groups in acceptance order (sorted by group id), or
+        None if too few remain. Groups that started more than η versions before
+        ``train_version`` are dropped as "stale", so every token's staleness is ≤ η."""
+        batch = []
+        while self.ready and len(batch) < self.s.batch_size:
+            group = self.ready.popleft()
+            if self.submitted_at[group.group_id] + self.s.max_head_offpolicyness < train_version:
+                self._drop(group, "stale")
+                self.staleness.on_discard()
+            else:
+                batch.append(group)
+        if len(batch) < self.s.batch_size:
+            self.ready.extendleft(reversed(batch))
+            return None
+        for group in batch:
+            del self.submitted_at[group.group_id]
+        return sorted(batch, key=lambda g: g.group_id)
+
+    def _drop(self, group: msg.GroupDone, reason: str) -> None:
+        """Forget a finished group: count it under ``reason`` and free its shard."""
+        self.submitted_at.pop(group.group_id, None)
+        self.counts.dropped[reason] += 1
+        worker = next(w for w in self.workers if w.name == group.shard.node_id)
+        worker.send(msg.DropShards([group.group_id]))
 
     def _on_message(self, worker: WorkerHandle, message) -> None:
         if isinstance(message, msg.GroupDone):
@@ -192,8 +224,7 @@ class AsyncController:
         if keep:
             self.ready.append(done)
         else:
-            self.counts.dropped["dynamic_filter"] += 1
-            worker.send(msg.DropShards([done.group_id]))
+            self._drop(done, "dynamic_filter")
 
     def _on_step_done(self, done: msg.StepDone) -> None:
         if done.version != self.version + 1:

@@ -15,7 +15,6 @@ import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Listener
 
-import numpy as np
 import torch
 
 from areal_fast.ops.packing import (
@@ -112,8 +111,9 @@ class DistributedBatch:
             raise ValueError(f"num_parts = {num_parts} must be in [1, {len(self.shards)}] "
                              f"(shards in the batch)")
         lengths = [s.num_tokens for s in self.shards]
-        parts = partition_balanced(lengths, max(lengths), method="kk", min_num_mbs=num_parts) \
-            if num_parts > 1 else [list(range(len(self.shards)))]
+        # a budget of the whole batch never forces extra parts: exactly num_parts come back
+        parts = partition_balanced(lengths, max(sum(lengths), 1), method="kk",
+                                   min_num_mbs=num_parts)
         return [DistributedBatch([self.shards[i] for i in sorted(part)]) for part in parts]
 
 
@@ -155,6 +155,7 @@ class ShardStore:
         self._shards: dict[int, dict[str, torch.Tensor]] = {}
         self._lock = threading.Lock()
         self._listener = Listener((host, 0), authkey=authkey)
+        self._closed = False
         self.address = "%s:%d" % self._listener.address
         self._thread = threading.Thread(target=self._serve, daemon=True, name="shard-server")
 
@@ -185,13 +186,11 @@ class ShardStore:
                     for i in shard_ids}
 
     def _serve(self) -> None:
-        while True:
+        while not self._closed:
             try:
                 conn = self._listener.accept()
-            except OSError:
-                return  # listener closed
-            except Exception:  # a peer failed authentication: ignore it
-                continue
+            except Exception:  # noqa: BLE001 - a peer failed or broke the handshake
+                continue  # (the loop ends once close() has been called)
             _no_delay(conn)
             threading.Thread(target=self._serve_one, args=(conn,), daemon=True).start()
 
@@ -206,7 +205,36 @@ class ShardStore:
 
     def close(self) -> None:
         """Stop serving."""
+        self._closed = True
         self._listener.close()
+
+
+def _connect(address: tuple[str, int], authkey: bytes, timeout: float, node: str):
+    """``multiprocessing.connection.Client`` with a deadline on connecting and on the
+    authentication handshake (which has none of its own).
+
+    Raises
+    ------
+    TimeoutError
+        The worker did not complete the handshake within ``timeout`` seconds.
+    """
+    box: dict = {}
+
+    def connect() -> None:
+        try:
+            box["conn"] = Client(address, authkey=authkey)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = exc
+
+    thread = threading.Thread(target=connect, daemon=True, name=f"connect-{node}")
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"connecting to worker {node!r} ({address[0]}:{address[1]}) took "
+                           f"more than {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["conn"]
 
 
 def fetch_shards(batch: DistributedBatch, authkey: bytes, timeout: float
@@ -228,13 +256,15 @@ def fetch_shards(batch: DistributedBatch, authkey: bytes, timeout: float
         node = shards[0].node_id
         host, port = addr.rsplit(":", 1)
         try:
-            with Client((host, int(port)), authkey=authkey) as conn:
+            with _connect((host, int(port)), authkey, timeout, node) as conn:
                 _no_delay(conn)
                 conn.send({"fetch": [s.shard_id for s in shards]})
                 if not conn.poll(timeout):
                     raise TimeoutError(f"fetching {len(shards)} shards from worker {node!r} "
                                        f"({addr}) took more than {timeout:g} s")
                 reply = conn.recv()
+        except TimeoutError:
+            raise
         except (OSError, EOFError) as exc:
             raise RuntimeError(f"fetching shards from worker {node!r} ({addr}) failed: "
                                f"{exc}") from exc
@@ -272,8 +302,3 @@ def fetch_packed_batch(batch: DistributedBatch, authkey: bytes, adv_mode: str,
                        timeout: float) -> PackedBatch:
     """:func:`fetch_shards` then :func:`assemble_packed_batch`."""
     return assemble_packed_batch(fetch_shards(batch, authkey, timeout), adv_mode)
-
-
-def shard_arrays_nbytes(tensors: dict[str, np.ndarray]) -> int:
-    """Bytes of a fetched shard (for transfer metrics)."""
-    return sum(v.nbytes for v in tensors.values())

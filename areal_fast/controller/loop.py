@@ -1,4 +1,9 @@
-"""The synchronous RL loop: generate → score → train → update weights, step after step."""
+"""The synchronous in-process RL loop: generate → score → train → update weights.
+
+A reference: ``areal-fast train`` runs the asynchronous controller
+(:mod:`areal_fast.controller.async_loop`), which at max_head_offpolicyness = 0 trains exactly
+as this loop does for the same seed (tested).
+"""
 
 from __future__ import annotations
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 
@@ -30,9 +31,11 @@ class StalenessManager:
     With η = ``max_head_offpolicyness``, B = ``batch_size`` prompt groups consumed per
     training step and v the current policy version, a new rollout may start only while
     ``accepted + running < (η + v + 1) · B`` and ``running < max_concurrent_rollouts``
-    (AReaL, Fu et al. 2025, §4.1). When batches are consumed in acceptance order, a rollout
-    started at version v is trained by a step at version ≤ v + η, so the staleness of every
-    token (trainer version − version that generated it) is at most η.
+    (AReaL, Fu et al. 2025, §4.1). This bounds how much generation runs ahead; it does not by
+    itself bound the staleness of one slow rollout, which keeps its slot while later ones
+    are accepted and trained. The controller therefore also drops (and counts) any accepted
+    rollout that would be trained more than η versions after it started
+    (:meth:`on_discard`), which keeps every token's staleness ≤ η.
     η = 0 gives synchronous RL: each step's B rollouts start only after the previous step.
 
     All counts are prompt groups (one rollout = one prompt with its group_size samples).
@@ -57,8 +60,8 @@ class StalenessManager:
         for name, value, low in (("batch_size", batch_size, 1),
                                  ("max_head_offpolicyness", max_head_offpolicyness, 0),
                                  ("max_concurrent_rollouts", max_concurrent_rollouts, 1)):
-            if int(value) != value or value < low:
-                raise ValueError(f"{name} = {value} must be an integer >= {low}")
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+                raise ValueError(f"{name} = {value!r} must be an integer >= {low}")
         self.batch_size = int(batch_size)
         self.eta = int(max_head_offpolicyness)
         self.max_concurrent = int(max_concurrent_rollouts)
@@ -89,3 +92,16 @@ class StalenessManager:
             self.counts.accepted += 1
         else:
             self.counts.rejected += 1
+
+    def on_discard(self) -> None:
+        """An accepted rollout is dropped before training (too stale); its place frees up.
+
+        Raises
+        ------
+        RuntimeError
+            If no rollout is accepted (an internal bookkeeping error).
+        """
+        if self.counts.accepted <= 0:
+            raise RuntimeError("staleness: discarding an accepted rollout but none is")
+        self.counts.accepted -= 1
+        self.counts.rejected += 1

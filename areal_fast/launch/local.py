@@ -161,9 +161,7 @@ def cluster_spec(cfg: ExperimentConfig) -> ClusterSpec:
         ppo_n_minibatches=a.ppo_n_minibatches, seed=cfg.seed)
     return ClusterSpec(
         rollout=RolloutWorkerSpec(engine, math_reward, threads=rollout_threads),
-        trainer=TrainerWorkerSpec(trainer, adv_mode=a.adv_mode,
-                                  fetch_timeout=cfg.launcher.timeouts.weight_update,
-                                  threads=trainer_threads),
+        trainer=TrainerWorkerSpec(trainer, adv_mode=a.adv_mode, threads=trainer_threads),
         num_rollout_workers=cfg.rollout.num_workers,
         startup_timeout=cfg.launcher.startup_timeout)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 from areal_fast.controller import messages as msg
@@ -88,6 +89,9 @@ class LocalCluster:
         self.close()
 
     def close(self) -> None:
-        """Stop every worker (Shutdown, then terminate after a grace period)."""
+        """Stop every worker (Shutdown, then terminate after a grace period) and delete the
+        trainer's shared-memory weight files, which a killed trainer cannot delete itself."""
         for handle in [*self.rollout_workers, *([self.trainer] if self.trainer else [])]:
             handle.stop()
+        for spec in self.weight_buffers:
+            Path(spec.path).unlink(missing_ok=True)
