@@ -21,6 +21,7 @@ min(generation capacity, trainer capacity)) and ``controller_overhead_ms_per_tra
 
     python benches/bench_async.py --simulated --json benches/results/async_simulated.json
     python benches/bench_async.py --real --json benches/results/async_real_cpu.json
+    pytest benches/bench_async.py    # pytest-benchmark, small simulated workload
 """
 
 from __future__ import annotations
@@ -91,11 +92,13 @@ def run_case(eta: int, scale: float, seed: int, w: dict, max_concurrent: int,
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
     trained = sum(r["trained_tokens"] for r in records)
     elapsed = records[-1]["elapsed_seconds"]
-    trajectories = (counts.trained + counts.dropped.get("unused_at_end", 0)) * w["group_size"]
+    finished = counts.submitted - counts.dropped.get("in_flight_at_end", 0)
+    trajectories = finished * w["group_size"]
     return {"eta": eta, "steps": steps, "trained_samples": counts.trained * w["group_size"],
             "trained_tokens": trained, "elapsed_s_scaled": elapsed,
             "trained_tokens_per_s": trained / elapsed * scale,
             "controller_cpu_s": cpu, "wall_s": wall,
+            "finished_trajectories": trajectories,
             "controller_cpu_ms_per_trajectory": 1e3 * cpu / max(trajectories, 1),
             "staleness_max": max(r.get("staleness_max", 0.0) for r in records),
             "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in records) / len(records),
@@ -105,7 +108,9 @@ def run_case(eta: int, scale: float, seed: int, w: dict, max_concurrent: int,
 def simulated(args) -> dict:
     w = dict(WORKLOAD, steps=args.steps)
     slots = w["workers"] * w["seqs_per_worker"]
-    groups_in_flight = slots // w["group_size"]
+    # 64 prompt groups (256 sequences) in flight for 128 decode slots: a group holds its
+    # place until its slowest sample ends, so the engines need queued samples to stay full
+    groups_in_flight = 2 * slots // w["group_size"]
     cases = [run_case(eta, args.time_scale, args.seed, w, groups_in_flight,
                       w["seqs_per_worker"], w["steps"]) for eta in args.etas]
     eprint(json.dumps(cases, indent=1))
@@ -113,9 +118,12 @@ def simulated(args) -> dict:
     train_capacity = 1.0 / (w["train_us_per_token"] * 1e-6)
     bound = min(gen_capacity, train_capacity)
     by_eta = {c["eta"]: c for c in cases}
-    # controller overhead: 10 000 rollouts in flight (2 500 per worker, all decoding at once)
-    overhead = run_case(10_000 // w["prompts"], args.time_scale, args.seed + 1,
-                        dict(w, median=64.0, cap=256), 10_000, 10_000, args.overhead_steps)
+    # controller overhead: 10 000 rollouts in flight. B = 1000 prompt groups per step and
+    # η = 9 allow (9 + 0 + 1) · 1000 = 10 000 at once; the engines take all of them (no
+    # queueing) and the trainer takes no time, so the controller is as busy as it can be.
+    overhead_w = dict(w, prompts=1000, median=128.0, cap=512, train_us_per_token=0.0)
+    overhead = run_case(9, args.time_scale, args.seed + 1, overhead_w, 10_000, 10_000,
+                        args.overhead_steps)
     result = {
         "workload": w, "time_scale": args.time_scale, "seed": args.seed,
         "generation_capacity_tokens_per_s": gen_capacity,
@@ -204,6 +212,30 @@ def real_table(result: dict) -> str:
                            "interruptions"], rows)
 
 
+# ---------------------------------------------------------------------------
+# pytest-benchmark (the simulated workload, time scaled down 20x, 6 steps)
+# ---------------------------------------------------------------------------
+
+try:
+    import pytest
+except ImportError:  # script mode without pytest installed
+    pytest = None
+
+if pytest is not None:
+
+    @pytest.mark.parametrize("eta", [0, 4])
+    def test_simulated_controller(benchmark, eta):
+        w = dict(WORKLOAD, steps=6)
+        slots = w["workers"] * w["seqs_per_worker"]
+        case = benchmark.pedantic(
+            run_case, args=(eta, 0.05, 0, w, 2 * slots // w["group_size"],
+                            w["seqs_per_worker"], w["steps"]),
+            rounds=1, iterations=1, warmup_rounds=0)
+        assert case["staleness_max"] <= eta
+        assert case["trained_samples"] == w["steps"] * w["prompts"] * w["group_size"]
+        benchmark.extra_info.update(trained_tokens_per_s=case["trained_tokens_per_s"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,7 +252,8 @@ def main(argv=None) -> int:
                         help="multiply every simulated duration by this (≤ 1 runs faster)")
     parser.add_argument("--steps", type=int, default=WORKLOAD["steps"])
     parser.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4])
-    parser.add_argument("--overhead-steps", type=int, default=3)
+    parser.add_argument("--overhead-steps", type=int, default=12,
+                        help="steps of the 10 000-rollouts-in-flight overhead case (B = 1000)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not args.time_scale > 0:

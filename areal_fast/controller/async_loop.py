@@ -12,6 +12,7 @@ rollout worker to load the new weights (they interrupt and resume their running 
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -36,8 +37,9 @@ class Timeouts:
 
     def __post_init__(self):
         for name in ("train_step", "weight_update", "rollout_stall", "evaluate"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} = {getattr(self, name)} must be > 0")
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} = {value} must be a finite number > 0")
 
 
 @dataclass
@@ -57,6 +59,9 @@ class ControllerSettings:
         Drop groups whose rewards are all equal (DAPO dynamic sampling, Yu et al. 2025) and
         keep sampling until the batch is full.
     timeouts : Timeouts
+    max_filtered_in_a_row : int
+        With ``dynamic_filter``, this many groups dropped in a row (all rewards equal) end
+        the run with a ValueError instead of sampling forever.
     """
 
     total_steps: int
@@ -65,6 +70,7 @@ class ControllerSettings:
     max_concurrent_rollouts: int
     dynamic_filter: bool = False
     timeouts: Timeouts = field(default_factory=Timeouts)
+    max_filtered_in_a_row: int = 1000  # groups dropped by the filter in a row before failing
 
 
 @dataclass
@@ -77,6 +83,7 @@ class RunCounts:
     interruptions: int = 0
 
     def as_dict(self) -> dict:
+        """The counts as plain JSON-able values (for summary.json)."""
         return {"rollouts_submitted": self.submitted, "rollouts_trained": self.trained,
                 "rollouts_dropped": dict(self.dropped),
                 "sample_interruptions": self.interruptions}
@@ -112,12 +119,15 @@ class AsyncController:
         self.ready: collections.deque[msg.GroupDone] = collections.deque()
         self.submitted_at: dict[int, int] = {}  # group id -> policy version at submission
         self.in_flight = {w.name: 0 for w in rollout_workers}
+        # per worker: when it last finished a group or went from idle to busy
+        self.progress = {w.name: time.monotonic() for w in rollout_workers}
+        self.filtered_in_a_row = 0
         self.acked = {w.name: 0 for w in rollout_workers}
         # batches sent to the trainer and not finished: (groups, send time); at most
         # TRAIN_PIPELINE, so the trainer fetches batch k + 1 while it trains batch k
         self.training: collections.deque[tuple[list[msg.GroupDone], float]] = collections.deque()
         self.eval_records: dict[str, list] = {}
-        self.start = self.last_step = self.last_finish = time.monotonic()
+        self.start = self.last_step = time.monotonic()
         self.trained_tokens = 0
         self.generated_tokens = 0
 
@@ -130,7 +140,8 @@ class AsyncController:
         WorkerError
             A worker died, failed or missed its deadline (the message names it).
         """
-        self.start = self.last_step = self.last_finish = time.monotonic()
+        self.start = self.last_step = time.monotonic()
+        self.progress = {w.name: self.start for w in self.workers}
         while self.version < self.s.total_steps:
             self._submit_rollouts()
             self._train_if_ready()
@@ -150,6 +161,8 @@ class AsyncController:
         per_worker: dict[str, list[msg.GroupRequest]] = {}
         for _ in range(capacity):
             worker = min(self.workers, key=lambda w: self.in_flight[w.name])
+            if self.in_flight[worker.name] == 0:
+                self.progress[worker.name] = time.monotonic()
             self.in_flight[worker.name] += 1
             group_id = self.counts.submitted
             per_worker.setdefault(worker.name, []).append(self.next_request(group_id))
@@ -216,15 +229,28 @@ class AsyncController:
 
     def _on_group_done(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
         self.in_flight[worker.name] -= 1
-        self.last_finish = time.monotonic()
+        self.progress[worker.name] = time.monotonic()
         self.counts.interruptions += done.interruptions
         self.generated_tokens += sum(done.completion_lengths)
         keep = not (self.s.dynamic_filter and len(set(done.rewards)) == 1)
         self.staleness.on_finish(accepted=keep)
         if keep:
-            self.ready.append(done)
-        else:
-            self._drop(done, "dynamic_filter")
+            self.filtered_in_a_row = 0
+            # the version that will train it: batches are formed from `ready` in order
+            train_version = (self.version + len(self.training)
+                             + len(self.ready) // self.s.batch_size)
+            if self.submitted_at[done.group_id] + self.s.max_head_offpolicyness < train_version:
+                self._drop(done, "stale")  # now, so a replacement starts at once
+                self.staleness.on_discard()
+            else:
+                self.ready.append(done)
+            return
+        self._drop(done, "dynamic_filter")
+        self.filtered_in_a_row += 1
+        if self.filtered_in_a_row > self.s.max_filtered_in_a_row:
+            raise ValueError(f"rollout.dynamic_filter: the last {self.filtered_in_a_row} "
+                             f"groups all had equal rewards and were dropped, so no batch can "
+                             f"be filled; check the reward function or turn the filter off")
 
     def _on_step_done(self, done: msg.StepDone) -> None:
         if done.version != self.version + 1:
@@ -290,11 +316,12 @@ class AsyncController:
             raise WorkerError(f"rollout worker {late[0]!r} did not load weights version "
                               f"{self.version} within timeouts.weight_update = "
                               f"{t.weight_update:g} s")
-        busy = [w.name for w in self.workers if self.in_flight[w.name] > 0]
-        if busy and now - self.last_finish > t.rollout_stall:
-            raise WorkerError(f"rollout worker {busy[0]!r} finished no rollout within "
+        stalled = [w.name for w in self.workers if self.in_flight[w.name] > 0
+                   and now - self.progress[w.name] > t.rollout_stall]
+        if stalled:
+            raise WorkerError(f"rollout worker {stalled[0]!r} finished no rollout within "
                               f"timeouts.rollout_stall = {t.rollout_stall:g} s "
-                              f"({self.in_flight[busy[0]]} running)")
+                              f"({self.in_flight[stalled[0]]} running)")
 
     def _wind_down(self) -> None:
         """Cancel running rollouts, drop unused ones, wait until every worker serves the
@@ -314,8 +341,11 @@ class AsyncController:
         deadline = time.monotonic() + self.s.timeouts.weight_update
         while cancelled or min(self.acked.values()) < self.version:
             if time.monotonic() > deadline:
-                raise WorkerError(f"rollout workers {sorted(cancelled)} did not wind down "
-                                  f"within {self.s.timeouts.weight_update:g} s")
+                late = sorted(cancelled) or [w.name for w in self.workers
+                                             if self.acked[w.name] < self.version]
+                raise WorkerError(f"rollout worker {late[0]!r} did not cancel its rollouts and "
+                                  f"load weights version {self.version} within "
+                                  f"timeouts.weight_update = {self.s.timeouts.weight_update:g} s")
             for worker, message in wait_messages(self._all(), 1.0, "while winding down"):
                 if isinstance(message, msg.Cancelled):
                     cancelled.discard(worker.name)

@@ -29,22 +29,30 @@ class GroupRequest:
 # controller → rollout worker
 @dataclass
 class SubmitGroups:
+    """Start these rollouts (prompt groups) on the worker."""
+
     groups: list[GroupRequest]
 
 
 @dataclass
 class UpdateWeights:
+    """Pause, load weights ``version`` from the shared-memory ``buffer``, resume."""
+
     version: int
     buffer: WeightBufferSpec
 
 
 @dataclass
 class DropShards:
+    """Forget these finished groups (filtered, stale or unused)."""
+
     shard_ids: list[int]
 
 
 @dataclass
 class Evaluate:
+    """Run these greedy evaluation groups; answer with :class:`EvalDone`."""
+
     groups: list[GroupRequest]
 
 
@@ -55,12 +63,15 @@ class CancelAll:
 
 @dataclass
 class Shutdown:
-    pass
+    """Exit the worker process."""
 
 
 # rollout worker → controller
 @dataclass
 class WorkerReady:
+    """A worker finished starting; rollout workers give their shard-server address,
+    the trainer its two weight slots."""
+
     name: str
     node_addr: str = ""
     weight_buffers: tuple = ()  # trainer: its two WeightBufferSpec slots
@@ -80,17 +91,23 @@ class GroupDone:
 
 @dataclass
 class WeightsUpdated:
+    """A rollout worker serves weights ``version`` now (took ``seconds``)."""
+
     version: int
     seconds: float
 
 
 @dataclass
 class EvalDone:
+    """One record per evaluation group (uid, answer, completion, correct, reward)."""
+
     records: list[dict]
 
 
 @dataclass
 class Cancelled:
+    """Reply to :class:`CancelAll`: how many training groups were dropped."""
+
     groups: int
 
 
@@ -105,18 +122,24 @@ class WorkerFailed:
 # controller → trainer
 @dataclass
 class TrainStep:
+    """Fetch ``batch``, take one training step, publish the weights into ``slot``."""
+
     batch: DistributedBatch
     slot: int  # weight buffer to publish the new version into
 
 
 @dataclass
 class SaveCheckpoint:
+    """Write a HF checkpoint directory at ``path``; answer with :class:`Saved`."""
+
     path: str
 
 
 # trainer → controller
 @dataclass
 class StepDone:
+    """A finished training step: new version, the trainer's metrics and timings."""
+
     version: int
     stats: dict
     group_ids: list[int] = field(default_factory=list)
@@ -128,5 +151,7 @@ class StepDone:
 
 @dataclass
 class Saved:
+    """The checkpoint at ``path`` is written."""
+
     path: str
     error: Optional[str] = None

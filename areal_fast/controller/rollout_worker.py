@@ -184,8 +184,8 @@ class RolloutWorker:
             group.done += 1
             if group.done == len(group.samples):
                 self._finish_group(self.groups.pop(sample.group_id))
-        if resubmit:
-            self.engine.submit(resubmit)
+        if resubmit:  # ahead of newer samples, so interruptions do not age them further
+            self.engine.submit(resubmit, front=True)
 
     def _finish_group(self, group: _Group) -> None:
         request = group.request

@@ -110,7 +110,7 @@ class ActorConfig:
     adv_mode: str = "grpo"  # "grpo" | "dr_grpo" | "rloo" | "batch"
     max_tokens_per_mb: int = 4096  # token budget of one micro-batch
     pack_method: str = "kk"  # "kk" (Karmarkar–Karp) | "ffd" (first-fit decreasing)
-    keep_groups: bool = False  # keep each GRPO group in one micro-batch
+    keep_groups: bool = True  # keep each GRPO group in one micro-batch
     # decoupled PPO (AReaL, Fu et al. 2025, Eq. 5): ratio against the proximal policy (the
     # trainer's weights at the start of the step), weighted by exp(prox − behav)
     use_decoupled_loss: bool = True

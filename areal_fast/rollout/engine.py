@@ -149,8 +149,9 @@ class AsyncInferenceEngine(Protocol):
         """Start the engine thread."""
         ...
 
-    def submit(self, requests: list[GenRequest]) -> None:
-        """Queue requests; they run when capacity allows."""
+    def submit(self, requests: list[GenRequest], front: bool = False) -> None:
+        """Queue requests; they run when capacity allows. ``front`` puts them ahead of every
+        queued request (resumed samples)."""
         ...
 
     def get_outputs(self, timeout: float) -> list[GenOutput]:

@@ -252,12 +252,15 @@ class HFEngine:
             self._thread = threading.Thread(target=self._serve, name="HFEngine", daemon=True)
             self._thread.start()
 
-    def submit(self, requests: list[GenRequest]) -> None:
+    def submit(self, requests: list[GenRequest], front: bool = False) -> None:
         """Queue requests; they start once the engine is running, not paused and has capacity.
 
         Parameters
         ----------
         requests : list[GenRequest]
+        front : bool
+            Put them ahead of every queued request (resumed samples go first, so an
+            interruption does not push the oldest samples behind newer ones).
 
         Raises
         ------
@@ -281,7 +284,10 @@ class HFEngine:
                 raise ValueError(f"requests[{i}].offset = {r.offset} must be >= 0")
         with self._cond:
             self._raise_error()
-            self._queue.extend(requests)
+            if front:
+                self._queue.extendleft(reversed(requests))
+            else:
+                self._queue.extend(requests)
             self._cond.notify_all()
 
     def get_outputs(self, timeout: float) -> list[GenOutput]:

@@ -84,17 +84,25 @@ class SimulatedEngine:
 
     @property
     def version(self) -> int:
+        """Policy version of the served (stand-in) weights."""
         return self._version
 
     def start(self) -> None:
+        """Start the decode thread."""
         self._thread.start()
 
-    def submit(self, requests: list[GenRequest]) -> None:
+    def submit(self, requests: list[GenRequest], front: bool = False) -> None:
+        """Queue requests (``front``: ahead of the queue); they start when fewer than
+        max_running decode."""
         with self._cond:
-            self._queue.extend(requests)
+            if front:
+                self._queue.extendleft(reversed(requests))
+            else:
+                self._queue.extend(requests)
             self._cond.notify()
 
     def get_outputs(self, timeout: float) -> list[GenOutput]:
+        """Finished or aborted requests, waiting up to ``timeout`` s for one."""
         with self._out_cond:
             if not self._outputs:
                 self._out_cond.wait(timeout)
@@ -102,6 +110,7 @@ class SimulatedEngine:
         return out
 
     def pause(self, timeout: float) -> None:
+        """Abort every running request (partial tokens returned); keep the queue."""
         now = time.monotonic()
         with self._cond:
             self._paused = True
@@ -110,6 +119,7 @@ class SimulatedEngine:
         self._emit(aborted)
 
     def update_weights(self, named_tensors: Iterable, version: int) -> None:
+        """Take ``version`` (only while paused; the tensors are ignored)."""
         if not self._paused:
             raise RuntimeError("simulated engine: update_weights needs pause() first")
         for _ in named_tensors:
@@ -117,6 +127,7 @@ class SimulatedEngine:
         self._version = int(version)
 
     def resume(self) -> None:
+        """Start decoding queued requests again."""
         with self._cond:
             self._paused = False
             self._cond.notify()
@@ -129,6 +140,7 @@ class SimulatedEngine:
             return n
 
     def close(self) -> None:
+        """Stop the decode thread."""
         with self._cond:
             self._closed = True
             self._cond.notify()
@@ -141,13 +153,13 @@ class SimulatedEngine:
             ids[-1] = self.eos_token_id
         return ids
 
-    def _output(self, run: _Running, count: int, reason: str) -> GenOutput:
+    def _output(self, run: _Running, count: int, reason: str, version: int) -> GenOutput:
         return GenOutput(run.request.rid, self._tokens(run.request, count, reason == "stop"),
-                         [SIM_LOGPROB] * count, [self._version] * count, reason)
+                         [SIM_LOGPROB] * count, [version] * count, reason)
 
     def _partial(self, run: _Running, now: float) -> GenOutput:
         done = int((now - run.start) / self.config.token_seconds)
-        return self._output(run, min(done, run.num_new - 1), "abort")
+        return self._output(run, min(done, run.num_new - 1), "abort", self._version)
 
     def _admit(self, now: float) -> None:
         while self._queue and len(self._heap) < self.config.max_running:
@@ -162,6 +174,7 @@ class SimulatedEngine:
         while True:
             finished = []
             with self._cond:
+                version = self._version  # weights change only while paused (heap empty)
                 if self._closed:
                     return
                 now = time.monotonic()
@@ -173,7 +186,7 @@ class SimulatedEngine:
                     wait = self._heap[0][0] - now if self._heap else None
                     self._cond.wait(wait)
                     continue
-            self._emit([self._output(r, r.num_new, "stop" if r.stops else "length")
+            self._emit([self._output(r, r.num_new, "stop" if r.stops else "length", version)
                         for r in finished])
 
     def _emit(self, outputs: list[GenOutput]) -> None:

@@ -98,8 +98,17 @@ class SharedWeightBuffer:
         entries, total = plan_layout(named_tensors)
         folder = Path(directory) if directory else _shm_dir()
         path = folder / f"areal_fast-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        with open(path, "wb") as fh:
-            fh.truncate(total)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # owner-only
+        try:
+            # reserve the pages now: a sparse file on a full tmpfs would fail later with
+            # SIGBUS on first write instead of this error
+            os.posix_fallocate(fd, 0, total)
+        except OSError as exc:
+            os.close(fd)
+            path.unlink(missing_ok=True)
+            raise OSError(exc.errno, f"weight buffer: {total} bytes do not fit in {folder} "
+                                     f"({exc.strerror})") from exc
+        os.close(fd)
         return cls(WeightBufferSpec(str(path), total, tuple(entries)), owner=True)
 
     @classmethod

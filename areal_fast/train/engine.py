@@ -12,13 +12,16 @@ from areal_fast.rl.batch import PackedBatch
 class TrainEngine(Protocol):
     """What the controller needs from a trainer.
 
-    ``train_step`` runs one optimizer update on a packed batch (splitting it into
-    micro-batches itself) and returns float metrics; ``named_weights`` yields the parameters
+    ``train_step`` takes one policy-version step on a packed batch (one or more optimizer
+    updates over micro-batches it forms itself) and returns its metrics; ``version`` counts
+    the steps taken; ``named_weights`` yields the parameters
     to send to inference engines; ``save`` writes a loadable checkpoint directory.
     """
 
+    version: int
+
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
-        """One optimizer update on ``batch``; float metrics."""
+        """One policy-version step on ``batch``; float metrics."""
         ...
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -44,9 +44,11 @@ class SimulatedTrainEngine:
                 "version": float(self.version)}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The one stand-in weight tensor."""
         yield "weight", self.weight
 
     def save(self, path: str) -> None:
+        """Write ``version.txt`` into ``path``."""
         Path(path).mkdir(parents=True, exist_ok=True)
         (Path(path) / "version.txt").write_text(f"{self.version}\n")
 
