@@ -253,6 +253,9 @@ class AsyncController:
                              f"be filled; check the reward function or turn the filter off")
 
     def _on_step_done(self, done: msg.StepDone) -> None:
+        if not self.training or done.group_ids != [g.group_id for g in self.training[0][0]]:
+            raise WorkerError(f"trainer {self.trainer.name!r} reported a step for groups "
+                              f"{done.group_ids[:4]}... that were not sent to it")
         if done.version != self.version + 1:
             raise WorkerError(f"trainer {self.trainer.name!r} reported version {done.version} "
                               f"after version {self.version}")
@@ -351,11 +354,13 @@ class AsyncController:
                     cancelled.discard(worker.name)
                     self.counts.dropped["in_flight_at_end"] += message.groups
                 elif isinstance(message, msg.GroupDone):  # finished before the cancel
-                    self.in_flight[worker.name] -= 1
                     self.counts.dropped["unused_at_end"] += 1
                     worker.send(msg.DropShards([message.group_id]))
                 else:
                     self._on_message(worker, message)
+        self.in_flight = {w.name: 0 for w in self.workers}
+        self.staleness.counts.running = 0
+        self.submitted_at.clear()
 
     def evaluate(self, requests: list[msg.GroupRequest]) -> list[dict]:
         """Run evaluation groups (greedy, n=1) spread over the rollout workers; returns one
@@ -366,6 +371,8 @@ class AsyncController:
         WorkerError
             A worker died or did not finish within ``timeouts.evaluate``.
         """
+        if self.training or any(self.in_flight.values()):
+            raise RuntimeError("evaluate() runs only before run() or after it has returned")
         self.eval_records = {}
         for i, worker in enumerate(self.workers):
             worker.send(msg.Evaluate(requests[i::len(self.workers)]))

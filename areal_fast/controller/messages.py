@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from areal_fast.controller.batch import DistributedBatch, ShardMetadata
 from areal_fast.rollout.engine import SamplingParams
@@ -154,4 +153,3 @@ class Saved:
     """The checkpoint at ``path`` is written."""
 
     path: str
-    error: Optional[str] = None

@@ -110,8 +110,10 @@ class RolloutWorker:
         try:
             while True:
                 self.inbox.put(("control", self.conn.recv()))
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the controller is gone
             self.inbox.put(("control", msg.Shutdown()))
+        except Exception as exc:  # noqa: BLE001 - e.g. a message that cannot be unpickled
+            self.inbox.put(("error", exc))
 
     def _pump_outputs(self) -> None:
         try:

@@ -56,6 +56,8 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
         conn.send(msg.WorkerReady(name, weight_buffers=tuple(b.spec for b in buffers)))
         while True:
             message, fetched = inbox.get()
+            if isinstance(message, Exception):
+                raise message
             if isinstance(message, msg.TrainStep):
                 conn.send(_train_step(trainer, message, fetched, buffers))
             elif isinstance(message, msg.SaveCheckpoint):
@@ -74,8 +76,11 @@ def _read(conn, inbox: queue.Queue, fetcher, spec: TrainerWorkerSpec, authkey: b
     while True:
         try:
             message = conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the controller is gone
             inbox.put((msg.Shutdown(), None))
+            return
+        except Exception as exc:  # noqa: BLE001 - e.g. a message that cannot be unpickled
+            inbox.put((exc, None))
             return
         fetched = None
         if isinstance(message, msg.TrainStep):
