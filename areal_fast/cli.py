@@ -5,17 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="areal-fast", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run GRPO training (embedded engine, synchronous)")
+    train = sub.add_parser("train", help="run asynchronous GRPO training (local launcher)")
     train.add_argument("--config", help="YAML experiment config (e.g. examples/arith.yaml)")
     train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     return parser
+
+
+def _raise_system_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,15 +36,20 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
+    from areal_fast.controller.workers import WorkerError
+
+    # SIGTERM (schedulers, `timeout`) unwinds like Ctrl-C: FAILED is written, workers stop
+    signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
         cfg = load_config(args.config, args.overrides)
         summary = run_experiment(cfg, show_progress=not args.no_progress)
-    except (ValueError, FileNotFoundError, ImportError) as exc:
+    except (ValueError, FileNotFoundError, ImportError, WorkerError, TimeoutError) as exc:
         if os.environ.get("AREAL_FAST_DEBUG"):
             raise
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         print(f"areal-fast: error: {message}", file=sys.stderr)
-        return 2
+        # 2: a user error found by the checks; 1: a failure while running
+        return 1 if isinstance(exc, (WorkerError, TimeoutError)) else 2
     print(json.dumps(summary, indent=2))
     print(f"run directory: {cfg.run_dir}")
     return 0

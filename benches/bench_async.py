@@ -15,7 +15,7 @@ comparable across versions:
 
 All times may be scaled down uniformly with ``--time-scale`` (throughputs are reported in
 unscaled tokens/s). Output fields: ``throughput_ratio_async_vs_sync`` (trained tokens/s at
-η = 4 over η = 0, same samples), ``async_efficiency_vs_bound`` (η = 4 over
+η = 4 over η = 0, same number of trained samples), ``async_efficiency_vs_bound`` (η = 4 over
 min(generation capacity, trainer capacity)) and ``controller_overhead_ms_per_trajectory``
 (controller CPU time per finished trajectory with 10 000 rollouts in flight).
 

@@ -61,6 +61,9 @@ def test_kl_to_reference_and_qwen2(tiny_qwen_dir, tmp_path):
     ("rollout.max_head_offpolicyness=-1", "rollout.max_head_offpolicyness"),
     ("actor.prox_logp_method=exact", "actor.prox_logp_method"),
     ("launcher.timeouts.train_step=0", "launcher.timeouts.train_step"),
+    ("model.dtype=float64", "model.dtype"),
+    ("model.attn_implementation=fast", "model.attn_implementation"),
+    ("actor.ppo_n_minibatches=4", "actor.ppo_n_minibatches"),
     ("threads=0", "threads"),
     ("model.device=foo", "model.device"),
     ("model.path=/no/such/dir", "/no/such/dir"),
@@ -134,3 +137,16 @@ def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "areal_fast.cli", "train", "--help"],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "--config" in out.stdout
+
+
+def test_failure_while_running_is_one_line(tiny_model_dir, tmp_path, capsys):
+    """A worker that misses its deadline ends the run with one line naming it and the key,
+    exit code 1, FAILED in the run directory and no weight files left in /dev/shm."""
+    before = set(Path("/dev/shm").glob("areal_fast-weights-*"))
+    assert main(_args(tiny_model_dir, tmp_path, "launcher.timeouts.train_step=0.001",
+                      "eval.before=false")) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("areal-fast: error:")
+    assert "'trainer'" in last and "timeouts.train_step" in last
+    assert (tmp_path / "grpo-arith" / "trial0" / "FAILED").exists()
+    assert set(Path("/dev/shm").glob("areal_fast-weights-*")) <= before

@@ -62,6 +62,11 @@ class ControllerSettings:
     max_filtered_in_a_row : int
         With ``dynamic_filter``, this many groups dropped in a row (all rewards equal) end
         the run with a ValueError instead of sampling forever.
+    drop_stale : bool
+        Drop (count as "stale") groups that would be trained more than η versions after
+        they started, so every token's staleness is ≤ η. Slow groups are the long ones, so
+        this shortens the mean trained completion; ``RunCounts.stale_dropped_tokens`` says how
+        much was dropped. False keeps them (AReaL's behaviour): staleness may then exceed η.
     """
 
     total_steps: int
@@ -71,6 +76,7 @@ class ControllerSettings:
     dynamic_filter: bool = False
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_filtered_in_a_row: int = 1000  # groups dropped by the filter in a row before failing
+    drop_stale: bool = True  # drop groups that would be trained more than η versions late
 
 
 @dataclass
@@ -81,12 +87,14 @@ class RunCounts:
     trained: int = 0
     dropped: dict = field(default_factory=lambda: collections.Counter())
     interruptions: int = 0
+    stale_dropped_tokens: int = 0  # completion tokens of the groups dropped as stale
 
     def as_dict(self) -> dict:
         """The counts as plain JSON-able values (for summary.json)."""
         return {"rollouts_submitted": self.submitted, "rollouts_trained": self.trained,
                 "rollouts_dropped": dict(self.dropped),
-                "sample_interruptions": self.interruptions}
+                "sample_interruptions": self.interruptions,
+                "stale_dropped_completion_tokens": self.stale_dropped_tokens}
 
 
 class AsyncController:
@@ -195,7 +203,7 @@ class AsyncController:
         batch = []
         while self.ready and len(batch) < self.s.batch_size:
             group = self.ready.popleft()
-            if self.submitted_at[group.group_id] + self.s.max_head_offpolicyness < train_version:
+            if self._too_stale(group, train_version):
                 self._drop(group, "stale")
                 self.staleness.on_discard()
             else:
@@ -207,10 +215,17 @@ class AsyncController:
             del self.submitted_at[group.group_id]
         return sorted(batch, key=lambda g: g.group_id)
 
+    def _too_stale(self, group: msg.GroupDone, train_version: int) -> bool:
+        """Whether ``group`` would be trained more than η versions after it started."""
+        late = self.submitted_at[group.group_id] + self.s.max_head_offpolicyness < train_version
+        return self.s.drop_stale and late
+
     def _drop(self, group: msg.GroupDone, reason: str) -> None:
         """Forget a finished group: count it under ``reason`` and free its shard."""
         self.submitted_at.pop(group.group_id, None)
         self.counts.dropped[reason] += 1
+        if reason == "stale":
+            self.counts.stale_dropped_tokens += sum(group.completion_lengths)
         worker = next(w for w in self.workers if w.name == group.shard.node_id)
         worker.send(msg.DropShards([group.group_id]))
 
@@ -239,7 +254,7 @@ class AsyncController:
             # the version that will train it: batches are formed from `ready` in order
             train_version = (self.version + len(self.training)
                              + len(self.ready) // self.s.batch_size)
-            if self.submitted_at[done.group_id] + self.s.max_head_offpolicyness < train_version:
+            if self._too_stale(done, train_version):
                 self._drop(done, "stale")  # now, so a replacement starts at once
                 self.staleness.on_discard()
             else:
@@ -282,7 +297,7 @@ class AsyncController:
             "response_length_max": float(max(lengths)),
             "truncated_fraction": sum(r == "length" for g in batch for r in g.stop_reasons)
             / len(rewards),
-            "interrupted_samples": sum(g.interruptions for g in batch),
+            "sample_interruptions": sum(g.interruptions for g in batch),
             **done.stats,
             "trained_tokens": done.trained_tokens,
             "trained_tokens_per_s": self.trained_tokens / (now - self.start),
@@ -294,7 +309,7 @@ class AsyncController:
             "trainer_wait_seconds": max(0.0, sent - self.last_step),
             "step_seconds": now - self.last_step, "elapsed_seconds": now - self.start,
             "rollouts_running": self.staleness.counts.running, "rollouts_ready": len(self.ready),
-            "rollouts_dropped": sum(self.counts.dropped.values()),
+            "rollouts_dropped_total": sum(self.counts.dropped.values()),
         }
         self.last_step = now
         return record

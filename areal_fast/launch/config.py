@@ -21,6 +21,10 @@ from areal_fast.rl.config import LossConfig
 from areal_fast.train.torch_engine import OptimizerConfig
 
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3",
+                        "flex_attention")
+
+
 @dataclass
 class ModelConfig:
     """Which causal LM to train and how to hold it."""
@@ -41,6 +45,11 @@ class ModelConfig:
             raise ValueError(f"device = {self.device!r} but torch has no CUDA device here")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"device = {self.device!r}: only 'cpu' and 'cuda' are supported")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype = {self.dtype!r} is not 'float32', 'bfloat16' or 'float16'")
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"attn_implementation = {self.attn_implementation!r} is not one "
+                             f"of {ATTN_IMPLEMENTATIONS}")
 
 
 @dataclass
@@ -86,6 +95,9 @@ class RolloutConfig:
     # prompt groups in flight at most over all engines; None: (η + 1) · batch_size
     max_concurrent_rollouts: Optional[int] = None
     dynamic_filter: bool = False  # DAPO: drop groups whose rewards are all equal, resample
+    # drop groups that would be trained more than η versions after they started (keeps every
+    # token's staleness ≤ η; slow groups are long ones, so it shortens trained completions)
+    drop_stale: bool = True
     num_workers: int = 1  # rollout worker processes (one engine each)
 
     def __post_init__(self):
@@ -191,6 +203,11 @@ class ExperimentConfig:
     def __post_init__(self):
         _at_least("total_steps", self.total_steps, 0)
         _at_least("batch_size", self.batch_size, 1)
+        units = self.batch_size * (1 if self.actor.keep_groups else self.rollout.group_size)
+        if self.actor.ppo_n_minibatches > units:
+            what = "prompt groups" if self.actor.keep_groups else "sequences"
+            raise ValueError(f"actor.ppo_n_minibatches = {self.actor.ppo_n_minibatches} is more "
+                             f"than the {units} {what} of a batch")
         if self.threads is not None:
             _at_least("threads", self.threads, 1)
         for key in ("experiment_name", "trial_name"):

@@ -171,7 +171,8 @@ def controller_settings(cfg: ExperimentConfig) -> ControllerSettings:
     r = cfg.rollout
     concurrent = r.max_concurrent_rollouts or (r.max_head_offpolicyness + 1) * cfg.batch_size
     return ControllerSettings(cfg.total_steps, cfg.batch_size, r.max_head_offpolicyness,
-                              concurrent, r.dynamic_filter, cfg.launcher.timeouts)
+                              concurrent, r.dynamic_filter, cfg.launcher.timeouts,
+                              drop_stale=r.drop_stale)
 
 
 def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:

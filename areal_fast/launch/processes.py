@@ -16,6 +16,7 @@ from areal_fast.controller import messages as msg
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec, rollout_worker_main
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec, trainer_worker_main
 from areal_fast.controller.workers import WorkerError, WorkerHandle, spawn_worker, wait_messages
+from areal_fast.sync.shared_memory import remove_orphaned_buffers
 
 
 @dataclass
@@ -57,6 +58,7 @@ class LocalCluster:
         self.weight_buffers: tuple = ()
 
     def __enter__(self) -> "LocalCluster":
+        remove_orphaned_buffers()
         try:
             self.trainer = spawn_worker("trainer", trainer_worker_main, self.spec.trainer,
                                         self.authkey)
@@ -85,13 +87,14 @@ class LocalCluster:
                 if handle is self.trainer:
                     self.weight_buffers = message.weight_buffers
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # after a failure, do not wait long for a busy worker to finish its current step
+        self.close(grace_seconds=10.0 if exc_type is None else 2.0)
 
-    def close(self) -> None:
-        """Stop every worker (Shutdown, then terminate after a grace period) and delete the
+    def close(self, grace_seconds: float = 2.0) -> None:
+        """Stop every worker (Shutdown, then terminate after ``grace_seconds``) and delete the
         trainer's shared-memory weight files, which a killed trainer cannot delete itself."""
         for handle in [*self.rollout_workers, *([self.trainer] if self.trainer else [])]:
-            handle.stop()
+            handle.stop(grace_seconds)
         for spec in self.weight_buffers:
             Path(spec.path).unlink(missing_ok=True)

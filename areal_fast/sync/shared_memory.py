@@ -167,3 +167,19 @@ class SharedWeightBuffer:
         self._data = None
         if self.owner:
             Path(self.spec.path).unlink(missing_ok=True)
+
+
+def remove_orphaned_buffers(directory: str | None = None) -> int:
+    """Delete weight-buffer files whose creating process no longer exists (a trainer killed
+    with SIGKILL cannot delete its own); returns how many were removed."""
+    removed = 0
+    for path in (Path(directory) if directory else _shm_dir()).glob("areal_fast-weights-*-*"):
+        try:
+            pid = int(path.name.split("-")[2])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            removed += 1
+        except (ValueError, IndexError, PermissionError):
+            continue
+    return removed

@@ -301,7 +301,7 @@ def test_interrupted_samples_lose_and_repeat_nothing(tmp_path):
     check_trained_samples(rows, requests, config, eta)
     assert any(len(set(r["versions"])) > 1 for r in rows)
     assert max(r["staleness_max"] for r in records) <= eta
-    assert sum(r["interrupted_samples"] for r in records) <= counts.interruptions
+    assert sum(r["sample_interruptions"] for r in records) <= counts.interruptions
 
 
 def test_varied_lengths_resume_exactly(tmp_path):
@@ -362,6 +362,25 @@ def test_too_stale_group_is_dropped(tmp_path):
     assert counts.submitted == counts.trained + sum(counts.dropped.values())
     assert counts.trained == 6
     check_trained_samples(rows, requests, config, eta=1)
+
+
+def test_drop_stale_off_trains_the_late_group(tmp_path):
+    """drop_stale=False (AReaL's behaviour): the slow group is trained, 3 versions late."""
+    config = engine_config(median=20, cap=20, sigma=0.0)
+    requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
+    hold = frozenset(sample_seed(requests.seed(1), i) for i in range(2))
+    log = tmp_path / "trained.jsonl"
+    rollout = RolloutWorkerSpec(HoldingEngineFactory(config, hold, until=3), sim_reward,
+                                threads=1)
+    trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log)), threads=1)
+    settings = ControllerSettings(total_steps=6, batch_size=1, max_head_offpolicyness=1,
+                                  max_concurrent_rollouts=4, drop_stale=False)
+    counts, _ = run_controller(rollout, trainer, requests, settings)
+    rows = read_trained(log)
+    slow = [r for r in rows if r["group_id"] == 1]
+    assert len(slow) == 2 and slow[0]["trainer_version"] >= 3 and slow[0]["versions"][0] == 0
+    assert "stale" not in counts.dropped
+    assert counts.submitted == counts.trained + sum(counts.dropped.values())
 
 
 @pytest.mark.parametrize("how", ["exit", "raise"])
