@@ -147,6 +147,8 @@ class AsyncController:
         ------
         WorkerError
             A worker died, failed or missed its deadline (the message names it).
+        ValueError
+            ``dynamic_filter`` dropped ``max_filtered_in_a_row`` groups in a row.
         """
         self.start = self.last_step = time.monotonic()
         self.progress = {w.name: self.start for w in self.workers}
