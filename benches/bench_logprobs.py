@@ -127,6 +127,15 @@ def shape_name(shape) -> str:
     return "T{}_H{}_V{}".format(*shape)
 
 
+def shape_entry(shape, dtype: str, grad_bytes: int) -> dict:
+    """Result record of one shape: its sizes, the MB of the gradient outputs
+    (hidden.grad + weight.grad at ``grad_bytes`` per element) and of fp32 [T, V] logits."""
+    T, H, V = shape
+    return {"name": shape_name(shape), "T": T, "H": H, "V": V, "dtype": dtype,
+            "grad_buffers_mb": (T * H + V * H) * grad_bytes / hx.MIB,
+            "logits_fp32_mb": T * V * 4 / hx.MIB, "modes": {}}
+
+
 # ---------------------------------------------------------------------------
 # Inputs and operations (torch imported lazily: the parent process stays small)
 # ---------------------------------------------------------------------------
@@ -522,10 +531,7 @@ def _run_cpu_cases(args, shapes, meta) -> dict:
                 malloc_mmap_threshold=MALLOC_MMAP_THRESHOLD)
     out = {"metadata": meta, "results": [], "notes": []}
     for shape in shapes:
-        T, H, V = shape
-        entry = {"name": shape_name(shape), "T": T, "H": H, "V": V, "dtype": DTYPES["cpu"],
-                 "grad_buffers_mb": (T * H + V * H) * 4 / hx.MIB,
-                 "logits_fp32_mb": T * V * 4 / hx.MIB, "modes": {}}
+        entry = shape_entry(shape, DTYPES["cpu"], grad_bytes=4)
         out["results"].append(entry)
         for mode in args.modes:
             cases = {}
@@ -632,9 +638,7 @@ def run_cuda(args) -> dict:
     out = {"metadata": meta, "results": [], "notes": []}
     for shape in SHAPES["cuda"][args.shapes]:
         T, H, V = shape
-        entry = {"name": shape_name(shape), "T": T, "H": H, "V": V, "dtype": DTYPES["cuda"],
-                 "grad_buffers_mb": (T * H + V * H) * 2 / hx.MIB,
-                 "logits_fp32_mb": T * V * 4 / hx.MIB, "modes": {}}
+        entry = shape_entry(shape, DTYPES["cuda"], grad_bytes=2)
         out["results"].append(entry)
         inputs = make_inputs(shape, DTYPES["cuda"], "cuda", args.seed, with_loss=True)
         for mode in args.modes:

@@ -249,21 +249,18 @@ class AsyncController:
         self.progress[worker.name] = time.monotonic()
         self.counts.interruptions += done.interruptions
         self.generated_tokens += sum(done.completion_lengths)
-        keep = not (self.s.dynamic_filter and len(set(done.rewards)) == 1)
-        self.staleness.on_finish(accepted=keep)
-        if keep:
-            self.filtered_in_a_row = 0
-            # the version that will train it: batches are formed from `ready` in order
-            train_version = (self.version + len(self.training)
-                             + len(self.ready) // self.s.batch_size)
-            if self._too_stale(done, train_version):
-                self._drop(done, "stale")  # now, so a replacement starts at once
-                self.staleness.on_discard()
-            else:
-                self.ready.append(done)
+        filtered = self.s.dynamic_filter and len(set(done.rewards)) == 1
+        # the version that will train it: batches are formed from `ready` in order
+        train_version = self.version + len(self.training) + len(self.ready) // self.s.batch_size
+        # a too-stale group is dropped now, so that a replacement starts at once
+        reason = "dynamic_filter" if filtered else (
+            "stale" if self._too_stale(done, train_version) else None)
+        self.filtered_in_a_row = self.filtered_in_a_row + 1 if filtered else 0
+        self.staleness.on_finish(accepted=reason is None)
+        if reason is None:
+            self.ready.append(done)
             return
-        self._drop(done, "dynamic_filter")
-        self.filtered_in_a_row += 1
+        self._drop(done, reason)
         if self.filtered_in_a_row > self.s.max_filtered_in_a_row:
             raise ValueError(f"rollout.dynamic_filter: the last {self.filtered_in_a_row} "
                              f"groups all had equal rewards and were dropped, so no batch can "

@@ -32,16 +32,12 @@ class SimulatedTrainEngine:
         self.weight = torch.zeros(num_weights)
 
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
-        """Sleep for the batch's trained tokens; return staleness statistics like the real
-        trainer (``staleness_mean``, ``staleness_max`` over trained tokens)."""
-        mask = batch.loss_mask
-        time.sleep(self.token_seconds * int(mask.sum()))
-        staleness = (self.version - batch.versions[mask]).float()
+        """Sleep for the batch's trained tokens (the trainer worker adds the staleness
+        statistics, as for every trainer)."""
+        time.sleep(self.token_seconds * int(batch.loss_mask.sum()))
         self.version += 1
         self.weight.fill_(self.version)
-        return {"loss": 0.0, "staleness_mean": float(staleness.mean()) if staleness.numel() else 0.0,
-                "staleness_max": float(staleness.max()) if staleness.numel() else 0.0,
-                "version": float(self.version)}
+        return {"loss": 0.0, "version": float(self.version)}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The one stand-in weight tensor."""

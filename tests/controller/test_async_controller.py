@@ -343,9 +343,9 @@ def test_eta_zero_is_on_policy(tmp_path):
     check_trained_samples(rows, requests, config, eta=0)
 
 
-def test_too_stale_group_is_dropped(tmp_path):
-    """B = 1, η = 1: group 1 cannot finish before version 3 while groups 0, 2, 3 train; it
-    is dropped as "stale" instead of being trained 3 versions late."""
+def run_with_held_group(tmp_path, drop_stale: bool):
+    """B = 1, η = 1, 6 steps: group 1 cannot finish before version 3 while groups 0, 2, 3
+    train. Returns (counts, trained rows, requests, engine config)."""
     config = engine_config(median=20, cap=20, sigma=0.0)
     requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
     hold = frozenset(sample_seed(requests.seed(1), i) for i in range(2))
@@ -354,9 +354,14 @@ def test_too_stale_group_is_dropped(tmp_path):
                                 threads=1)
     trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log)), threads=1)
     settings = ControllerSettings(total_steps=6, batch_size=1, max_head_offpolicyness=1,
-                                  max_concurrent_rollouts=4)
+                                  max_concurrent_rollouts=4, drop_stale=drop_stale)
     counts, _ = run_controller(rollout, trainer, requests, settings)
-    rows = read_trained(log)
+    return counts, read_trained(log), requests, config
+
+
+def test_too_stale_group_is_dropped(tmp_path):
+    """The held group is dropped as "stale" instead of being trained 3 versions late."""
+    counts, rows, requests, config = run_with_held_group(tmp_path, drop_stale=True)
     assert not [r for r in rows if r["group_id"] == 1]
     assert counts.dropped["stale"] >= 1
     assert counts.submitted == counts.trained + sum(counts.dropped.values())
@@ -365,18 +370,8 @@ def test_too_stale_group_is_dropped(tmp_path):
 
 
 def test_drop_stale_off_trains_the_late_group(tmp_path):
-    """drop_stale=False (AReaL's behaviour): the slow group is trained, 3 versions late."""
-    config = engine_config(median=20, cap=20, sigma=0.0)
-    requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
-    hold = frozenset(sample_seed(requests.seed(1), i) for i in range(2))
-    log = tmp_path / "trained.jsonl"
-    rollout = RolloutWorkerSpec(HoldingEngineFactory(config, hold, until=3), sim_reward,
-                                threads=1)
-    trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log)), threads=1)
-    settings = ControllerSettings(total_steps=6, batch_size=1, max_head_offpolicyness=1,
-                                  max_concurrent_rollouts=4, drop_stale=False)
-    counts, _ = run_controller(rollout, trainer, requests, settings)
-    rows = read_trained(log)
+    """drop_stale=False (AReaL's behaviour): the held group is trained, 3 versions late."""
+    counts, rows, _, _ = run_with_held_group(tmp_path, drop_stale=False)
     slow = [r for r in rows if r["group_id"] == 1]
     assert len(slow) == 2 and slow[0]["trainer_version"] >= 3 and slow[0]["versions"][0] == 0
     assert "stale" not in counts.dropped
