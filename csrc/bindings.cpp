@@ -5,14 +5,21 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
+#include "areal_fast/buckets.h"
 #include "areal_fast/logprob_rows.h"
 #include "areal_fast/packing.h"
 #include "areal_fast/segment_sum.h"
+#ifdef AREAL_FAST_WITH_CUDA
+#include "areal_fast/bucket_pack_cuda.h"
+#endif
 
 #ifndef AREAL_FAST_VERSION
 #define AREAL_FAST_VERSION "0+unknown"
@@ -173,6 +180,86 @@ void segment_sum_cuda(uintptr_t values_ptr, int dtype_code, uintptr_t cu_seqlens
 }
 #endif
 
+// --- weight-sync buckets -------------------------------------------------------
+
+py::tuple plan_buckets(const Int64Array& numels, const Int64Array& itemsizes,
+                       int64_t bucket_bytes) {
+  require_1d(numels, "numels");
+  require_1d(itemsizes, "itemsizes");
+  const int64_t n = static_cast<int64_t>(numels.size());
+  if (static_cast<int64_t>(itemsizes.size()) != n) {
+    throw py::value_error("itemsizes has " + std::to_string(itemsizes.size()) +
+                          " entries but numels has " + std::to_string(n));
+  }
+  const int64_t* numel_data = numels.data();
+  const int64_t* itemsize_data = itemsizes.data();
+  areal_fast::BucketLayout layout;
+  {
+    py::gil_scoped_release release;
+    layout = areal_fast::plan_buckets(numel_data, itemsize_data, n, bucket_bytes);
+  }
+  const auto num_chunks = static_cast<py::ssize_t>(layout.chunks.size());
+  py::array_t<int64_t> chunks({num_chunks, static_cast<py::ssize_t>(5)});
+  int64_t* out = chunks.mutable_data();
+  for (const auto& c : layout.chunks) {
+    *out++ = c.tensor;
+    *out++ = c.bucket;
+    *out++ = c.offset;
+    *out++ = c.start;
+    *out++ = c.numel;
+  }
+  py::array_t<int64_t> sizes(static_cast<py::ssize_t>(layout.bucket_sizes.size()));
+  std::copy(layout.bucket_sizes.begin(), layout.bucket_sizes.end(), sizes.mutable_data());
+  return py::make_tuple(chunks, sizes);
+}
+
+// Rows (src, dst, count, src_dtype, dst_dtype) of an int64 [C, 5] array.
+std::vector<areal_fast::BucketCopy> bucket_copies(const Int64Array& rows) {
+  if (rows.ndim() != 2 || rows.shape(1) != 5) {
+    throw py::value_error("copies must have shape [C, 5] (src, dst, count, src_dtype, "
+                          "dst_dtype)");
+  }
+  const int64_t n = static_cast<int64_t>(rows.shape(0));
+  std::vector<areal_fast::BucketCopy> copies(static_cast<size_t>(n));
+  const int64_t* r = rows.data();
+  for (int64_t i = 0; i < n; ++i, r += 5) {
+    if (r[3] < INT32_MIN || r[3] > INT32_MAX || r[4] < INT32_MIN || r[4] > INT32_MAX) {
+      throw py::value_error("copies[" + std::to_string(i) + "]: dtype code out of range");
+    }
+    copies[i] = {reinterpret_cast<const void*>(static_cast<uintptr_t>(r[0])),
+                 reinterpret_cast<void*>(static_cast<uintptr_t>(r[1])), r[2],
+                 static_cast<int32_t>(r[3]), static_cast<int32_t>(r[4])};
+  }
+  areal_fast::validate_bucket_copies(copies.data(), n);
+  return copies;
+}
+
+void bucket_copy(const Int64Array& rows, int num_threads) {
+  if (num_threads < 1) {
+    throw py::value_error("num_threads must be >= 1, got " + std::to_string(num_threads));
+  }
+  const auto copies = bucket_copies(rows);
+  py::gil_scoped_release release;
+  areal_fast::bucket_copy_cpu(copies.data(), static_cast<int64_t>(copies.size()), num_threads);
+}
+
+#ifdef AREAL_FAST_WITH_CUDA
+void bucket_copy_cuda(const Int64Array& rows, uintptr_t stream) {
+  const auto copies = bucket_copies(rows);
+  int code = 0;
+  {
+    py::gil_scoped_release release;
+    code = areal_fast::launch_bucket_copy(copies.data(), static_cast<int64_t>(copies.size()),
+                                          reinterpret_cast<cudaStream_t>(stream));
+  }
+  if (code != 0) {
+    throw std::runtime_error("bucket_copy CUDA launch failed: " +
+                             std::string(areal_fast::cuda_error_string(code)) + " (error " +
+                             std::to_string(code) + ")");
+  }
+}
+#endif
+
 py::dict build_info() {
   py::dict info;
   info["version"] = AREAL_FAST_VERSION;
@@ -285,6 +372,28 @@ PYBIND11_MODULE(_C, m) {
         py::arg("stream"),
         "Launch the segmented-sum kernel on raw device pointers and a cudaStream_t; the "
         "caller checks shapes, dtypes and devices.");
+#endif
+  py::dict bucket_dtype_codes;
+  bucket_dtype_codes["bytes"] = static_cast<int>(areal_fast::kBucketBytes);
+  bucket_dtype_codes["float32"] = static_cast<int>(areal_fast::kBucketFloat32);
+  bucket_dtype_codes["float16"] = static_cast<int>(areal_fast::kBucketFloat16);
+  bucket_dtype_codes["bfloat16"] = static_cast<int>(areal_fast::kBucketBFloat16);
+  m.attr("BUCKET_DTYPE_CODES") = bucket_dtype_codes;
+  m.attr("BUCKET_ALIGNMENT") = areal_fast::kBucketAlignment;
+  m.def("plan_buckets", &plan_buckets, py::arg("numels"), py::arg("itemsizes"),
+        py::arg("bucket_bytes"),
+        "Weight-sync bucket layout of tensors with int64 numels [N] and itemsizes [N] "
+        "(bytes) in buckets of bucket_bytes (a positive multiple of 256). Returns (chunks "
+        "int64 [C, 5] rows (tensor, bucket, offset, start, numel), bucket_sizes int64 [B]).");
+  m.def("bucket_copy", &bucket_copy, py::arg("copies"), py::arg("num_threads"),
+        "CPU copies of an int64 [C, 5] array of rows (src_ptr, dst_ptr, count, src_dtype, "
+        "dst_dtype) with BUCKET_DTYPE_CODES (count in elements, bytes for 'bytes'), casting "
+        "between the float codes; split over num_threads threads, GIL released. Raw host "
+        "addresses; the caller checks sizes and devices.");
+#ifdef AREAL_FAST_WITH_CUDA
+  m.def("bucket_copy_cuda", &bucket_copy_cuda, py::arg("copies"), py::arg("stream"),
+        "The copies of bucket_copy on raw device pointers of the current device, in one "
+        "kernel launch (per 800 copies) on the cudaStream_t `stream`; does not synchronise.");
 #endif
   m.def("build_info", &build_info, "How this extension was built (version, compiler, CUDA).");
 }
