@@ -117,6 +117,9 @@ class HFEngine:
         self._closing = False
         self._error: Optional[BaseException] = None
         self._abort = threading.Event()
+        # Why the weights are not a complete version (a bucketed update failed part-way);
+        # while set, the engine refuses to generate or resume.
+        self._incomplete: Optional[str] = None
 
     @property
     def version(self) -> int:
@@ -209,6 +212,7 @@ class HFEngine:
             processors.append(SeededSampler(seeds, offsets or [0] * len(inputs), width,
                                             temperature, top_p))
         with self._model_lock:
+            self._check_complete()
             device = self.device
             budget_t = torch.tensor(budgets, dtype=torch.long, device=device)
             version = self._version
@@ -352,8 +356,16 @@ class HFEngine:
                                    f"after pause")
 
     def resume(self) -> None:
-        """Start generating queued requests again."""
+        """Start generating queued requests again.
+
+        Raises
+        ------
+        RuntimeError
+            The weights are incomplete after a failed update (the engine stays paused until
+            a complete update arrives).
+        """
         with self._cond:
+            self._check_complete()
             self._paused = False
             self._abort.clear()
             self._cond.notify_all()
@@ -462,6 +474,68 @@ class HFEngine:
             with self._model_lock:
                 self._install(named_tensors, version)
 
+    def receive_weights(self, receiver) -> int:
+        """Receive one bucketed update (:mod:`areal_fast.sync`) straight into the parameters.
+
+        The plan is checked against the parameters before any byte arrives (a rejection
+        leaves the served version intact). Buckets are then unpacked in place, cast to the
+        engine's dtype; tied parameters stay aliased. If the update fails part-way, the
+        engine refuses to generate or resume until a complete update arrives (never a mix of
+        two versions).
+
+        Parameters
+        ----------
+        receiver : areal_fast.sync.receiver.WeightReceiver
+
+        Returns
+        -------
+        int
+            The version now served.
+
+        Raises
+        ------
+        RuntimeError
+            If the engine thread is running and not paused and idle.
+        areal_fast.sync.transports.WeightSyncError
+            Rejected (unknown name, shape or dtype — the engine is unchanged) or failed
+            part-way (the engine is then marked incomplete); ``WeightSyncTimeout`` when a
+            step exceeds the receiver's timeout.
+        """
+        from areal_fast.sync.receiver import check_against
+        from areal_fast.sync.transports import WeightSyncError
+
+        with self._cond:
+            if self._thread is not None and (not self._paused or self._busy):
+                raise RuntimeError("HFEngine: receive_weights while the engine thread is "
+                                   "generating; call pause() first")
+            with self._model_lock:
+                params = dict(self.model.named_parameters())
+                session = receiver.start(accept=lambda plan: check_against(plan, params))
+                self._incomplete = f"an update to v{session.version} is in progress"
+                error = ""
+                try:
+                    session.unpack_into([params.get(spec.name) for spec in session.plan.specs])
+                except Exception as exc:  # reported to the sender, then re-raised below
+                    error = f"{type(exc).__name__}: {exc}"
+                    failure = exc
+                try:
+                    session.finish(error)
+                except WeightSyncError:
+                    if not error:  # weights complete; only the closing report was lost
+                        self._incomplete, self._version = None, session.version
+                    raise
+                if error:
+                    self._incomplete = (f"the update to v{session.version} failed part-way "
+                                        f"({error.splitlines()[0][:200]})")
+                    raise WeightSyncError(f"HFEngine: {self._incomplete}") from failure
+                self._incomplete, self._version = None, session.version
+                return self._version
+
+    def _check_complete(self) -> None:
+        if self._incomplete is not None:
+            raise RuntimeError(f"HFEngine: weights incomplete, not serving until a complete "
+                               f"update arrives: {self._incomplete}")
+
     def _install(self, named_tensors, version: int) -> None:
         params = dict(self.model.named_parameters())
         incoming = dict(named_tensors)
@@ -477,4 +551,4 @@ class HFEngine:
                              f"first {missing[0]!r}")
         for name, tensor in incoming.items():
             params[name].copy_(tensor)
-        self._version = int(version)
+        self._incomplete, self._version = None, int(version)

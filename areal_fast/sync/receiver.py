@@ -1,0 +1,261 @@
+"""Receive a bucketed weight update: header → accept round → buckets → completion round.
+
+:class:`WeightReceiver` is the engine side of :class:`areal_fast.sync.sender.WeightSender`.
+:meth:`WeightReceiver.start` reads the header, re-derives the bucket plan from its metadata
+and lets the engine accept or reject it before any byte of weight arrives (an unknown name, a
+shape or an uncastable dtype is rejected there, so the engine is untouched).
+:class:`ReceiveSession` then delivers the buckets, receiving bucket k + 1 while bucket k is
+unpacked, either straight into the engine's tensors (:meth:`ReceiveSession.unpack_into`) or
+as complete named tensors (:meth:`ReceiveSession.named_tensors`, for engines with their own
+loader, e.g. vLLM). :meth:`ReceiveSession.finish` always runs the completion round, draining
+buckets a failed consumer did not read, so the sender and the other engines never hang.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+
+from areal_fast.sync.buckets import BucketPlan, unpack_bucket
+from areal_fast.sync.sender import HEADER_FORMAT
+from areal_fast.sync.transports import Pending, Transport, WeightSyncError
+CASTABLE = frozenset({"float32", "bfloat16", "float16"})
+
+Accept = Callable[[BucketPlan], str]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def check_against(plan: BucketPlan, params: dict[str, torch.Tensor],
+                  aliases: Optional[dict[str, str]] = None) -> str:
+    """'' if ``plan`` is a complete update of ``params``, else a one-line reason.
+
+    Every planned name must be a parameter (or an alias the engine keeps tied), shapes must
+    match, dtypes must be equal or both in {float32, bfloat16, float16} (cast on unpack), and
+    every parameter must be covered.
+    """
+    aliases = aliases or {}
+    covered: set[str] = set()
+    for spec in plan.specs:
+        target = params.get(spec.name)
+        if target is None:
+            return f"tensor {spec.name!r} is not a parameter of this engine"
+        if tuple(target.shape) != tuple(spec.shape):
+            return (f"tensor {spec.name!r} has shape {tuple(spec.shape)}, the engine's "
+                    f"parameter is {tuple(target.shape)}")
+        engine_dtype = dtype_name(target.dtype)
+        if engine_dtype != spec.dtype and not (engine_dtype in CASTABLE and spec.dtype in CASTABLE):
+            return (f"tensor {spec.name!r} arrives as {spec.dtype}, which cannot be cast to the "
+                    f"engine's {engine_dtype}")
+        covered.add(spec.name)
+    for alias, name in aliases.items():
+        if alias in params and name in covered:
+            covered.add(alias)
+    missing = [name for name in params if name not in covered]
+    if missing:
+        return f"update misses {len(missing)} engine parameters, first {missing[0]!r}"
+    return ""
+
+
+class ReceiveSession:
+    """One update in progress on an engine rank (from :meth:`WeightReceiver.start`).
+
+    Attributes
+    ----------
+    version : int
+        Policy version of the weights being received.
+    plan : BucketPlan
+    aliases : dict[str, str]
+        Tied names the sender did not send → the name sent with their data.
+    """
+
+    def __init__(self, transport: Transport, timeout: float, plan: BucketPlan, version: int,
+                 aliases: dict[str, str], num_threads: Optional[int]):
+        self.transport, self.timeout = transport, timeout
+        self.plan, self.version, self.aliases = plan, version, aliases
+        self.num_threads = num_threads
+        self._next = 0          # next bucket to hand out
+        self._pending: Optional[Pending] = None
+        self._finished = False
+
+    def _start(self, k: int, direct: dict[int, torch.Tensor]) -> Pending:
+        if k in direct:
+            return self.transport.start_recv_into(direct[k], k)
+        return self.transport.start_recv(self.plan.bucket_sizes[k], k)
+
+    def _buckets(self, direct: Optional[dict[int, torch.Tensor]] = None
+                 ) -> Iterator[tuple[int, Optional[torch.Tensor]]]:
+        """(k, bucket) in order; receives k + 1 while the caller works on k, then releases k.
+
+        Buckets in ``direct`` are received straight into the given bytes and yielded as
+        ``(k, None)`` (nothing left to unpack).
+        """
+        plan, tp, direct = self.plan, self.transport, direct or {}
+        while self._next < plan.num_buckets:
+            k = self._next
+            if self._pending is None:
+                self._pending = self._start(k, direct)
+            try:
+                bucket = self._pending.wait(self.timeout)
+            except Exception:
+                self._next, self._pending = k + 1, None  # bucket k is lost; never wait twice
+                raise
+            self._pending = self._start(k + 1, direct) if k + 1 < plan.num_buckets else None
+            yield k, (None if k in direct else bucket)
+            self._next = k + 1
+            tp.release(k, self.timeout)
+
+    def unpack_into(self, targets: Sequence[Optional[torch.Tensor]]) -> None:
+        """Unpack every bucket into ``targets[i]`` (for ``plan.specs[i]``; ``None`` skips),
+        casting the wire dtype to each target's dtype.
+
+        Raises
+        ------
+        WeightSyncError, WeightSyncTimeout
+            A bucket did not arrive or is damaged; some targets may hold new values (the
+            caller marks its weights incomplete and calls :meth:`finish` with the error).
+        """
+        for k, bucket in self._buckets(self._direct_targets(targets)):
+            if bucket is not None:
+                unpack_bucket(self.plan, k, bucket, targets, num_threads=self.num_threads)
+
+    def _direct_targets(self, targets: Sequence[Optional[torch.Tensor]]
+                        ) -> dict[int, torch.Tensor]:
+        """Buckets that are one chunk of one target already in the wire dtype, contiguous
+        and on the transport's device → that chunk's bytes (received in place, no unpack)."""
+        if not self.transport.supports_direct:
+            return {}
+        direct = {}
+        for k in range(self.plan.num_buckets):
+            chunks = self.plan.bucket_chunks(k)
+            if len(chunks) != 1 or targets[chunks[0].tensor] is None:
+                continue
+            chunk, spec = chunks[0], self.plan.specs[chunks[0].tensor]
+            target = targets[chunk.tensor]
+            if (target.dtype == spec.torch_dtype and target.is_contiguous()
+                    and target.device == self.transport.device):
+                raw = target.detach().reshape(-1).view(torch.uint8)
+                direct[k] = raw[chunk.start * spec.itemsize:
+                                (chunk.start + chunk.numel) * spec.itemsize]
+        return direct
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for each tensor as soon as its last byte arrived, in plan order.
+
+        Tensors are new (owned by the caller), in the wire dtype, on the transport's device.
+        """
+        plan = self.plan
+        last_chunk: dict[int, int] = {}
+        for position, chunk in enumerate(plan.chunks):
+            last_chunk[chunk.tensor] = position
+        building: dict[int, torch.Tensor] = {}
+        position = 0
+        for k, bucket in self._buckets():
+            chunks = plan.bucket_chunks(k)
+            targets: list[Optional[torch.Tensor]] = [None] * len(plan.specs)
+            for chunk in chunks:
+                if chunk.tensor not in building:
+                    spec = plan.specs[chunk.tensor]
+                    building[chunk.tensor] = torch.empty(
+                        spec.shape, dtype=getattr(torch, spec.dtype), device=bucket.device)
+                targets[chunk.tensor] = building[chunk.tensor]
+            unpack_bucket(plan, k, bucket, targets, num_threads=self.num_threads)
+            done = []
+            for chunk in chunks:
+                if last_chunk[chunk.tensor] == position:
+                    done.append(chunk.tensor)
+                position += 1
+            for index in done:
+                yield plan.specs[index].name, building.pop(index)
+
+    def finish(self, error: str = "") -> None:
+        """Report this rank's outcome ('' = installed) after draining unread buckets.
+
+        Call exactly once per session, also after a failure.
+
+        Raises
+        ------
+        WeightSyncError, WeightSyncTimeout
+            The transport failed while draining or reporting (the sender is gone).
+        """
+        if self._finished:
+            raise RuntimeError("ReceiveSession.finish called twice")
+        self._finished = True
+        try:
+            for _ in self._buckets():  # the sender waits for these; read and drop them
+                pass
+        except WeightSyncError as exc:
+            error = error or f"while draining: {exc}"
+        self.transport.gather_status(error[:900], self.timeout)
+
+
+class WeightReceiver:
+    """The engine side of weight sync over one transport.
+
+    Parameters
+    ----------
+    transport : Transport
+        A receiving endpoint (rank ≥ 1).
+    timeout : float
+        Seconds allowed per step (header, each bucket, each status round).
+    num_threads : int, optional
+        CPU unpacking threads (default: torch's intra-op thread count).
+
+    Raises
+    ------
+    ValueError
+        ``transport`` is the sender's endpoint, or a non-positive timeout.
+    """
+
+    def __init__(self, transport: Transport, timeout: float = 60.0,
+                 num_threads: Optional[int] = None):
+        if transport.is_sender:
+            raise ValueError("WeightReceiver: the transport is rank 0, the sender's endpoint")
+        if not timeout > 0:
+            raise ValueError(f"timeout = {timeout!r} must be > 0 seconds")
+        self.transport, self.timeout, self.num_threads = transport, float(timeout), num_threads
+
+    def start(self, accept: Optional[Accept] = None) -> ReceiveSession:
+        """Receive the next update's header and run the accept round.
+
+        Parameters
+        ----------
+        accept : callable(BucketPlan) -> str, optional
+            The engine's verdict on the plan: '' accepts, anything else rejects with that
+            reason. Default accepts.
+
+        Returns
+        -------
+        ReceiveSession
+
+        Raises
+        ------
+        WeightSyncError
+            The header is malformed, or any engine rank rejected the plan (nothing changed on
+            any engine; the message names the ranks and their reasons).
+        WeightSyncTimeout
+            No header within the timeout.
+        """
+        header = self.transport.recv_header(self.timeout)
+        verdict, plan = "", None
+        try:
+            if header.get("format") != HEADER_FORMAT:
+                raise ValueError(f"header format {header.get('format')!r}, "
+                                 f"expected {HEADER_FORMAT!r}")
+            plan = BucketPlan.from_metadata(header["plan"])
+            version = int(header["version"])
+            aliases = dict(header.get("aliases", {}))
+        except (KeyError, TypeError, ValueError) as exc:
+            verdict = f"malformed header: {exc}"
+        if not verdict and accept is not None:
+            verdict = accept(plan) or ""
+        statuses = self.transport.gather_status(verdict, self.timeout)
+        rejected = [f"engine rank {r}: {s}" for r, s in enumerate(statuses) if r and s]
+        if rejected:
+            raise WeightSyncError("weight update rejected, nothing changed: " + "; ".join(rejected))
+        return ReceiveSession(self.transport, self.timeout, plan, version, aliases,
+                              self.num_threads)

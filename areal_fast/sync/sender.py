@@ -1,0 +1,193 @@
+"""Send a complete set of weights as buckets: plan, pack (with cast), double-buffered send.
+
+One update is: a JSON header (version, bucket plan metadata, tied aliases) → every receiver
+checks the plan against its engine and answers (a rejection anywhere aborts the update before
+any weight moves) → buckets 0..n-1, where gathering and packing bucket k + 1 overlaps sending
+bucket k → every receiver reports whether it installed the update. The same code drives every
+transport (:mod:`areal_fast.sync.transports`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from areal_fast.sync.buckets import BucketPlan, TensorSpec, pack_bucket, plan_buckets
+from areal_fast.sync.sources import ModuleSource
+from areal_fast.sync.transports import Transport, WeightSyncError
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+HEADER_FORMAT = "areal_fast.weights/1"
+
+
+@dataclass
+class SyncStats:
+    """What one update moved.
+
+    Attributes
+    ----------
+    version : int
+    num_bytes : int
+        Bytes of the tensors sent, in the wire dtype (after the cast).
+    wire_bytes : int
+        Bytes of the buckets sent (``num_bytes`` plus 256-byte alignment padding).
+    num_buckets : int
+    seconds : float
+        Wall time of :meth:`WeightSender.send`, header to final acknowledgement.
+    """
+
+    version: int
+    num_bytes: int
+    wire_bytes: int
+    num_buckets: int
+    seconds: float
+
+    @property
+    def gbytes_per_s(self) -> float:
+        """Throughput in GB/s (1e9 bytes)."""
+        return self.num_bytes / max(self.seconds, 1e-12) / 1e9
+
+
+def wire_specs(source: ModuleSource, wire_dtype: Optional[torch.dtype]) -> list[TensorSpec]:
+    """The bucket-plan specs of ``source``: floating tensors cast to ``wire_dtype`` (if
+    given), others sent as they are."""
+    specs = []
+    for t in source.specs():
+        dtype = wire_dtype if (wire_dtype is not None and t.dtype.is_floating_point) else t.dtype
+        specs.append(TensorSpec(t.name, t.shape, str(dtype).removeprefix("torch.")))
+    return specs
+
+
+def _rejections(statuses: list[str]) -> list[str]:
+    return [f"engine rank {rank}: {s}" for rank, s in enumerate(statuses) if rank and s]
+
+
+class WeightSender:
+    """The trainer's side of weight sync.
+
+    Parameters
+    ----------
+    transport : Transport or None
+        Rank-0 endpoint; ``None`` on FSDP2 ranks that only gather (``source.sending`` False).
+    bucket_bytes : int
+        Bucket size in bytes, a positive multiple of 256 (default 256 MiB); two buckets are
+        in memory at once on the sender and on each receiver.
+    wire_dtype : torch.dtype, optional
+        Cast floating tensors to this dtype while packing (e.g. ``torch.bfloat16`` for a bf16
+        engine: half the bytes of fp32). ``None`` sends the trainer's dtypes and lets each
+        receiver cast to its own.
+    timeout : float
+        Seconds allowed for each step (header, each bucket, each acknowledgement).
+    num_threads : int, optional
+        CPU packing threads (default: torch's intra-op thread count).
+
+    Raises
+    ------
+    ValueError
+        ``bucket_bytes`` not a positive multiple of 256, or a non-positive timeout.
+    """
+
+    def __init__(self, transport: Optional[Transport], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 wire_dtype: Optional[torch.dtype] = None, timeout: float = 60.0,
+                 num_threads: Optional[int] = None):
+        if not (isinstance(bucket_bytes, int) and bucket_bytes > 0 and bucket_bytes % 256 == 0):
+            raise ValueError(f"bucket_bytes = {bucket_bytes!r} must be a positive multiple of 256")
+        if not timeout > 0:
+            raise ValueError(f"timeout = {timeout!r} must be > 0 seconds")
+        self.transport = transport
+        self.bucket_bytes = bucket_bytes
+        self.wire_dtype = wire_dtype
+        self.timeout = float(timeout)
+        self.num_threads = num_threads
+        self._plan: Optional[BucketPlan] = None
+
+    def plan_for(self, source: ModuleSource) -> BucketPlan:
+        """The bucket plan of ``source`` (cached while names, shapes and dtypes stay)."""
+        specs = tuple(wire_specs(source, self.wire_dtype))
+        if self._plan is None or self._plan.specs != specs:
+            self._plan = plan_buckets(specs, self.bucket_bytes)
+        return self._plan
+
+    def send(self, source: ModuleSource, version: int) -> SyncStats:
+        """Send every tensor of ``source`` as policy ``version``.
+
+        On an FSDP2 rank that does not send (``source.sending`` False) this only gathers, in
+        the sending rank's order, and returns stats with ``num_bytes`` 0.
+
+        Returns
+        -------
+        SyncStats
+
+        Raises
+        ------
+        WeightSyncError
+            A receiver rejected the plan (unknown name, shape or dtype mismatch — the message
+            names the engine rank and the tensor) or failed part-way, or a peer disappeared.
+        WeightSyncTimeout
+            A step took longer than ``timeout``.
+        """
+        start = time.perf_counter()
+        plan = self.plan_for(source)
+        if not source.sending:
+            for k in range(plan.num_buckets):
+                for _ in source.tensors(self._bucket_tensors(plan, k)):
+                    pass
+            return SyncStats(version, 0, 0, plan.num_buckets, time.perf_counter() - start)
+        if self.transport is None:
+            raise ValueError("WeightSender: the sending rank needs a transport")
+        tp, timeout = self.transport, self.timeout
+        slots = tp.send_buffers(max(plan.bucket_sizes, default=256))
+        tp.send_header({"format": HEADER_FORMAT, "version": int(version),
+                        "plan": plan.to_metadata(), "aliases": dict(source.aliases)}, timeout)
+        rejected = _rejections(tp.gather_status("", timeout))
+        if rejected:
+            raise WeightSyncError(f"weight update v{version} rejected, nothing changed: "
+                                  + "; ".join(rejected))
+        pending = None
+        for k in range(plan.num_buckets):
+            tp.wait_slot_free(k, timeout)
+            # gather + pack bucket k while bucket k - 1 is in flight
+            direct = self._pack(source, plan, k, slots[k % 2], tp.supports_direct)
+            if pending is not None:
+                pending.wait(timeout)
+            pending = (tp.start_send_direct(direct, k) if direct is not None
+                       else tp.start_send(k % 2, plan.bucket_sizes[k], k))
+        if pending is not None:
+            pending.wait(timeout)
+        tp.finish_send(plan.num_buckets, timeout)
+        failed = _rejections(tp.gather_status("", timeout))
+        if failed:
+            raise WeightSyncError(f"weight update v{version} failed on "
+                                  + "; ".join(failed))
+        return SyncStats(version, sum(spec.nbytes for spec in plan.specs), plan.total_bytes,
+                         plan.num_buckets, time.perf_counter() - start)
+
+    @staticmethod
+    def _bucket_tensors(plan: BucketPlan, k: int) -> list[int]:
+        out: list[int] = []
+        for chunk in plan.bucket_chunks(k):
+            if not out or out[-1] != chunk.tensor:
+                out.append(chunk.tensor)
+        return out
+
+    def _pack(self, source: ModuleSource, plan: BucketPlan, k: int, slot: torch.Tensor,
+              direct_ok: bool) -> Optional[torch.Tensor]:
+        """Pack bucket ``k`` into ``slot``; or, when the bucket is one chunk of one tensor
+        already in the wire dtype on the transport's device (and the transport can send from
+        any memory), return that chunk's bytes to send without a copy."""
+        indices = self._bucket_tensors(plan, k)
+        sources: list[Optional[torch.Tensor]] = [None] * len(plan.specs)
+        for index, tensor in zip(indices, source.tensors(indices)):
+            sources[index] = tensor.to(slot.device)  # blocking: a host copy must be complete
+        chunks = plan.bucket_chunks(k)
+        if direct_ok and len(chunks) == 1:
+            chunk, spec = chunks[0], plan.specs[chunks[0].tensor]
+            tensor = sources[chunk.tensor]
+            if tensor.dtype == spec.torch_dtype and tensor.is_contiguous():
+                raw = tensor.reshape(-1).view(torch.uint8)
+                return raw[chunk.start * spec.itemsize:(chunk.start + chunk.numel) * spec.itemsize]
+        pack_bucket(plan, k, sources, slot, num_threads=self.num_threads)
+        return None

@@ -1,0 +1,331 @@
+"""Process bodies for the multi-process weight-sync tests (imported by spawned children).
+
+Rank 0 is the trainer (sender); ranks 1.. are engines. Every rank rebuilds the trainer's
+tensors from the same seed, so an engine checks what it received locally, bit for bit, and
+only a small report crosses back to the test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from typing import Callable
+
+import torch
+from torch import nn
+
+BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Mixed(nn.Module):
+    """Parameters of every dtype the tests need: odd sizes, one larger than a bucket, an
+    embedding with an optionally tied head."""
+
+    def __init__(self, dtype_of: dict[str, torch.dtype], tied: bool, vocab: int = 97,
+                 hidden: int = 24):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden, dtype=dtype_of.get("embed", FP32))
+        self.odd = nn.Parameter(torch.empty(7, 13, dtype=dtype_of.get("odd", FP32)))
+        self.f16 = nn.Parameter(torch.empty(33, 5, dtype=dtype_of.get("f16", FP16)))
+        self.b16 = nn.Parameter(torch.empty(257, dtype=dtype_of.get("b16", BF16)))
+        self.big = nn.Parameter(torch.empty(3001, dtype=dtype_of.get("big", FP32)))
+        self.norm = nn.Parameter(torch.empty(1, dtype=dtype_of.get("norm", FP32)))
+        self.head = nn.Linear(hidden, vocab, bias=False, dtype=dtype_of.get("head", FP32))
+        if tied:
+            self.head.weight = self.embed.weight
+
+    def fill(self, seed: int) -> "Mixed":
+        """Random values (fp32 draws cast to each dtype), the same for a given seed."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, p in self.named_parameters():
+                p.copy_(torch.randn(p.shape, generator=gen).to(p.dtype) * 3)
+        return self
+
+
+def run_ranks(target: Callable, world_size: int, args: tuple, timeout: float = 120.0) -> list:
+    """Run ``target(rank, port, queue, *args)`` in ``world_size`` spawned processes; return
+    each rank's report (``None`` for a rank that exited without one)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(target, rank, port, queue, args), daemon=True)
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    reports: list = [None] * world_size
+    deadline = time.monotonic() + timeout
+    got = 0
+    while got < world_size and time.monotonic() < deadline:
+        try:
+            rank, report = queue.get(timeout=0.5)
+        except Exception:
+            if all(not p.is_alive() for p in procs) and queue.empty():
+                break
+            continue
+        reports[rank] = report
+        got += 1
+    for p in procs:
+        p.join(timeout=max(deadline - time.monotonic(), 1))
+        if p.is_alive():
+            p.kill()
+    return reports
+
+
+def _entry(target, rank, port, queue, args):
+    torch.set_num_threads(1)
+    try:
+        report = target(rank, port, *args)
+    except BaseException as exc:  # reported, the test asserts on it
+        report = {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
+                  "trace": traceback.format_exc()}
+    queue.put((rank, report))
+
+
+def make_transport(kind: str, rank: int, world_size: int, port: int, directory: str):
+    from areal_fast.sync.transports import (DiskTransport, SharedMemoryTransport,
+                                            TorchDistTransport, init_sync_group)
+
+    if kind == "disk":
+        return DiskTransport(directory, rank, world_size)
+    group = init_sync_group(rank, world_size, port, timeout=60)
+    if kind == "gloo":
+        return TorchDistTransport(group, "gloo")
+    if kind == "gloo-nccl-path":  # the NCCL code path (polling waits) over a gloo group
+        return TorchDistTransport(group, "nccl", device=torch.device("cpu"))
+    if kind == "shm":
+        return SharedMemoryTransport(group, directory=directory)
+    if kind == "cuda-ipc":
+        from areal_fast.sync.transports import CudaIpcTransport
+
+        return CudaIpcTransport(group, torch.device("cuda", 0))
+    raise ValueError(kind)
+
+
+def exact_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-exact equality (NaN-safe), dtypes and shapes included."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+# ---------------------------------------------------------------------------- scenarios
+
+def sync_mixed(rank: int, port: int, kind: str, directory: str, seed: int, trainer_dtypes: dict,
+               engine_dtypes: dict, tied: tuple[bool, bool], wire: str | None,
+               bucket_bytes: int, updates: int) -> dict:
+    """Trainer sends ``updates`` versions of a :class:`Mixed` module; engines compare."""
+    from areal_fast.sync.receiver import WeightReceiver, check_against
+    from areal_fast.sync.sender import WeightSender
+    from areal_fast.sync.sources import ModuleSource
+
+    world = 2 if kind == "cuda-ipc" else 3
+    device = "cuda" if kind == "cuda-ipc" else "cpu"
+    transport = make_transport(kind, rank, world, port, directory)
+    try:
+        if rank == 0:
+            sender = WeightSender(transport, bucket_bytes=bucket_bytes, timeout=30,
+                                  wire_dtype=getattr(torch, wire) if wire else None)
+            stats = []
+            for version in range(1, updates + 1):
+                model = Mixed(trainer_dtypes, tied[0]).fill(seed + version).to(device)
+                s = sender.send(ModuleSource(model), version)
+                stats.append((s.num_buckets, s.num_bytes))
+            return {"stats": stats}
+        engine = Mixed(engine_dtypes, tied[1]).fill(seed + 1000 + rank).to(device)
+        receiver = WeightReceiver(transport, timeout=30)
+        report = {"versions": [], "mismatch": [], "tied_alias": None}
+        for version in range(1, updates + 1):
+            params = dict(engine.named_parameters())
+            session = receiver.start(accept=lambda plan: check_against(plan, params))
+            session.unpack_into([params.get(s.name) for s in session.plan.specs])
+            session.finish()
+            report["versions"].append(session.version)
+            expected = Mixed(trainer_dtypes, tied[0]).fill(seed + version)
+            for name, got in engine.named_parameters(remove_duplicate=False):
+                want = dict(expected.named_parameters(remove_duplicate=False))[name]
+                if not exact_equal(got.detach().cpu(), want.detach().to(got.dtype)):
+                    report["mismatch"].append((version, name))
+        report["tied_alias"] = engine.head.weight is engine.embed.weight
+        return report
+    finally:
+        transport.close()
+
+
+def sync_rejected(rank: int, port: int, kind: str, directory: str, seed: int,
+                  fault: str) -> dict:
+    """Engine 2 has a parameter with another name/shape/dtype: the update is rejected on
+    every rank and no engine changes."""
+    from areal_fast.sync.receiver import WeightReceiver, check_against
+    from areal_fast.sync.sender import WeightSender
+    from areal_fast.sync.sources import ModuleSource
+
+    transport = make_transport(kind, rank, 3, port, directory)
+    try:
+        if rank == 0:
+            try:
+                WeightSender(transport, bucket_bytes=1024, timeout=30).send(
+                    ModuleSource(Mixed({}, False).fill(seed)), 1)
+            except Exception as exc:
+                return {"error": str(exc), "type": type(exc).__name__}
+            return {"error": None}
+        engine = Mixed({}, False).fill(seed + rank)
+        if rank == 2 and fault == "name":
+            engine.renamed = engine.odd
+            del engine.odd
+        elif rank == 2 and fault == "shape":
+            engine.odd = nn.Parameter(torch.randn(13, 7))
+        elif rank == 2 and fault == "dtype":
+            engine.big = nn.Parameter(torch.arange(3001), requires_grad=False)
+        before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        params = dict(engine.named_parameters())
+        try:
+            WeightReceiver(transport, timeout=30).start(
+                accept=lambda plan: check_against(plan, params))
+            error = None
+        except Exception as exc:
+            error = str(exc)
+        unchanged = all(exact_equal(before[n], p.detach()) for n, p in engine.named_parameters())
+        return {"error": error, "unchanged": unchanged}
+    finally:
+        transport.close()
+
+
+def tiny_hf_engine(seed: int):
+    """An :class:`HFEngine` around a 2-layer Llama (vocab 64), random weights from ``seed``."""
+    import transformers
+    from types import SimpleNamespace
+
+    from areal_fast.rollout.hf_engine import HFEngine
+
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config).eval()
+    return HFEngine(model, SimpleNamespace(pad_token_id=0, eos_token_id=1)), model
+
+
+def sync_peer_dies(rank: int, port: int, kind: str, directory: str, seed: int) -> dict:
+    """The trainer dies after sending 2 of its buckets: engines fail within the timeout, refuse
+    to generate, then accept a complete update from a new trainer on a new group."""
+    from areal_fast.sync.receiver import WeightReceiver
+    from areal_fast.sync.sender import WeightSender
+    from areal_fast.sync.sources import ModuleSource
+
+    transport = make_transport(kind, rank, 3, port, directory)
+    if rank == 0:
+        _, model = tiny_hf_engine(seed + 1)
+        sender = WeightSender(transport, bucket_bytes=4096, timeout=20)
+        real_start, real_direct = transport.start_send, transport.start_send_direct
+
+        def dying_start(slot, nbytes, index):
+            if index == 2:
+                os._exit(3)  # no cleanup, like a killed process
+            return real_start(slot, nbytes, index)
+
+        def dying_direct(data, index):
+            if index == 2:
+                os._exit(3)
+            return real_direct(data, index)
+        transport.start_send, transport.start_send_direct = dying_start, dying_direct
+        sender.send(ModuleSource(model), 1)
+        return {"error": "trainer survived"}
+    engine, model = tiny_hf_engine(seed + 100 + rank)
+    prompt = [[5, 6, 7]]
+    from areal_fast.rollout.engine import SamplingParams
+
+    params = SamplingParams(n=1, temperature=0, max_new_tokens=3)
+    engine.generate(prompt, params)
+    started = time.monotonic()
+    report: dict = {}
+    try:
+        engine.receive_weights(WeightReceiver(transport, timeout=10))
+        report["error"] = None
+    except Exception as exc:
+        report["error"], report["type"] = str(exc), type(exc).__name__
+    report["seconds"] = time.monotonic() - started
+    try:
+        engine.generate(prompt, params)
+        report["served_after_failure"] = True
+    except RuntimeError as exc:
+        report["served_after_failure"] = False
+        report["refusal"] = str(exc)
+    report["version"] = engine.version
+    return report
+
+
+def sync_hf_engines(rank: int, port: int, kind: str, directory: str, seed: int) -> dict:
+    """fp32 trainer → two bf16 HFEngines (tied embeddings): versions, values and aliasing."""
+    from areal_fast.sync.receiver import WeightReceiver
+    from areal_fast.sync.sender import WeightSender
+    from areal_fast.sync.sources import ModuleSource
+
+    transport = make_transport(kind, rank, 3, port, directory)
+    try:
+        if rank == 0:
+            _, model = tiny_hf_engine(seed)
+            stats = WeightSender(transport, bucket_bytes=8192, timeout=30).send(
+                ModuleSource(model), 7)
+            return {"buckets": stats.num_buckets}
+        engine, model = tiny_hf_engine(seed + rank)
+        model.to(torch.bfloat16)
+        version = engine.receive_weights(WeightReceiver(transport, timeout=30))
+        _, reference = tiny_hf_engine(seed)
+        mismatch = [n for n, p in model.named_parameters()
+                    if not exact_equal(p.detach(), dict(reference.named_parameters())[n]
+                                       .detach().to(torch.bfloat16))]
+        from areal_fast.rollout.engine import SamplingParams
+
+        out = engine.generate([[3, 4, 5]], SamplingParams(n=1, temperature=0, max_new_tokens=4))
+        return {"version": version, "mismatch": mismatch,
+                "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+                "output_versions": sorted(set(out[0].versions))}
+    finally:
+        transport.close()
+
+
+def sync_fsdp2(rank: int, port: int, directory: str, seed: int) -> dict:
+    """Ranks 0, 1 train with FSDP2 (gloo); rank 2 is an engine. Sync group = {0, 2}."""
+    import datetime
+
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    from areal_fast.sync.receiver import WeightReceiver, check_against
+    from areal_fast.sync.sender import WeightSender
+    from areal_fast.sync.sources import FSDP2Source
+    from areal_fast.sync.transports import TorchDistTransport, init_sync_group
+
+    if rank < 2:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 1))
+        dist.init_process_group("gloo", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        model = Mixed({"f16": FP32, "b16": FP32}, tied=True).fill(seed)
+        fully_shard(model)
+        source = FSDP2Source(model)
+        transport = (TorchDistTransport(init_sync_group(0, 2, port, timeout=60))
+                     if rank == 0 else None)
+        stats = WeightSender(transport, bucket_bytes=2048, timeout=30).send(source, 3)
+        sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+        dist.destroy_process_group()
+        return {"bytes": stats.num_bytes, "sharded": sharded}
+    engine = Mixed({"f16": FP32, "b16": FP32}, tied=True).fill(seed + 5)
+    transport = TorchDistTransport(init_sync_group(1, 2, port, timeout=60))
+    params = dict(engine.named_parameters())
+    session = WeightReceiver(transport, timeout=30).start(
+        accept=lambda plan: check_against(plan, params))
+    session.unpack_into([params.get(s.name) for s in session.plan.specs])
+    session.finish()
+    expected = Mixed({"f16": FP32, "b16": FP32}, tied=True).fill(seed)
+    mismatch = [n for n, p in engine.named_parameters()
+                if not exact_equal(p.detach(), dict(expected.named_parameters())[n].detach())]
+    return {"version": session.version, "mismatch": mismatch}
