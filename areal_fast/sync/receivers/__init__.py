@@ -1,0 +1,1 @@
+"""Per-engine receivers of bucketed weight updates."""
