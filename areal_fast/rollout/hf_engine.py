@@ -120,6 +120,7 @@ class HFEngine:
         # Why the weights are not a complete version (a bucketed update failed part-way);
         # while set, the engine refuses to generate or resume.
         self._incomplete: Optional[str] = None
+        self._updating = False  # a receive_weights transfer is running
 
     @property
     def version(self) -> int:
@@ -501,37 +502,49 @@ class HFEngine:
             part-way (the engine is then marked incomplete); ``WeightSyncTimeout`` when a
             step exceeds the receiver's timeout.
         """
-        from areal_fast.sync.receiver import check_against
-        from areal_fast.sync.transports import WeightSyncError
-
         with self._cond:
             if self._thread is not None and (not self._paused or self._busy):
                 raise RuntimeError("HFEngine: receive_weights while the engine thread is "
                                    "generating; call pause() first")
+            if self._updating:
+                raise RuntimeError("HFEngine: receive_weights while another update runs")
+            self._updating = True  # resume() and generation refuse while it is set
+        try:
             with self._model_lock:
-                params = dict(self.model.named_parameters())
-                session = receiver.start(accept=lambda plan: check_against(plan, params))
-                self._incomplete = f"an update to v{session.version} is in progress"
-                error = ""
-                try:
-                    session.unpack_into([params.get(spec.name) for spec in session.plan.specs])
-                except Exception as exc:  # reported to the sender, then re-raised below
-                    error = f"{type(exc).__name__}: {exc}"
-                    failure = exc
-                try:
-                    session.finish(error)
-                except WeightSyncError:
-                    if not error:  # weights complete; only the closing report was lost
-                        self._incomplete, self._version = None, session.version
-                    raise
-                if error:
-                    self._incomplete = (f"the update to v{session.version} failed part-way "
-                                        f"({error.splitlines()[0][:200]})")
-                    raise WeightSyncError(f"HFEngine: {self._incomplete}") from failure
+                return self._receive(receiver)
+        finally:
+            with self._cond:
+                self._updating = False
+
+    def _receive(self, receiver) -> int:
+        from areal_fast.sync.receiver import check_against
+        from areal_fast.sync.transports import WeightSyncError
+
+        params = dict(self.model.named_parameters())
+        session = receiver.start(accept=lambda plan: check_against(plan, params))
+        self._incomplete = f"an update to v{session.version} is in progress"
+        error, failure = "", None
+        try:
+            session.unpack_into([params.get(spec.name) for spec in session.plan.specs])
+        except Exception as exc:  # reported to the sender, then re-raised below
+            error, failure = f"{type(exc).__name__}: {exc}", exc
+        try:
+            session.finish(error)
+        except WeightSyncError as exc:
+            if not error:  # the weights are complete; only the closing report was lost
                 self._incomplete, self._version = None, session.version
-                return self._version
+                raise
+            failure = exc
+        if error or failure is not None:
+            self._incomplete = (f"the update to v{session.version} failed part-way "
+                                f"({(error or str(failure)).splitlines()[0][:200]})")
+            raise WeightSyncError(f"HFEngine: {self._incomplete}") from failure
+        self._incomplete, self._version = None, session.version
+        return self._version
 
     def _check_complete(self) -> None:
+        if self._updating:
+            raise RuntimeError("HFEngine: a weight update is being received; not serving")
         if self._incomplete is not None:
             raise RuntimeError(f"HFEngine: weights incomplete, not serving until a complete "
                                f"update arrives: {self._incomplete}")

@@ -30,15 +30,14 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_against(plan: BucketPlan, params: dict[str, torch.Tensor],
-                  aliases: Optional[dict[str, str]] = None) -> str:
+def check_against(plan: BucketPlan, params: dict[str, torch.Tensor]) -> str:
     """'' if ``plan`` is a complete update of ``params``, else a one-line reason.
 
-    Every planned name must be a parameter (or an alias the engine keeps tied), shapes must
-    match, dtypes must be equal or both in {float32, bfloat16, float16} (cast on unpack), and
-    every parameter must be covered.
+    Every planned name must be a parameter, shapes must match, dtypes must be equal or both in
+    {float32, bfloat16, float16} (cast on unpack), parameters must be contiguous, and every
+    parameter must be covered. Tied parameters count once (pass ``named_parameters()``, which
+    lists a shared tensor under its first name only).
     """
-    aliases = aliases or {}
     covered: set[str] = set()
     for spec in plan.specs:
         target = params.get(spec.name)
@@ -51,18 +50,29 @@ def check_against(plan: BucketPlan, params: dict[str, torch.Tensor],
         if engine_dtype != spec.dtype and not (engine_dtype in CASTABLE and spec.dtype in CASTABLE):
             return (f"tensor {spec.name!r} arrives as {spec.dtype}, which cannot be cast to the "
                     f"engine's {engine_dtype}")
+        if not target.is_contiguous():
+            return f"the engine's parameter {spec.name!r} is not contiguous"
         covered.add(spec.name)
-    for alias, name in aliases.items():
-        if alias in params and name in covered:
-            covered.add(alias)
     missing = [name for name in params if name not in covered]
     if missing:
         return f"update misses {len(missing)} engine parameters, first {missing[0]!r}"
     return ""
 
 
+def _bucket_names(plan: BucketPlan, k: int, limit: int = 3) -> str:
+    names = list(dict.fromkeys(plan.specs[c.tensor].name for c in plan.bucket_chunks(k)))
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(repr(n) for n in names[:limit]) + more
+
+
 class ReceiveSession:
     """One update in progress on an engine rank (from :meth:`WeightReceiver.start`).
+
+    Buckets are handed out in order; bucket k + 1 is already being received while the caller
+    works on bucket k, and bucket k is released when the caller asks for the next one (or in
+    :meth:`finish`). A consumer that fails part-way leaves the session consistent:
+    :meth:`finish` releases what it held, drains the rest and reports the error, so the
+    sender and the other engines finish the update instead of hanging.
 
     Attributes
     ----------
@@ -78,8 +88,9 @@ class ReceiveSession:
         self.transport, self.timeout = transport, timeout
         self.plan, self.version, self.aliases = plan, version, aliases
         self.num_threads = num_threads
-        self._next = 0          # next bucket to hand out
-        self._pending: Optional[Pending] = None
+        self._next = 0                     # next bucket to hand out
+        self._pending: Optional[Pending] = None  # receive posted for bucket self._next
+        self._held: Optional[int] = None   # handed out, not yet released
         self._finished = False
 
     def _start(self, k: int, direct: dict[int, torch.Tensor]) -> Pending:
@@ -87,41 +98,63 @@ class ReceiveSession:
             return self.transport.start_recv_into(direct[k], k)
         return self.transport.start_recv(self.plan.bucket_sizes[k], k)
 
+    def _release_held(self) -> None:
+        if self._held is not None:
+            k, self._held = self._held, None
+            self.transport.release(k, self.timeout)
+
+    def _take(self, direct: dict[int, torch.Tensor]) -> tuple[int, torch.Tensor]:
+        """Wait for bucket ``self._next``, post the receive of the one after, hold it."""
+        self._release_held()
+        k, n = self._next, self.plan.num_buckets
+        if self._pending is None:
+            self._pending = self._start(k, direct)
+        pending, self._pending, self._next = self._pending, None, k + 1
+        try:
+            bucket = pending.wait(self.timeout)
+        except WeightSyncError as exc:
+            raise type(exc)(f"{exc} [bucket {k} of {n}: {_bucket_names(self.plan, k)}]") from exc
+        self._held = k
+        if k + 1 < n:
+            self._pending = self._start(k + 1, direct)
+        return k, bucket
+
     def _buckets(self, direct: Optional[dict[int, torch.Tensor]] = None
                  ) -> Iterator[tuple[int, Optional[torch.Tensor]]]:
-        """(k, bucket) in order; receives k + 1 while the caller works on k, then releases k.
-
-        Buckets in ``direct`` are received straight into the given bytes and yielded as
-        ``(k, None)`` (nothing left to unpack).
-        """
-        plan, tp, direct = self.plan, self.transport, direct or {}
-        while self._next < plan.num_buckets:
-            k = self._next
-            if self._pending is None:
-                self._pending = self._start(k, direct)
-            try:
-                bucket = self._pending.wait(self.timeout)
-            except Exception:
-                self._next, self._pending = k + 1, None  # bucket k is lost; never wait twice
-                raise
-            self._pending = self._start(k + 1, direct) if k + 1 < plan.num_buckets else None
+        """(k, bucket) in order; buckets in ``direct`` arrive straight in the given bytes and
+        are yielded as ``(k, None)`` (nothing left to unpack)."""
+        direct = direct or {}
+        while self._next < self.plan.num_buckets:
+            k, bucket = self._take(direct)
             yield k, (None if k in direct else bucket)
-            self._next = k + 1
-            tp.release(k, self.timeout)
+        self._release_held()
 
     def unpack_into(self, targets: Sequence[Optional[torch.Tensor]]) -> None:
         """Unpack every bucket into ``targets[i]`` (for ``plan.specs[i]``; ``None`` skips),
-        casting the wire dtype to each target's dtype.
+        casting the wire dtype to each target's dtype. Targets on another device than the
+        transport's get each bucket copied there first.
 
         Raises
         ------
         WeightSyncError, WeightSyncTimeout
-            A bucket did not arrive or is damaged; some targets may hold new values (the
-            caller marks its weights incomplete and calls :meth:`finish` with the error).
+            A bucket did not arrive or is damaged (the message names the bucket and its
+            tensors); some targets may hold new values (the caller marks its weights
+            incomplete and calls :meth:`finish` with the error).
         """
-        for k, bucket in self._buckets(self._direct_targets(targets)):
-            if bucket is not None:
+        devices = {t.device for t in targets if t is not None}
+        device = devices.pop() if len(devices) == 1 else None
+        if devices:
+            raise ValueError("unpack_into: targets are on several devices")
+        buckets = self._buckets(self._direct_targets(targets))
+        try:
+            for k, bucket in buckets:
+                if bucket is None:
+                    continue
+                if device is not None and bucket.device != device:
+                    bucket = bucket.to(device)
                 unpack_bucket(self.plan, k, bucket, targets, num_threads=self.num_threads)
+        finally:
+            buckets.close()
 
     def _direct_targets(self, targets: Sequence[Optional[torch.Tensor]]
                         ) -> dict[int, torch.Tensor]:
@@ -154,28 +187,34 @@ class ReceiveSession:
             last_chunk[chunk.tensor] = position
         building: dict[int, torch.Tensor] = {}
         position = 0
-        for k, bucket in self._buckets():
-            chunks = plan.bucket_chunks(k)
-            targets: list[Optional[torch.Tensor]] = [None] * len(plan.specs)
-            for chunk in chunks:
-                if chunk.tensor not in building:
-                    spec = plan.specs[chunk.tensor]
-                    building[chunk.tensor] = torch.empty(
-                        spec.shape, dtype=getattr(torch, spec.dtype), device=bucket.device)
-                targets[chunk.tensor] = building[chunk.tensor]
-            unpack_bucket(plan, k, bucket, targets, num_threads=self.num_threads)
-            done = []
-            for chunk in chunks:
-                if last_chunk[chunk.tensor] == position:
-                    done.append(chunk.tensor)
-                position += 1
-            for index in done:
-                yield plan.specs[index].name, building.pop(index)
+        buckets = self._buckets()
+        try:
+            for k, bucket in buckets:
+                chunks = plan.bucket_chunks(k)
+                targets: list[Optional[torch.Tensor]] = [None] * len(plan.specs)
+                for chunk in chunks:
+                    if chunk.tensor not in building:
+                        spec = plan.specs[chunk.tensor]
+                        building[chunk.tensor] = torch.empty(
+                            spec.shape, dtype=spec.torch_dtype, device=bucket.device)
+                    targets[chunk.tensor] = building[chunk.tensor]
+                unpack_bucket(plan, k, bucket, targets, num_threads=self.num_threads)
+                done = []
+                for chunk in chunks:
+                    if last_chunk[chunk.tensor] == position:
+                        done.append(chunk.tensor)
+                    position += 1
+                for index in done:
+                    yield plan.specs[index].name, building.pop(index)
+        finally:
+            buckets.close()
 
     def finish(self, error: str = "") -> None:
         """Report this rank's outcome ('' = installed) after draining unread buckets.
 
-        Call exactly once per session, also after a failure.
+        Call exactly once per session, also after a failure. When the transport itself
+        failed (it is then marked broken), nothing more can be exchanged and the transport
+        error is raised at once instead.
 
         Raises
         ------
@@ -185,11 +224,14 @@ class ReceiveSession:
         if self._finished:
             raise RuntimeError("ReceiveSession.finish called twice")
         self._finished = True
-        try:
-            for _ in self._buckets():  # the sender waits for these; read and drop them
-                pass
-        except WeightSyncError as exc:
-            error = error or f"while draining: {exc}"
+        self.transport.check_usable()
+        while self._next < self.plan.num_buckets or self._held is not None:
+            try:  # the sender waits for these: release what the consumer held, drop the rest
+                for _ in self._buckets():
+                    pass
+            except WeightSyncError as exc:  # e.g. a damaged file: skip it, keep draining
+                self.transport.check_usable()  # a broken transport cannot report either
+                error = error or f"while draining: {exc}"
         self.transport.gather_status(error[:900], self.timeout)
 
 
@@ -241,7 +283,7 @@ class WeightReceiver:
             No header within the timeout.
         """
         header = self.transport.recv_header(self.timeout)
-        verdict, plan = "", None
+        verdict, plan = header.pop("_transport_error", ""), None
         try:
             if header.get("format") != HEADER_FORMAT:
                 raise ValueError(f"header format {header.get('format')!r}, "
@@ -250,9 +292,12 @@ class WeightReceiver:
             version = int(header["version"])
             aliases = dict(header.get("aliases", {}))
         except (KeyError, TypeError, ValueError) as exc:
-            verdict = f"malformed header: {exc}"
+            verdict = verdict or f"malformed header: {exc}"
         if not verdict and accept is not None:
-            verdict = accept(plan) or ""
+            try:
+                verdict = accept(plan) or ""
+            except Exception as exc:  # a crashing check must still answer the round
+                verdict = f"the engine's plan check raised {type(exc).__name__}: {exc}"
         statuses = self.transport.gather_status(verdict, self.timeout)
         rejected = [f"engine rank {r}: {s}" for r, s in enumerate(statuses) if r and s]
         if rejected:

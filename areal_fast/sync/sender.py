@@ -103,6 +103,7 @@ class WeightSender:
         self.timeout = float(timeout)
         self.num_threads = num_threads
         self._plan: Optional[BucketPlan] = None
+        self._gathered: Optional[tuple[int, torch.Tensor]] = None  # last tensor, for splits
 
     def plan_for(self, source: ModuleSource) -> BucketPlan:
         """The bucket plan of ``source`` (cached while names, shapes and dtypes stay)."""
@@ -115,7 +116,12 @@ class WeightSender:
         """Send every tensor of ``source`` as policy ``version``.
 
         On an FSDP2 rank that does not send (``source.sending`` False) this only gathers, in
-        the sending rank's order, and returns stats with ``num_bytes`` 0.
+        the sending rank's order, and returns stats with ``num_bytes`` 0 (or raises
+        ``WeightSyncError`` when the sending rank stops the update).
+
+        A failure after the first bucket marks the transport broken (receivers cannot tell
+        where the stream stopped; they time out and keep refusing to serve): create a new
+        group and transport for the next update.
 
         Returns
         -------
@@ -131,24 +137,47 @@ class WeightSender:
         """
         start = time.perf_counter()
         plan = self.plan_for(source)
+        self._gathered = None
         if not source.sending:
-            for k in range(plan.num_buckets):
-                for _ in source.tensors(self._bucket_tensors(plan, k)):
-                    pass
-            return SyncStats(version, 0, 0, plan.num_buckets, time.perf_counter() - start)
+            return self._follow(source, plan, version, start)
         if self.transport is None:
             raise ValueError("WeightSender: the sending rank needs a transport")
         tp, timeout = self.transport, self.timeout
-        slots = tp.send_buffers(max(plan.bucket_sizes, default=256))
-        tp.send_header({"format": HEADER_FORMAT, "version": int(version),
-                        "plan": plan.to_metadata(), "aliases": dict(source.aliases)}, timeout)
-        rejected = _rejections(tp.gather_status("", timeout))
+        try:
+            slots = tp.send_buffers(max(max(plan.bucket_sizes, default=0), 256))
+            tp.send_header({"format": HEADER_FORMAT, "version": int(version),
+                            "plan": plan.to_metadata(), "aliases": dict(source.aliases)},
+                           timeout)
+            rejected = _rejections(tp.gather_status("", timeout))
+        except BaseException:
+            source.sync_flag(False)  # FSDP2: the other ranks stop gathering too
+            raise
         if rejected:
+            source.sync_flag(False)
             raise WeightSyncError(f"weight update v{version} rejected, nothing changed: "
                                   + "; ".join(rejected))
-        pending = None
+        source.sync_flag(True)
+        tp.accepted()
+        try:
+            self._send_buckets(source, plan, slots)
+        except BaseException as exc:
+            # receivers cannot tell where the stream stopped: this transport is done
+            tp.mark_broken(f"the sender failed during update v{version}: {exc}")
+            source.sync_flag(False)
+            raise
+        source.sync_flag(True)  # FSDP2: every bucket went out
+        failed = _rejections(tp.gather_status("", timeout))
+        if failed:
+            raise WeightSyncError(f"weight update v{version} failed on " + "; ".join(failed))
+        return SyncStats(version, sum(spec.nbytes for spec in plan.specs), plan.total_bytes,
+                         plan.num_buckets, time.perf_counter() - start)
+
+    def _send_buckets(self, source: ModuleSource, plan: BucketPlan, slots) -> None:
+        tp, timeout, pending = self.transport, self.timeout, None
         for k in range(plan.num_buckets):
             tp.wait_slot_free(k, timeout)
+            if k:
+                source.sync_flag(True)  # FSDP2: "gather bucket k with me"
             # gather + pack bucket k while bucket k - 1 is in flight
             direct = self._pack(source, plan, k, slots[k % 2], tp.supports_direct)
             if pending is not None:
@@ -158,12 +187,33 @@ class WeightSender:
         if pending is not None:
             pending.wait(timeout)
         tp.finish_send(plan.num_buckets, timeout)
-        failed = _rejections(tp.gather_status("", timeout))
-        if failed:
-            raise WeightSyncError(f"weight update v{version} failed on "
-                                  + "; ".join(failed))
-        return SyncStats(version, sum(spec.nbytes for spec in plan.specs), plan.total_bytes,
-                         plan.num_buckets, time.perf_counter() - start)
+
+    def _follow(self, source: ModuleSource, plan: BucketPlan, version: int,
+                start: float) -> SyncStats:
+        """A non-sending FSDP2 rank: gather each bucket's tensors in the sending rank's order
+        for as long as it says to go on."""
+        for k in range(plan.num_buckets):
+            if not source.sync_flag(True):
+                raise WeightSyncError(f"weight update v{version} was stopped by the sending "
+                                      f"rank (see its error)")
+            for _ in self._gather(source, self._bucket_tensors(plan, k)):
+                pass
+        if not source.sync_flag(True):
+            raise WeightSyncError(f"weight update v{version} failed on the sending rank while "
+                                  f"sending (see its error)")
+        return SyncStats(version, 0, 0, plan.num_buckets, time.perf_counter() - start)
+
+    def _gather(self, source: ModuleSource, indices: list[int]) -> list[torch.Tensor]:
+        """Full tensors ``indices``; a tensor split over consecutive buckets is gathered once
+        (every training rank makes the same calls, so FSDP2 all-gathers stay paired)."""
+        cached = self._gathered
+        fresh = [i for i in indices if cached is None or cached[0] != i]
+        gathered = dict(zip(fresh, source.tensors(fresh)))
+        if cached is not None and cached[0] in indices:
+            gathered[cached[0]] = cached[1]
+        if indices:
+            self._gathered = (indices[-1], gathered[indices[-1]])
+        return [gathered[i] for i in indices]
 
     @staticmethod
     def _bucket_tensors(plan: BucketPlan, k: int) -> list[int]:
@@ -180,7 +230,7 @@ class WeightSender:
         any memory), return that chunk's bytes to send without a copy."""
         indices = self._bucket_tensors(plan, k)
         sources: list[Optional[torch.Tensor]] = [None] * len(plan.specs)
-        for index, tensor in zip(indices, source.tensors(indices)):
+        for index, tensor in zip(indices, self._gather(source, indices)):
             sources[index] = tensor.to(slot.device)  # blocking: a host copy must be complete
         chunks = plan.bucket_chunks(k)
         if direct_ok and len(chunks) == 1:

@@ -98,6 +98,14 @@ class ModuleSource:
         """Name, global shape and dtype of every tensor sent, in sending order."""
         return [SourceTensor(name, tuple(t.shape), t.dtype) for name, t in self._tensors]
 
+    def sync_flag(self, go: bool) -> bool:
+        """Agree with the other training ranks whether to go on (the sending rank decides).
+
+        A single-process source returns ``go``; :class:`FSDP2Source` broadcasts the sending
+        rank's value over the training group, so ranks that only gather stop with it.
+        """
+        return go
+
     def tensors(self, indices: Sequence[int]) -> Iterator[torch.Tensor]:
         """The full, contiguous, detached tensors ``indices`` (of :meth:`specs`), in order.
 
@@ -140,3 +148,17 @@ class FSDP2Source(ModuleSource):
         if not dist.is_initialized():
             raise RuntimeError("FSDP2Source: torch.distributed is not initialised")
         super().__init__(module, name_map, sending=dist.get_rank() == send_rank)
+        self.send_rank = send_rank
+
+    def sync_flag(self, go: bool) -> bool:
+        import torch.distributed as dist
+
+        flag = torch.tensor([1 if go else 0], dtype=torch.int64,
+                            device=_group_device(dist.get_backend()))
+        dist.broadcast(flag, src=self.send_rank)
+        return bool(flag.item())
+
+
+def _group_device(backend: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend \
+        else torch.device("cpu")

@@ -28,6 +28,8 @@ import base64
 import datetime
 import json
 import os
+import re
+import shutil
 import tempfile
 import time
 import uuid
@@ -98,11 +100,36 @@ class Transport(ABC):
     #: Whether start_send_direct / start_recv_into move a bucket from / into any contiguous
     #: uint8 view (a bucket that is one chunk of one tensor then skips the pack or unpack copy).
     supports_direct: bool = False
+    #: Why this endpoint is unusable (a collective failed or timed out, so ranks may no
+    #: longer agree on which operation comes next); ``None`` while healthy.
+    broken: Optional[str] = None
 
     @property
     def is_sender(self) -> bool:
         """True on rank 0."""
         return self.rank == 0
+
+    def mark_broken(self, reason: str) -> None:
+        """Refuse every later operation: after a failure part-way through an update the
+        ranks' sequences of collectives no longer match (create a new group and transport)."""
+        if self.broken is None:
+            self.broken = reason
+
+    def check_usable(self) -> None:
+        """Raise if :meth:`mark_broken` was called.
+
+        Raises
+        ------
+        WeightSyncError
+            Naming the earlier failure.
+        """
+        if self.broken is not None:
+            raise WeightSyncError(f"{type(self).__name__} is unusable after an earlier failure "
+                                  f"({self.broken}); create a new group and transport")
+
+    def accepted(self) -> None:
+        """Sender: every receiver accepted the plan (mapped transports may now drop names
+        that only served to find the buffers)."""
 
     @abstractmethod
     def send_buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,8 +260,9 @@ def _wait_work(work, timeout: float, what: str, backend: str, world_size: int) -
             raise WeightSyncTimeout(f"weight sync ({backend}): {what} did not finish within "
                                     f"{timeout:g} s ({peers})") from exc
         peer = ""
-        if "by peer" in text.lower():
-            peer = " — a peer disappeared: " + text.split("]", 1)[-1].split(".")[0].strip()
+        match = re.search(r"by peer \[?([0-9a-fA-F.:]+)\]?:(\d+)", text)
+        if match:
+            peer = f" — peer {match.group(1)}:{match.group(2)} disappeared"
         raise WeightSyncError(f"weight sync ({backend}): {what} failed{peer} "
                               f"({text.splitlines()[0][:200]})") from exc
 
@@ -252,15 +280,23 @@ class TorchDistTransport(Transport):
     backend : {"gloo", "nccl"}
     device : torch.device, optional
         Default: CPU for gloo, the current CUDA device for NCCL.
+    group_timeout : float, optional
+        The group's own operation timeout (``init_sync_group``'s ``timeout``); no wait can
+        outlast it, so longer per-call timeouts are cut to it (and the message says so).
+
+    Any failed or timed-out operation marks the transport broken (:meth:`mark_broken`): the
+    ranks' collectives may no longer pair up, so later calls raise at once.
 
     Source
     ------
     ``ProcessGroup.broadcast`` / ``allgather`` of torch.distributed (c10d).
     """
 
-    def __init__(self, group, backend: str = "gloo", device: Optional[torch.device] = None):
+    def __init__(self, group, backend: str = "gloo", device: Optional[torch.device] = None,
+                 group_timeout: Optional[float] = None):
         self.group = group
         self.backend = backend
+        self.group_timeout = group_timeout
         self.rank, self.world_size = group.rank(), group.size()
         if device is None:
             device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
@@ -270,12 +306,24 @@ class TorchDistTransport(Transport):
         self._recv: list[Optional[torch.Tensor]] = [None, None]
 
     def _broadcast(self, tensor: torch.Tensor):
+        self.check_usable()
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         return self.group.broadcast([tensor], opts)
 
     def _run(self, work, timeout: float, what: str) -> None:
-        _wait_work(work, _check_timeout(timeout), what, self.backend, self.world_size)
+        timeout = _check_timeout(timeout)
+        if self.group_timeout is not None:
+            timeout = min(timeout, self.group_timeout)
+        try:
+            _wait_work(work, timeout, what, self.backend, self.world_size)
+        except WeightSyncError as exc:
+            self.mark_broken(str(exc))
+            raise
+
+    def _post(self, make_work):
+        self.check_usable()
+        return make_work()
 
     def send_buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._send is None or self._send[0].numel() < nbytes:
@@ -284,6 +332,7 @@ class TorchDistTransport(Transport):
         return self._send
 
     def send_header(self, header: dict, timeout: float) -> None:
+        self.check_usable()
         payload = json.dumps(header).encode()
         size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
         self._run(self._broadcast(size), timeout, "header size broadcast")
@@ -330,7 +379,8 @@ class TorchDistTransport(Transport):
         mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else mine[:0]
         mine = mine.to(self.device)
         outs = [torch.empty_like(mine) for _ in range(self.world_size)]
-        self._run(self.group.allgather([outs], [mine]), timeout, "status exchange")
+        work = self._post(lambda: self.group.allgather([outs], [mine]))
+        self._run(work, timeout, "status exchange")
         return [bytes(o.cpu().numpy()).rstrip(b"\0").decode(errors="replace") for o in outs]
 
     def close(self) -> None:
@@ -348,28 +398,42 @@ class TorchDistTransport(Transport):
 class _MappedTransport(Transport):
     """Sender-owned buffers that receivers map and read in place; control over a gloo group.
 
-    The sender's two slots are described in the header (``_slots``); a receiver maps them
-    once. Per bucket the sender broadcasts a notice ``[index, slot, nbytes]`` on the control
-    group; each receiver joins one all-reduce per bucket when it has released it, which is
-    what lets the sender refill that slot (two buckets later).
+    The sender's two slots are described in the header (``_slots``: per receiver rank, two
+    descriptors); a receiver maps them once and keeps the mapping while they stay the same. A
+    receiver that cannot map them rejects the update in the accept round. Per bucket the
+    sender broadcasts a notice ``[index, slot, nbytes]`` on the control group; each receiver
+    joins one all-reduce per bucket when it has released it, which is what lets the sender
+    refill that slot (two buckets later).
     """
 
-    def __init__(self, control_group):
-        self.control = TorchDistTransport(control_group, "gloo", torch.device("cpu"))
+    def __init__(self, control_group, group_timeout: Optional[float] = None):
+        self.control = TorchDistTransport(control_group, "gloo", torch.device("cpu"),
+                                          group_timeout=group_timeout)
         self.rank, self.world_size = self.control.rank, self.control.world_size
         self._slots: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self._slot_descriptors: list = []
         self._mapped: dict[str, torch.Tensor] = {}
+        self._receiver_slots: list[torch.Tensor] = []
         self._acked = 0
 
-    # subclasses: allocate/describe/map one slot
+    # subclasses: allocate / describe (once per receiver) / map one slot
     @abstractmethod
-    def _allocate(self, nbytes: int) -> tuple[torch.Tensor, dict]:
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        ...
+
+    @abstractmethod
+    def _describe(self, slot: int, buf: torch.Tensor) -> dict:
         ...
 
     @abstractmethod
     def _map(self, descriptor: dict) -> torch.Tensor:
         ...
+
+    @property
+    def broken(self) -> Optional[str]:  # type: ignore[override]
+        return self.control.broken
+
+    def mark_broken(self, reason: str) -> None:
+        self.control.mark_broken(reason)
 
     def _before_notice(self) -> None:
         """Make the packed bytes visible to other processes (CUDA: sync the stream)."""
@@ -378,37 +442,45 @@ class _MappedTransport(Transport):
         """Receiver: make sure its reads of the bucket finished before it releases it."""
 
     def send_buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        nbytes = max(nbytes, 256)
         if self._slots is None or self._slots[0].numel() < nbytes:
             self._free_slots()
-            pairs = [self._allocate(nbytes) for _ in range(2)]
-            self._slots = (pairs[0][0], pairs[1][0])
-            self._slot_descriptors = [pairs[0][1], pairs[1][1]]
+            self._slots = (self._allocate(nbytes), self._allocate(nbytes))
+            self._descriptors = {
+                str(rank): [self._describe(i, buf) for i, buf in enumerate(self._slots)]
+                for rank in range(1, self.world_size)}
         return self._slots
 
     def _free_slots(self) -> None:
-        self._slots, self._slot_descriptors = None, []
+        self._slots, self._descriptors = None, {}
 
     def send_header(self, header: dict, timeout: float) -> None:
         if self._slots is None:
             raise WeightSyncError("mapped transport: send_buffers() must come before the header")
         self._acked = 0
-        self.control.send_header({**header, "_slots": self._slot_descriptors}, timeout)
+        self.control.send_header({**header, "_slots": self._descriptors}, timeout)
 
     def recv_header(self, timeout: float) -> dict:
         header = self.control.recv_header(timeout)
-        slots = header.pop("_slots", None)
-        if not isinstance(slots, list) or len(slots) != 2:
-            raise WeightSyncError("mapped transport: header carries no '_slots' descriptors")
-        self._receiver_slots = [self._map_cached(d) for d in slots]
+        raw = header.pop("_slots", None)
+        slots = raw.get(str(self.rank)) if isinstance(raw, dict) else None
+        try:
+            if not isinstance(slots, list) or len(slots) != 2:
+                raise WeightSyncError("header carries no '_slots' descriptors for this rank")
+            self._receiver_slots = self._map_all(slots)
+        except Exception as exc:  # becomes this rank's verdict in the accept round
+            self._receiver_slots = []
+            header["_transport_error"] = f"{type(self).__name__} cannot map the sender's " \
+                                         f"buffers: {exc}"
         return header
 
-    def _map_cached(self, descriptor: dict) -> torch.Tensor:
-        key = json.dumps(descriptor, sort_keys=True)
-        if key not in self._mapped:
-            if len(self._mapped) >= 4:  # the sender re-allocated its slots
-                self._mapped.clear()
-            self._mapped[key] = self._map(descriptor)
-        return self._mapped[key]
+    def _map_all(self, descriptors: list) -> list[torch.Tensor]:
+        keys = [json.dumps(d, sort_keys=True) for d in descriptors]
+        if set(keys) != set(self._mapped):  # new slots: drop the old mappings first
+            self._mapped = {}
+            for key, descriptor in zip(keys, descriptors):
+                self._mapped[key] = self._map(descriptor)
+        return [self._mapped[key] for key in keys]
 
     @staticmethod
     def _notice(values: Optional[list[int]] = None) -> torch.Tensor:
@@ -418,8 +490,8 @@ class _MappedTransport(Transport):
         flag = torch.zeros(1, dtype=torch.int64)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        self.control._run(self.control.group.allreduce([flag], opts), timeout,
-                          f"release of bucket {index}")
+        work = self.control._post(lambda: self.control.group.allreduce([flag], opts))
+        self.control._run(work, timeout, f"release of bucket {index}")
 
     def start_send(self, slot: int, nbytes: int, index: int) -> Pending:
         if index >= 2 and self._acked <= index - 2:
@@ -475,7 +547,7 @@ class _MappedTransport(Transport):
         return self._device
 
     def close(self) -> None:
-        self._mapped.clear()
+        self._mapped, self._receiver_slots = {}, []
         self._free_slots()
         self.control.close()
 
@@ -498,13 +570,24 @@ class SharedMemoryTransport(_MappedTransport):
         Where the slot files live (default /dev/shm).
     """
 
-    def __init__(self, control_group, directory: Optional[str] = None):
-        super().__init__(control_group)
+    def __init__(self, control_group, directory: Optional[str] = None,
+                 group_timeout: Optional[float] = None):
+        super().__init__(control_group, group_timeout)
         self._device = torch.device("cpu")
         self._dir = Path(directory) if directory else _shm_dir()
         self._paths: list[Path] = []
+        self._slot_paths: list[str] = []
 
-    def _allocate(self, nbytes: int) -> tuple[torch.Tensor, dict]:
+    def accepted(self) -> None:
+        # every receiver mapped the slots before answering: the names can go, so a killed
+        # sender leaves nothing behind in /dev/shm (the mappings stay valid)
+        for path in self._paths:
+            path.unlink(missing_ok=True)
+
+    def _describe(self, slot: int, buf: torch.Tensor) -> dict:
+        return {"path": self._slot_paths[slot], "nbytes": buf.numel()}
+
+    def _allocate(self, nbytes: int) -> torch.Tensor:
         path = self._dir / f"areal_fast-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -516,8 +599,8 @@ class SharedMemoryTransport(_MappedTransport):
         finally:
             os.close(fd)
         self._paths.append(path)
-        buf = torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
-        return buf, {"path": str(path), "nbytes": nbytes}
+        self._slot_paths.append(str(path))
+        return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
 
     def _map(self, descriptor: dict) -> torch.Tensor:
         path = descriptor.get("path")
@@ -530,7 +613,7 @@ class SharedMemoryTransport(_MappedTransport):
         super()._free_slots()
         for path in self._paths:
             path.unlink(missing_ok=True)
-        self._paths = []
+        self._paths, self._slot_paths = [], []
 
 
 def cuda_device_uuid(device: torch.device) -> str:
@@ -576,21 +659,30 @@ class CudaIpcTransport(_MappedTransport):
     does for CUDA tensors.
     """
 
-    def __init__(self, control_group, device: torch.device):
-        super().__init__(control_group)
+    def __init__(self, control_group, device: torch.device,
+                 group_timeout: Optional[float] = None):
+        super().__init__(control_group, group_timeout)
         self._device = torch.device(device)
         if self._device.type != "cuda":
             raise ValueError(f"CudaIpcTransport: device {self._device} is not a CUDA device")
+        if self._device.index is None:
+            self._device = torch.device("cuda", torch.cuda.current_device())
 
-    def _allocate(self, nbytes: int) -> tuple[torch.Tensor, dict]:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+    def _allocate(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self._device)
+
+    def _describe(self, slot: int, buf: torch.Tensor) -> dict:
+        # one export per receiver: torch counts each export as one consumer reference
         shared = buf.untyped_storage()._share_cuda_()
         fields = [base64.b64encode(v).decode() if isinstance(v, bytes) else v for v in shared]
-        return buf, {"uuid": cuda_device_uuid(self._device), "nbytes": nbytes,
-                     "share": fields, "binary": [isinstance(v, bytes) for v in shared]}
+        return {"uuid": cuda_device_uuid(self._device), "nbytes": buf.numel(),
+                "share": fields, "binary": [isinstance(v, bytes) for v in shared]}
 
     def _map(self, descriptor: dict) -> torch.Tensor:
         device = cuda_device_by_uuid(descriptor["uuid"])
+        if device != self._device:
+            raise WeightSyncError(f"CUDA IPC: the sender's buffers are on {device} (UUID "
+                                  f"{descriptor['uuid']}), this engine runs on {self._device}")
         fields = [base64.b64decode(v) if is_bytes else v
                   for v, is_bytes in zip(descriptor["share"], descriptor["binary"])]
         fields[0] = device.index
@@ -636,6 +728,9 @@ class DiskTransport(Transport):
             raise ValueError(f"DiskTransport: rank {rank} / world_size {world_size} invalid")
         self.root = Path(directory)
         self.root.mkdir(parents=True, exist_ok=True)
+        if rank == 0 and any(self.root.glob("update-*")):
+            raise ValueError(f"DiskTransport: {directory} already holds updates of another run; "
+                             f"give each job a fresh directory")
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cpu")
         self.poll_interval = poll_interval
@@ -675,10 +770,10 @@ class DiskTransport(Transport):
         self._write_atomic(self._dir / "header.json", lambda p: Path(p).write_text(text))
 
     def recv_header(self, timeout: float) -> dict:
-        self._round += 1
+        path = self.root / f"update-{self._round + 1}" / "header.json"
+        self._wait_file(path, timeout, f"header of update {self._round + 1}")
+        self._round += 1  # only once the header is there: a timed-out wait can be retried
         self._status_count = 0
-        path = self._dir / "header.json"
-        self._wait_file(path, timeout, f"header of update {self._round}")
         try:
             return json.loads(path.read_text())
         except ValueError as exc:
@@ -737,20 +832,16 @@ class DiskTransport(Transport):
             self._wait_file(path, max(deadline - time.monotonic(), 1e-3),
                             f"status {tag} of rank {rank}")
             out.append(path.read_text())
-        if self.rank == 0 and tag >= 1 and self._round >= 1:
+        if self.rank == 0 and self._round >= 1:  # every rank is past update r - 1
             self._remove_round(self._round - 1)
         return out
 
     def _remove_round(self, number: int) -> None:
-        old = self.root / f"update-{number}"
-        if old.is_dir():
-            for path in old.iterdir():
-                path.unlink(missing_ok=True)
-            old.rmdir()
+        shutil.rmtree(self.root / f"update-{number}", ignore_errors=True)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
-        self._send = None
+        self._send = None  # the last update's files stay: receivers may still read them
 
 
 __all__ = [

@@ -293,8 +293,11 @@ def sync_hf_engines(rank: int, port: int, kind: str, directory: str, seed: int) 
         transport.close()
 
 
-def sync_fsdp2(rank: int, port: int, directory: str, seed: int) -> dict:
-    """Ranks 0, 1 train with FSDP2 (gloo); rank 2 is an engine. Sync group = {0, 2}."""
+def sync_fsdp2(rank: int, port: int, directory: str, seed: int, reject: bool = False) -> dict:
+    """Ranks 0, 1 train with FSDP2 (gloo); rank 2 is an engine. Sync group = {0, 2}.
+
+    With ``reject`` the engine refuses the plan: both training ranks stop the update and
+    their group still works (an all-reduce afterwards)."""
     import datetime
 
     import torch.distributed as dist
@@ -314,13 +317,28 @@ def sync_fsdp2(rank: int, port: int, directory: str, seed: int) -> dict:
         source = FSDP2Source(model)
         transport = (TorchDistTransport(init_sync_group(0, 2, port, timeout=60))
                      if rank == 0 else None)
-        stats = WeightSender(transport, bucket_bytes=2048, timeout=30).send(source, 3)
-        sharded = any(hasattr(p, "full_tensor") for p in model.parameters())
+        try:
+            stats = WeightSender(transport, bucket_bytes=2048, timeout=30).send(source, 3)
+            report = {"bytes": stats.num_bytes}
+        except Exception as exc:
+            report = {"error": str(exc)}
+        total = torch.ones(1)
+        dist.all_reduce(total)  # the training group is still in step
+        report.update(sharded=any(hasattr(p, "full_tensor") for p in model.parameters()),
+                      all_reduce=total.item())
         dist.destroy_process_group()
-        return {"bytes": stats.num_bytes, "sharded": sharded}
+        return report
     engine = Mixed({"f16": FP32, "b16": FP32}, tied=True).fill(seed + 5)
     transport = TorchDistTransport(init_sync_group(1, 2, port, timeout=60))
     params = dict(engine.named_parameters())
+    if reject:
+        params["extra"] = torch.zeros(3)
+        try:
+            WeightReceiver(transport, timeout=30).start(
+                accept=lambda plan: check_against(plan, params))
+        except Exception as exc:
+            return {"error": str(exc)}
+        return {"error": None}
     session = WeightReceiver(transport, timeout=30).start(
         accept=lambda plan: check_against(plan, params))
     session.unpack_into([params.get(s.name) for s in session.plan.specs])
@@ -329,3 +347,54 @@ def sync_fsdp2(rank: int, port: int, directory: str, seed: int) -> dict:
     mismatch = [n for n, p in engine.named_parameters()
                 if not exact_equal(p.detach(), dict(expected.named_parameters())[n].detach())]
     return {"version": session.version, "mismatch": mismatch}
+
+
+def sync_partial_failure(rank: int, port: int, kind: str, directory: str, seed: int) -> dict:
+    """Engine 1's unpack fails at bucket 2 of update 1; engine 2 installs it. The sender names
+    engine 1; a second update on the same transport then reaches both engines intact."""
+    import areal_fast.sync.receiver as receiver_module
+    from areal_fast.sync.receiver import WeightReceiver, check_against
+    from areal_fast.sync.sender import WeightSender
+    from areal_fast.sync.sources import ModuleSource
+
+    transport = make_transport(kind, rank, 3, port, directory)
+    try:
+        if rank == 0:
+            sender = WeightSender(transport, bucket_bytes=1024, timeout=30)
+            out = {}
+            for version in (1, 2):
+                try:
+                    sender.send(ModuleSource(Mixed({}, False).fill(seed + version)), version)
+                    out[version] = None
+                except Exception as exc:
+                    out[version] = str(exc)
+            return out
+        if rank == 1:
+            real = receiver_module.unpack_bucket
+
+            def failing(plan, k, bucket, targets, **kw):
+                if k >= 2 and not failing.fired:  # first packed bucket after 1
+                    failing.fired = True
+                    raise RuntimeError("injected unpack failure")
+                return real(plan, k, bucket, targets, **kw)
+            failing.fired = False
+            receiver_module.unpack_bucket = failing
+        engine = Mixed({}, False).fill(seed + 100 + rank)
+        receiver = WeightReceiver(transport, timeout=30)
+        report = {}
+        for version in (1, 2):
+            params = dict(engine.named_parameters())
+            session = receiver.start(accept=lambda plan: check_against(plan, params))
+            try:
+                session.unpack_into([params.get(s.name) for s in session.plan.specs])
+                error = ""
+            except RuntimeError as exc:
+                error = str(exc)
+            session.finish(error)
+            expected = dict(Mixed({}, False).fill(seed + version).named_parameters())
+            report[version] = {"error": error, "exact": all(
+                exact_equal(p.detach(), expected[n].detach())
+                for n, p in engine.named_parameters())}
+        return report
+    finally:
+        transport.close()

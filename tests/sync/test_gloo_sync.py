@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sync_procs import (BF16, FP16, FP32, run_ranks, sync_fsdp2, sync_hf_engines,
-                        sync_mixed, sync_peer_dies, sync_rejected)
+                        sync_mixed, sync_partial_failure, sync_peer_dies, sync_rejected)
 
 TRANSPORTS = ["gloo", "shm", "disk", "gloo-nccl-path"]
 
@@ -93,6 +93,18 @@ def test_bad_plan_rejected_everywhere_nothing_changes(fault, tmp_path):
         assert engine["unchanged"]
 
 
+@pytest.mark.parametrize("kind", ["gloo", "shm", "disk"])
+def test_one_engine_fails_part_way_others_install_group_survives(kind, tmp_path):
+    reports = run_ranks(sync_partial_failure, 3, (kind, str(tmp_path), _seed()))
+    _ok(reports)
+    assert "engine rank 1: injected unpack failure" in reports[0][1]
+    assert reports[0][2] is None
+    assert reports[1][1] == {"error": "injected unpack failure", "exact": False}
+    assert reports[2][1] == {"error": "", "exact": True}
+    for engine in reports[1:]:
+        assert engine[2] == {"error": "", "exact": True}
+
+
 def test_trainer_dies_mid_update_engines_refuse_to_serve(tmp_path):
     reports = run_ranks(sync_peer_dies, 3, ("gloo", str(tmp_path), _seed()), timeout=90)
     assert reports[0] is None  # the trainer died without reporting
@@ -121,6 +133,16 @@ def test_fsdp2_source_two_trainer_ranks(tmp_path):
     assert reports[0]["sharded"] and reports[1]["sharded"]
     assert reports[0]["bytes"] > 0 and reports[1]["bytes"] == 0  # only rank 0 sends
     assert reports[2]["version"] == 3 and reports[2]["mismatch"] == []
+    assert reports[0]["all_reduce"] == reports[1]["all_reduce"] == 2
+
+
+def test_fsdp2_rejected_update_stops_every_training_rank(tmp_path):
+    reports = run_ranks(sync_fsdp2, 3, (str(tmp_path), _seed(), True))
+    _ok(reports)
+    assert "rejected" in reports[0]["error"] and "'extra'" in reports[0]["error"]
+    assert "stopped by the sending rank" in reports[1]["error"]
+    assert reports[0]["all_reduce"] == reports[1]["all_reduce"] == 2  # group still in step
+    assert "rejected" in reports[2]["error"]
 
 
 # ---------------------------------------------------------------- disk transport, in-process
