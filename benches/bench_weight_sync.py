@@ -225,7 +225,7 @@ def main(argv=None) -> int:
     parser.add_argument("--transport", choices=["gloo", "shm", "cuda-ipc"], default="gloo")
     parser.add_argument("--engines", type=int, default=2, help="engine processes (ranks 1..)")
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch/packing threads per process (3 processes share the cores)")

@@ -183,7 +183,7 @@ void segment_sum_cuda(uintptr_t values_ptr, int dtype_code, uintptr_t cu_seqlens
 // --- weight-sync buckets -------------------------------------------------------
 
 py::tuple plan_buckets(const Int64Array& numels, const Int64Array& itemsizes,
-                       int64_t bucket_bytes) {
+                       int64_t bucket_bytes, int64_t solo_bytes) {
   require_1d(numels, "numels");
   require_1d(itemsizes, "itemsizes");
   const int64_t n = static_cast<int64_t>(numels.size());
@@ -196,7 +196,7 @@ py::tuple plan_buckets(const Int64Array& numels, const Int64Array& itemsizes,
   areal_fast::BucketLayout layout;
   {
     py::gil_scoped_release release;
-    layout = areal_fast::plan_buckets(numel_data, itemsize_data, n, bucket_bytes);
+    layout = areal_fast::plan_buckets(numel_data, itemsize_data, n, bucket_bytes, solo_bytes);
   }
   const auto num_chunks = static_cast<py::ssize_t>(layout.chunks.size());
   py::array_t<int64_t> chunks({num_chunks, static_cast<py::ssize_t>(5)});
@@ -381,7 +381,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("BUCKET_DTYPE_CODES") = bucket_dtype_codes;
   m.attr("BUCKET_ALIGNMENT") = areal_fast::kBucketAlignment;
   m.def("plan_buckets", &plan_buckets, py::arg("numels"), py::arg("itemsizes"),
-        py::arg("bucket_bytes"),
+        py::arg("bucket_bytes"), py::arg("solo_bytes") = 0,
         "Weight-sync bucket layout of tensors with int64 numels [N] and itemsizes [N] "
         "(bytes) in buckets of bucket_bytes (a positive multiple of 256). Returns (chunks "
         "int64 [C, 5] rows (tensor, bucket, offset, start, numel), bucket_sizes int64 [B]).");

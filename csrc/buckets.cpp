@@ -167,12 +167,14 @@ int64_t grain_of(const BucketCopy& c) { return c.src_dtype == kBucketBytes ? 409
 }  // namespace
 
 BucketLayout plan_buckets(const int64_t* numels, const int64_t* itemsizes, int64_t n,
-                          int64_t bucket_bytes) {
+                          int64_t bucket_bytes, int64_t solo_bytes) {
   if (bucket_bytes <= 0 || bucket_bytes % kBucketAlignment != 0) {
     fail("bucket_bytes must be a positive multiple of " + std::to_string(kBucketAlignment) +
          ", got " + std::to_string(bucket_bytes));
   }
   if (n < 0) fail("number of tensors must be non-negative, got " + std::to_string(n));
+  if (solo_bytes < 0) fail("solo_bytes must be non-negative, got " + std::to_string(solo_bytes));
+  bool last_solo = false;
   BucketLayout layout;
   layout.chunks.reserve(static_cast<size_t>(n));
   auto& sizes = layout.bucket_sizes;
@@ -191,6 +193,11 @@ BucketLayout plan_buckets(const int64_t* numels, const int64_t* itemsizes, int64
       fail("specs[" + std::to_string(i) + "]: byte size overflows int64");
     }
     if (sizes.empty()) sizes.push_back(0);
+    if (nbytes > 0 && solo_bytes > 0) {  // a solo tensor, or the one after it: fresh bucket
+      const bool solo = nbytes >= solo_bytes;
+      if ((solo || last_solo) && sizes.back() > 0) sizes.push_back(0);
+      last_solo = solo;
+    }
     int64_t bucket = static_cast<int64_t>(sizes.size()) - 1;
     const int64_t offset = align_up(sizes.back());
     if (nbytes == 0) {

@@ -208,12 +208,15 @@ class BucketPlan:
     bucket_sizes : tuple[int, ...]
         Bytes used by each bucket: the end of its last chunk (no padding after it); at most
         ``bucket_bytes``. A buffer of that many bytes holds the bucket.
+    solo_bytes : int
+        Tensors of at least this many bytes have their buckets to themselves (0: off).
     """
 
     specs: tuple[TensorSpec, ...]
     bucket_bytes: int
     chunks: tuple[Chunk, ...]
     bucket_sizes: tuple[int, ...]
+    solo_bytes: int = 0
     _bounds: tuple[int, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -247,6 +250,7 @@ class BucketPlan:
         ...]}``."""
         return {
             "bucket_bytes": self.bucket_bytes,
+            "solo_bytes": self.solo_bytes,
             "alignment": ALIGNMENT,
             "tensors": [[s.name, list(s.shape), s.dtype] for s in self.specs],
         }
@@ -268,8 +272,11 @@ class BucketPlan:
             if key not in meta:
                 raise ValueError(f"bucket plan metadata is missing key {key!r}")
         bucket_bytes, alignment, tensors = meta["bucket_bytes"], meta["alignment"], meta["tensors"]
+        solo_bytes = meta.get("solo_bytes", 0)
         if not _is_int(bucket_bytes):
             raise ValueError(f"metadata['bucket_bytes'] must be an int, got {bucket_bytes!r}")
+        if not _is_int(solo_bytes) or solo_bytes < 0:
+            raise ValueError(f"metadata['solo_bytes'] must be an int >= 0, got {solo_bytes!r}")
         if not _is_int(alignment) or alignment != ALIGNMENT:
             raise ValueError(f"metadata['alignment'] must be {ALIGNMENT}, got {alignment!r}")
         if not isinstance(tensors, (list, tuple)):
@@ -293,7 +300,7 @@ class BucketPlan:
             except ValueError as exc:
                 raise ValueError(f"{key}: {exc}") from None
         try:
-            return plan_buckets(specs, bucket_bytes)
+            return plan_buckets(specs, bucket_bytes, solo_bytes)
         except ValueError as exc:
             raise ValueError(f"metadata: {exc}") from None
 
@@ -307,16 +314,22 @@ def _check_bucket_index(plan: BucketPlan, k) -> None:
         raise ValueError(f"bucket index k = {k!r} is out of range [0, {plan.num_buckets})")
 
 
-def _plan_python(numels: Sequence[int], itemsizes: Sequence[int],
-                 bucket_bytes: int) -> tuple[list[tuple[int, ...]], list[int]]:
+def _plan_python(numels: Sequence[int], itemsizes: Sequence[int], bucket_bytes: int,
+                 solo_bytes: int = 0) -> tuple[list[tuple[int, ...]], list[int]]:
     """Pure-Python twin of the C++ ``plan_buckets`` (csrc/buckets.cpp): same steps, same
     plan. Returns (chunks as (tensor, bucket, offset, start, numel) tuples, bucket sizes)."""
     chunks: list[tuple[int, ...]] = []
     sizes: list[int] = []
+    last_solo = False
     for i, (numel, itemsize) in enumerate(zip(numels, itemsizes)):
         nbytes = numel * itemsize
         if not sizes:
             sizes.append(0)
+        if nbytes > 0 and solo_bytes > 0:  # a solo tensor, or the one after it: fresh bucket
+            solo = nbytes >= solo_bytes
+            if (solo or last_solo) and sizes[-1] > 0:
+                sizes.append(0)
+            last_solo = solo
         bucket = len(sizes) - 1
         offset = -(-sizes[-1] // ALIGNMENT) * ALIGNMENT
         if nbytes == 0:
@@ -345,7 +358,8 @@ def _plan_python(numels: Sequence[int], itemsizes: Sequence[int],
     return chunks, sizes
 
 
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketPlan:
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int,
+                 solo_bytes: int = 0) -> BucketPlan:
     """Lay ``specs`` out in buckets of ``bucket_bytes`` bytes (rules in the module docstring).
 
     Parameters
@@ -354,6 +368,11 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketPlan:
         In the order to place them; names must be unique.
     bucket_bytes : int
         Bucket capacity in bytes, a positive multiple of :data:`ALIGNMENT` (256).
+    solo_bytes : int
+        Tensors of at least this many bytes start in an empty bucket and the next tensor
+        starts another: each has its buckets to itself, so a transport that sends from any
+        memory (``Transport.supports_direct``) moves it without packing or unpacking. 0 (the
+        default) turns the rule off.
 
     Returns
     -------
@@ -364,12 +383,14 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketPlan:
     Raises
     ------
     ValueError
-        ``bucket_bytes`` is not a positive multiple of 256; an entry is not a TensorSpec; a
-        name appears twice; a tensor's byte size exceeds int64.
+        ``bucket_bytes`` is not a positive multiple of 256; ``solo_bytes`` negative; an entry
+        is not a TensorSpec; a name appears twice; a tensor's byte size exceeds int64.
     """
     if not _is_int(bucket_bytes) or bucket_bytes <= 0 or bucket_bytes % ALIGNMENT:
         raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGNMENT}, "
                          f"got {bucket_bytes!r}")
+    if not _is_int(solo_bytes) or solo_bytes < 0:
+        raise ValueError(f"solo_bytes must be an int >= 0, got {solo_bytes!r}")
     specs = tuple(specs)
     seen = set()
     for i, spec in enumerate(specs):
@@ -386,12 +407,13 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int) -> BucketPlan:
     if native is not None and hasattr(native, "plan_buckets"):
         rows, sizes = native.plan_buckets(np.asarray(numels, dtype=np.int64).reshape(-1),
                                           np.asarray(itemsizes, dtype=np.int64).reshape(-1),
-                                          bucket_bytes)
+                                          bucket_bytes, solo_bytes)
         rows, sizes = rows.tolist(), sizes.tolist()
     else:
-        rows, sizes = _plan_python(numels, itemsizes, bucket_bytes)
+        rows, sizes = _plan_python(numels, itemsizes, bucket_bytes, solo_bytes)
     return BucketPlan(specs=specs, bucket_bytes=bucket_bytes,
-                      chunks=tuple(Chunk(*row) for row in rows), bucket_sizes=tuple(sizes))
+                      chunks=tuple(Chunk(*row) for row in rows), bucket_sizes=tuple(sizes),
+                      solo_bytes=solo_bytes)
 
 
 # ---------------------------------------------------------------------------

@@ -164,8 +164,8 @@ class ReceiveSession:
             return {}
         direct = {}
         for k in range(self.plan.num_buckets):
-            chunks = self.plan.bucket_chunks(k)
-            if len(chunks) != 1 or targets[chunks[0].tensor] is None:
+            chunks = [c for c in self.plan.bucket_chunks(k) if c.numel > 0]
+            if len(chunks) != 1 or chunks[0].offset or targets[chunks[0].tensor] is None:
                 continue
             chunk, spec = chunks[0], self.plan.specs[chunks[0].tensor]
             target = targets[chunk.tensor]

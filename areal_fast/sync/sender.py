@@ -19,7 +19,8 @@ from areal_fast.sync.buckets import BucketPlan, TensorSpec, pack_bucket, plan_bu
 from areal_fast.sync.sources import ModuleSource
 from areal_fast.sync.transports import Transport, WeightSyncError
 
-DEFAULT_BUCKET_BYTES = 256 << 20
+DEFAULT_BUCKET_BYTES = 64 << 20
+DEFAULT_SOLO_BYTES = 4 << 20
 HEADER_FORMAT = "areal_fast.weights/1"
 
 
@@ -73,7 +74,7 @@ class WeightSender:
     transport : Transport or None
         Rank-0 endpoint; ``None`` on FSDP2 ranks that only gather (``source.sending`` False).
     bucket_bytes : int
-        Bucket size in bytes, a positive multiple of 256 (default 256 MiB); two buckets are
+        Bucket size in bytes, a positive multiple of 256 (default 64 MiB); two buckets are
         in memory at once on the sender and on each receiver.
     wire_dtype : torch.dtype, optional
         Cast floating tensors to this dtype while packing (e.g. ``torch.bfloat16`` for a bf16
@@ -83,6 +84,11 @@ class WeightSender:
         Seconds allowed for each step (header, each bucket, each acknowledgement).
     num_threads : int, optional
         CPU packing threads (default: torch's intra-op thread count).
+    solo_bytes : int, optional
+        Over a transport that sends from any memory (``supports_direct``: gloo, NCCL),
+        tensors of at least this many bytes get buckets of their own and travel straight
+        from the parameter into the engine's parameter, without pack or unpack copies
+        (default 4 MiB; 0 packs everything). Ignored by the other transports.
 
     Raises
     ------
@@ -92,7 +98,7 @@ class WeightSender:
 
     def __init__(self, transport: Optional[Transport], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  wire_dtype: Optional[torch.dtype] = None, timeout: float = 60.0,
-                 num_threads: Optional[int] = None):
+                 num_threads: Optional[int] = None, solo_bytes: int = DEFAULT_SOLO_BYTES):
         if not (isinstance(bucket_bytes, int) and bucket_bytes > 0 and bucket_bytes % 256 == 0):
             raise ValueError(f"bucket_bytes = {bucket_bytes!r} must be a positive multiple of 256")
         if not timeout > 0:
@@ -102,6 +108,8 @@ class WeightSender:
         self.wire_dtype = wire_dtype
         self.timeout = float(timeout)
         self.num_threads = num_threads
+        direct = transport is not None and transport.supports_direct
+        self.solo_bytes = int(solo_bytes) if direct else 0
         self._plan: Optional[BucketPlan] = None
         self._gathered: Optional[tuple[int, torch.Tensor]] = None  # last tensor, for splits
 
@@ -109,7 +117,7 @@ class WeightSender:
         """The bucket plan of ``source`` (cached while names, shapes and dtypes stay)."""
         specs = tuple(wire_specs(source, self.wire_dtype))
         if self._plan is None or self._plan.specs != specs:
-            self._plan = plan_buckets(specs, self.bucket_bytes)
+            self._plan = plan_buckets(specs, self.bucket_bytes, self.solo_bytes)
         return self._plan
 
     def send(self, source: ModuleSource, version: int) -> SyncStats:
@@ -232,8 +240,8 @@ class WeightSender:
         sources: list[Optional[torch.Tensor]] = [None] * len(plan.specs)
         for index, tensor in zip(indices, self._gather(source, indices)):
             sources[index] = tensor.to(slot.device)  # blocking: a host copy must be complete
-        chunks = plan.bucket_chunks(k)
-        if direct_ok and len(chunks) == 1:
+        chunks = [c for c in plan.bucket_chunks(k) if c.numel > 0]
+        if direct_ok and len(chunks) == 1 and chunks[0].offset == 0:
             chunk, spec = chunks[0], plan.specs[chunks[0].tensor]
             tensor = sources[chunk.tensor]
             if tensor.dtype == spec.torch_dtype and tensor.is_contiguous():

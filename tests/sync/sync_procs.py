@@ -121,7 +121,7 @@ def exact_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def sync_mixed(rank: int, port: int, kind: str, directory: str, seed: int, trainer_dtypes: dict,
                engine_dtypes: dict, tied: tuple[bool, bool], wire: str | None,
-               bucket_bytes: int, updates: int) -> dict:
+               bucket_bytes: int, updates: int, solo_bytes: int = 4 << 20) -> dict:
     """Trainer sends ``updates`` versions of a :class:`Mixed` module; engines compare."""
     from areal_fast.sync.receiver import WeightReceiver, check_against
     from areal_fast.sync.sender import WeightSender
@@ -133,7 +133,8 @@ def sync_mixed(rank: int, port: int, kind: str, directory: str, seed: int, train
     try:
         if rank == 0:
             sender = WeightSender(transport, bucket_bytes=bucket_bytes, timeout=30,
-                                  wire_dtype=getattr(torch, wire) if wire else None)
+                                  wire_dtype=getattr(torch, wire) if wire else None,
+                                  solo_bytes=solo_bytes)
             stats = []
             for version in range(1, updates + 1):
                 model = Mixed(trainer_dtypes, tied[0]).fill(seed + version).to(device)

@@ -128,7 +128,12 @@ def check_plan(plan: BucketPlan) -> None:
                                                           mine[0].bucket + len(mine)))
             assert all(c.numel * spec.itemsize == bb for c in mine[:-1])
     # greedy: a whole tensor opens a new bucket only if it did not fit in the previous one
+    def solo(chunk):  # under solo_bytes, a fresh bucket also follows a solo tensor
+        return plan.solo_bytes and (chunk.numel == 0
+                                    or specs[chunk.tensor].nbytes >= plan.solo_bytes)
     for prev, c in zip(plan.chunks, plan.chunks[1:]):
+        if solo(prev) or solo(c):
+            continue
         if c.bucket == prev.bucket + 1 and c.start == 0 and specs[c.tensor].nbytes <= bb:
             used = -(-plan.bucket_sizes[prev.bucket] // ALIGNMENT) * ALIGNMENT
             assert used + specs[c.tensor].nbytes > bb
@@ -212,15 +217,42 @@ def test_plan_properties_on_random_specs(native, monkeypatch):
 
 @needs_native
 @settings(max_examples=400, deadline=None)
-@given(specs=spec_lists(), units=st.integers(1, 64))
-def test_native_and_python_planners_agree(specs, units):
+@given(specs=spec_lists(), units=st.integers(1, 64), solo=st.sampled_from([0, 1, 200, 4096]))
+def test_native_and_python_planners_agree(specs, units, solo):
     bucket_bytes = units * ALIGNMENT
-    plan = plan_buckets(specs, bucket_bytes)  # native
+    plan = plan_buckets(specs, bucket_bytes, solo)  # native
     chunks, sizes = B._plan_python([s.numel for s in specs], [s.itemsize for s in specs],
-                                   bucket_bytes)
+                                   bucket_bytes, solo)
     assert [tuple(vars(c).values()) for c in plan.chunks] == chunks
     assert list(plan.bucket_sizes) == sizes
     check_plan(plan)
+    check_solo(plan)
+
+
+def check_solo(plan):
+    """Every tensor of >= solo_bytes bytes is alone (zero-size chunks aside) in its buckets."""
+    if not plan.solo_bytes:
+        return
+    for spec_index, spec in enumerate(plan.specs):
+        if spec.nbytes < plan.solo_bytes or spec.nbytes == 0:
+            continue
+        for chunk in (c for c in plan.chunks if c.tensor == spec_index):
+            others = [c for c in plan.bucket_chunks(chunk.bucket)
+                      if c.tensor != spec_index and c.numel > 0]
+            assert not others, (spec.name, chunk.bucket)
+            assert chunk.offset == 0
+
+
+def test_solo_tensors_get_buckets_to_themselves_and_survive_metadata():
+    rng = np.random.default_rng()
+    specs = random_specs(rng, 60)
+    solo = int(rng.integers(64, 2048))
+    plan = plan_buckets(specs, ALIGNMENT * int(rng.integers(4, 40)), solo)
+    check_plan(plan)
+    check_solo(plan)
+    assert BucketPlan.from_metadata(json.loads(json.dumps(plan.to_metadata()))) == plan
+    with pytest.raises(ValueError, match="solo_bytes"):
+        plan_buckets(specs, 512, -1)
 
 
 def test_plan_without_native_matches(monkeypatch):

@@ -42,6 +42,19 @@ def test_bit_exact_mixed_dtypes_two_engines(kind, tmp_path):
         assert engine["mismatch"] == []
 
 
+@pytest.mark.parametrize("wire", [None, "bfloat16"])
+def test_solo_tensors_travel_unpacked_bit_exact(wire, tmp_path):
+    # solo_bytes 1000: embed, head (9312 B) and big (12004 B, split over 4 KB buckets) get
+    # buckets of their own and go straight from parameter to parameter when dtypes allow
+    names = ("embed", "odd", "f16", "b16", "big", "norm", "head")
+    engine_dtypes = {k: BF16 for k in names} if wire else {}  # bf16 wire: bf16 engine
+    reports = run_ranks(sync_mixed, 3, ("gloo", str(tmp_path), _seed(), {}, engine_dtypes,
+                                        (False, False), wire, 4096, 2, 1000))
+    _ok(reports)
+    for engine in reports[1:]:
+        assert engine["versions"] == [1, 2] and engine["mismatch"] == []
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 def test_cuda_ipc_same_gpu_bit_exact(tmp_path):
     # the engine reads the trainer's buckets in place on the same GPU (device keyed by UUID)

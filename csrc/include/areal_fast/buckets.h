@@ -57,12 +57,16 @@ struct BucketLayout {
 //     open for the tensors that follow;
 //   - a tensor with no elements gets a chunk of 0 elements at the current
 //     aligned offset (receivers still learn about it).
+//   - with solo_bytes > 0, a tensor of at least solo_bytes bytes starts in an
+//     empty bucket and the tensor after it does too: such a tensor has its
+//     buckets to itself, so a transport that can send from any memory moves it
+//     without packing (0 turns the rule off);
 // A bucket exists once it holds a chunk: n == 0 gives no buckets.
 // Throws std::invalid_argument when bucket_bytes is not a positive multiple of
 // 256, for a negative numel, an itemsize that does not divide 256, or a tensor
 // whose byte size overflows int64.
 BucketLayout plan_buckets(const int64_t* numels, const int64_t* itemsizes, int64_t n,
-                          int64_t bucket_bytes);
+                          int64_t bucket_bytes, int64_t solo_bytes = 0);
 
 // ---------------------------------------------------------------------------
 // Copies
