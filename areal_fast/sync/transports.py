@@ -345,10 +345,12 @@ class TorchDistTransport(Transport):
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self._run(self._broadcast(data), timeout, "header broadcast")
         try:
-            return json.loads(bytes(data.cpu().numpy()))
-        except ValueError as exc:
-            raise WeightSyncError(f"weight sync ({self.backend}): header is not valid JSON "
-                                  f"({exc})") from exc
+            header = json.loads(bytes(data.cpu().numpy()))
+            if not isinstance(header, dict):
+                raise ValueError(f"a JSON {type(header).__name__}, not an object")
+            return header
+        except ValueError as exc:  # answered in the accept round, so the sender learns it
+            return {"_transport_error": f"the header is not a valid JSON object ({exc})"}
 
     def start_send(self, slot: int, nbytes: int, index: int) -> Pending:
         work = self._broadcast(self._send[slot][:nbytes])
