@@ -496,7 +496,8 @@ class HFEngine:
         Raises
         ------
         RuntimeError
-            If the engine thread is running and not paused and idle.
+            If the engine thread is running and not paused, or is still busy with a batch, or
+            another ``receive_weights`` is running.
         areal_fast.sync.transports.WeightSyncError
             Rejected (unknown name, shape or dtype — the engine is unchanged) or failed
             part-way (the engine is then marked incomplete); ``WeightSyncTimeout`` when a

@@ -56,6 +56,7 @@ __all__ = [
 ]
 
 ALIGNMENT = 256
+MAX_CHUNKS = 1_000_000  # largest plan accepted (a bound on what a header can make us build)
 """Byte alignment of every chunk inside a bucket (and the unit of ``bucket_bytes``)."""
 
 WIRE_DTYPES = ("float32", "bfloat16", "float16")
@@ -226,6 +227,7 @@ class BucketPlan:
 
     @property
     def num_buckets(self) -> int:
+        """Number of buckets (``len(bucket_sizes)``)."""
         return len(self.bucket_sizes)
 
     @property
@@ -246,8 +248,8 @@ class BucketPlan:
 
     def to_metadata(self) -> dict:
         """JSON-able description from which :meth:`from_metadata` rebuilds this plan:
-        ``{"bucket_bytes": int, "alignment": 256, "tensors": [[name, [shape...], dtype],
-        ...]}``."""
+        ``{"bucket_bytes": int, "solo_bytes": int, "alignment": 256, "tensors": [[name,
+        [shape...], dtype], ...]}``."""
         return {
             "bucket_bytes": self.bucket_bytes,
             "solo_bytes": self.solo_bytes,
@@ -403,6 +405,12 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int,
             raise ValueError(f"specs[{i}] ({spec.name!r}): {spec.nbytes} bytes exceed int64")
     numels = [s.numel for s in specs]
     itemsizes = [s.itemsize for s in specs]
+    # a header from the network decides these sizes: refuse plans too large to hold
+    num_chunks = sum(max(1, -(-s.nbytes // bucket_bytes)) for s in specs)
+    if num_chunks > MAX_CHUNKS:
+        raise ValueError(f"{sum(s.nbytes for s in specs)} bytes in buckets of {bucket_bytes} "
+                         f"would need {num_chunks} chunks (at most {MAX_CHUNKS}); use larger "
+                         f"buckets")
     native = load_native()
     if native is not None and hasattr(native, "plan_buckets"):
         rows, sizes = native.plan_buckets(np.asarray(numels, dtype=np.int64).reshape(-1),

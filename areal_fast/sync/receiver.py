@@ -34,10 +34,17 @@ def check_against(plan: BucketPlan, params: dict[str, torch.Tensor]) -> str:
     """'' if ``plan`` is a complete update of ``params``, else a one-line reason.
 
     Every planned name must be a parameter, shapes must match, dtypes must be equal or both in
-    {float32, bfloat16, float16} (cast on unpack), parameters must be contiguous, and every
-    parameter must be covered. Tied parameters count once (pass ``named_parameters()``, which
-    lists a shared tensor under its first name only).
+    {float32, bfloat16, float16} (cast on unpack), parameters must be contiguous and on one
+    device, and every parameter must be covered. Tied parameters count once (pass
+    ``named_parameters()``, which lists a shared tensor under its first name only).
     """
+    devices = {}
+    for name, target in params.items():
+        devices.setdefault(target.device, name)
+    if len(devices) > 1:
+        (first, a), (second, b) = list(devices.items())[:2]
+        return (f"the engine's parameters are on several devices ({a!r} on {first}, {b!r} on "
+                f"{second})")
     covered: set[str] = set()
     for spec in plan.specs:
         target = params.get(spec.name)
@@ -243,7 +250,7 @@ class WeightReceiver:
     transport : Transport
         A receiving endpoint (rank ≥ 1).
     timeout : float
-        Seconds allowed per step (header, each bucket, each status round).
+        Seconds allowed per step (header, each bucket, each status round); finite.
     num_threads : int, optional
         CPU unpacking threads (default: torch's intra-op thread count).
 
@@ -257,8 +264,8 @@ class WeightReceiver:
                  num_threads: Optional[int] = None):
         if transport.is_sender:
             raise ValueError("WeightReceiver: the transport is rank 0, the sender's endpoint")
-        if not timeout > 0:
-            raise ValueError(f"timeout = {timeout!r} must be > 0 seconds")
+        if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+            raise ValueError(f"timeout = {timeout!r} must be a positive, finite number of seconds")
         self.transport, self.timeout, self.num_threads = transport, float(timeout), num_threads
 
     def start(self, accept: Optional[Accept] = None) -> ReceiveSession:
@@ -296,6 +303,8 @@ class WeightReceiver:
         if not verdict and accept is not None:
             try:
                 verdict = accept(plan) or ""
+                if not isinstance(verdict, str):
+                    raise TypeError(f"accept returned {type(verdict).__name__}, expected str")
             except Exception as exc:  # a crashing check must still answer the round
                 verdict = f"the engine's plan check raised {type(exc).__name__}: {exc}"
         statuses = self.transport.gather_status(verdict, self.timeout)

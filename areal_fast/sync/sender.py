@@ -101,8 +101,8 @@ class WeightSender:
                  num_threads: Optional[int] = None, solo_bytes: int = DEFAULT_SOLO_BYTES):
         if not (isinstance(bucket_bytes, int) and bucket_bytes > 0 and bucket_bytes % 256 == 0):
             raise ValueError(f"bucket_bytes = {bucket_bytes!r} must be a positive multiple of 256")
-        if not timeout > 0:
-            raise ValueError(f"timeout = {timeout!r} must be > 0 seconds")
+        if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
+            raise ValueError(f"timeout = {timeout!r} must be a positive, finite number of seconds")
         self.transport = transport
         self.bucket_bytes = bucket_bytes
         self.wire_dtype = wire_dtype

@@ -76,8 +76,10 @@ class ModuleSource:
         self._tensors: list[tuple[str, torch.Tensor]] = []
         first_name: dict[int, str] = {}
         named = list(module.named_parameters(remove_duplicate=False))
-        if include_buffers:
-            named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False)]
+        if include_buffers:  # persistent ones: those a state_dict holds
+            persistent = set(module.state_dict(keep_vars=True))
+            named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False)
+                      if n in persistent]
         seen_engine_names: set[str] = set()
         for name, tensor in named:
             mapped = name_map(name) if name_map else name

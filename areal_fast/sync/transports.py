@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import datetime
 import json
+import math
 import os
 import re
 import shutil
@@ -72,8 +73,9 @@ class Pending:
 
 
 def _check_timeout(timeout: float) -> float:
-    if not (isinstance(timeout, (int, float)) and timeout > 0):
-        raise ValueError(f"weight-sync timeout = {timeout!r} must be a positive number of seconds")
+    if not (isinstance(timeout, (int, float)) and 0 < timeout and math.isfinite(timeout)):
+        raise ValueError(f"weight-sync timeout = {timeout!r} must be a positive, finite number "
+                         f"of seconds")
     return float(timeout)
 
 
@@ -260,7 +262,7 @@ def _wait_work(work, timeout: float, what: str, backend: str, world_size: int) -
             raise WeightSyncTimeout(f"weight sync ({backend}): {what} did not finish within "
                                     f"{timeout:g} s ({peers})") from exc
         peer = ""
-        match = re.search(r"by peer \[?([0-9a-fA-F.:]+)\]?:(\d+)", text)
+        match = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text.split("]", 1)[-1])
         if match:
             peer = f" — peer {match.group(1)}:{match.group(2)} disappeared"
         raise WeightSyncError(f"weight sync ({backend}): {what} failed{peer} "
@@ -277,7 +279,8 @@ class TorchDistTransport(Transport):
     ----------
     group : torch.distributed.ProcessGroup
         From :func:`init_sync_group` (rank 0 = sender).
-    backend : {"gloo", "nccl"}
+    backend : {"gloo", "nccl"}, optional
+        Default: the group's own backend (``group.name()``).
     device : torch.device, optional
         Default: CPU for gloo, the current CUDA device for NCCL.
     group_timeout : float, optional
@@ -292,8 +295,11 @@ class TorchDistTransport(Transport):
     ``ProcessGroup.broadcast`` / ``allgather`` of torch.distributed (c10d).
     """
 
-    def __init__(self, group, backend: str = "gloo", device: Optional[torch.device] = None,
-                 group_timeout: Optional[float] = None):
+    def __init__(self, group, backend: Optional[str] = None,
+                 device: Optional[torch.device] = None, group_timeout: Optional[float] = None):
+        if backend is None:
+            name = getattr(group, "name", lambda: "gloo")()
+            backend = "nccl" if "nccl" in str(name).lower() else "gloo"
         self.group = group
         self.backend = backend
         self.group_timeout = group_timeout
@@ -706,8 +712,9 @@ class CudaIpcTransport(_MappedTransport):
 class DiskTransport(Transport):
     """Fallback: each bucket is a safetensors file in a shared directory.
 
-    Update r lives in ``<directory>/update-<r>/``: ``header.json`` then ``bucket-<k>.safetensors``
-    and ``status-<tag>-<rank>.txt`` files; every file is written under a temporary name and
+    Update r of run ``run_id`` lives in ``<directory>/<run_id>-update-<r>/``: ``header.json``
+    then ``bucket-<k>.safetensors`` and ``status-<tag>-<rank>.txt`` files (the run id keeps a
+    receiver from reading an earlier run's files in a reused directory); every file is written under a temporary name and
     renamed, so a reader never sees a partial file unless the writer's disk lies. The sender
     deletes update r - 1 once every receiver acknowledged update r.
 
@@ -717,22 +724,39 @@ class DiskTransport(Transport):
         Shared directory (created if missing).
     rank, world_size : int
         0 = sender.
+    run_id : str
+        The same string on every rank of this job, e.g. a UUID the launcher hands out
+        (letters, digits, ``-`` and ``_``).
     poll_interval : float
-        Seconds between checks for a file.
+        Seconds between checks for a file (> 0).
+
+    Raises
+    ------
+    ValueError
+        Bad rank / world size / run id / poll interval, or (sender) the directory already holds
+        updates of this run id.
 
     Source
     ------
     safetensors (``safetensors.torch.save_file`` / ``load_file``).
     """
 
-    def __init__(self, directory: str, rank: int, world_size: int, poll_interval: float = 0.005):
+    def __init__(self, directory: str, rank: int, world_size: int, run_id: str,
+                 poll_interval: float = 0.005):
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(f"DiskTransport: rank {rank} / world_size {world_size} invalid")
+        if not (isinstance(run_id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id)):
+            raise ValueError(f"DiskTransport: run_id = {run_id!r} must be 1-64 letters, digits, "
+                             f"'-' or '_'")
+        if not (isinstance(poll_interval, (int, float)) and 0 < poll_interval < 60):
+            raise ValueError(f"DiskTransport: poll_interval = {poll_interval!r} must be in "
+                             f"(0, 60) seconds")
         self.root = Path(directory)
+        self.run_id = run_id
         self.root.mkdir(parents=True, exist_ok=True)
-        if rank == 0 and any(self.root.glob("update-*")):
-            raise ValueError(f"DiskTransport: {directory} already holds updates of another run; "
-                             f"give each job a fresh directory")
+        if rank == 0 and any(self.root.glob(f"{run_id}-update-*")):
+            raise ValueError(f"DiskTransport: {directory} already holds updates of run "
+                             f"{run_id!r}; use a new run id")
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cpu")
         self.poll_interval = poll_interval
@@ -741,9 +765,12 @@ class DiskTransport(Transport):
         self._send: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="areal_fast-disk")
 
+    def _round_dir(self, number: int) -> Path:
+        return self.root / f"{self.run_id}-update-{number}"
+
     @property
     def _dir(self) -> Path:
-        return self.root / f"update-{self._round}"
+        return self._round_dir(self._round)
 
     def _write_atomic(self, path: Path, write: Callable[[str], None]) -> None:
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
@@ -772,14 +799,17 @@ class DiskTransport(Transport):
         self._write_atomic(self._dir / "header.json", lambda p: Path(p).write_text(text))
 
     def recv_header(self, timeout: float) -> dict:
-        path = self.root / f"update-{self._round + 1}" / "header.json"
+        path = self._round_dir(self._round + 1) / "header.json"
         self._wait_file(path, timeout, f"header of update {self._round + 1}")
         self._round += 1  # only once the header is there: a timed-out wait can be retried
         self._status_count = 0
         try:
-            return json.loads(path.read_text())
-        except ValueError as exc:
-            raise WeightSyncError(f"disk transport: {path} is not valid JSON ({exc})") from exc
+            header = json.loads(path.read_text())
+            if not isinstance(header, dict):
+                raise ValueError(f"a JSON {type(header).__name__}, not an object")
+            return header
+        except ValueError as exc:  # answered in the accept round, so the sender learns it
+            return {"_transport_error": f"{path} is not a valid JSON object ({exc})"}
 
     def start_send(self, slot: int, nbytes: int, index: int) -> Pending:
         from safetensors.torch import save_file
@@ -839,7 +869,7 @@ class DiskTransport(Transport):
         return out
 
     def _remove_round(self, number: int) -> None:
-        shutil.rmtree(self.root / f"update-{number}", ignore_errors=True)
+        shutil.rmtree(self._round_dir(number), ignore_errors=True)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -96,7 +96,7 @@ def make_transport(kind: str, rank: int, world_size: int, port: int, directory: 
                                             TorchDistTransport, init_sync_group)
 
     if kind == "disk":
-        return DiskTransport(directory, rank, world_size)
+        return DiskTransport(directory, rank, world_size, run_id=f"run{port}")
     group = init_sync_group(rank, world_size, port, timeout=60)
     if kind == "gloo":
         return TorchDistTransport(group, "gloo")

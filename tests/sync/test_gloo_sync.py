@@ -160,10 +160,36 @@ def test_fsdp2_rejected_update_stops_every_training_rank(tmp_path):
 
 # ---------------------------------------------------------------- disk transport, in-process
 
-def _disk_pair(tmp_path):
+def _disk_pair(tmp_path, run_id="run-a"):
     from areal_fast.sync.transports import DiskTransport
 
-    return DiskTransport(str(tmp_path), 0, 2), DiskTransport(str(tmp_path), 1, 2)
+    return (DiskTransport(str(tmp_path), 0, 2, run_id),
+            DiskTransport(str(tmp_path), 1, 2, run_id))
+
+
+def test_disk_reused_directory_never_serves_an_earlier_run(tmp_path):
+    from areal_fast.sync.receiver import WeightReceiver, check_against
+    from areal_fast.sync.sender import WeightSender
+    from areal_fast.sync.sources import ModuleSource
+    from areal_fast.sync.transports import DiskTransport, WeightSyncTimeout
+    from sync_procs import Mixed
+
+    sender_tp, receiver_tp = _disk_pair(tmp_path)
+    model = Mixed({}, False).fill(_seed())
+    thread = threading.Thread(target=lambda: WeightSender(sender_tp, bucket_bytes=4096,
+                                                          timeout=20).send(
+        ModuleSource(model), 1))
+    thread.start()
+    params = dict(Mixed({}, False).named_parameters())
+    session = WeightReceiver(receiver_tp, timeout=20).start(lambda p: check_against(p, params))
+    session.unpack_into([params.get(s.name) for s in session.plan.specs])
+    session.finish()
+    thread.join(timeout=30)
+    with pytest.raises(ValueError, match="already holds updates of run 'run-a'"):
+        DiskTransport(str(tmp_path), 0, 2, "run-a")
+    later = DiskTransport(str(tmp_path), 1, 2, "run-b")  # a new job, no trainer yet
+    with pytest.raises(WeightSyncTimeout, match="header of update 0"):
+        WeightReceiver(later, timeout=0.3).start()
 
 
 def test_disk_truncated_bucket_names_the_file(tmp_path):

@@ -148,6 +148,12 @@ class AReaLFastUpdateInfo:
     expected_version: Optional[int] = None
     timeout: Optional[float] = None
 
+    def __post_init__(self) -> None:
+        if self.timeout is not None and not (
+                isinstance(self.timeout, (int, float)) and 0 < self.timeout < float("inf")):
+            raise ValueError(f"update_info.timeout = {self.timeout!r} must be a positive, "
+                             f"finite number of seconds")
+
 
 # --------------------------------------------------------------------------- accept check
 
@@ -519,7 +525,8 @@ class _ReceiverEngineImpl:
                                "init_weight_transfer_engine first")
         receiver, init = self._receiver, self._init
         assert init is not None
-        receiver.timeout = float(update_info.timeout or init.timeout)
+        receiver.timeout = float(update_info.timeout if update_info.timeout is not None
+                                 else init.timeout)
         expected = self.expected_weights()
         start = time.perf_counter()
         self.last = {"outcome": "receiving", "version": None, "message": "", "seconds": 0.0,
