@@ -469,9 +469,7 @@ class HFEngine:
             update (each message names the tensor).
         """
         with self._cond:
-            if self._thread is not None and (not self._paused or self._busy):
-                raise RuntimeError("HFEngine: update_weights while the engine thread is "
-                                   "generating; call pause() first")
+            self._require_idle("update_weights")
             with self._model_lock:
                 self._install(named_tensors, version)
 
@@ -504,9 +502,7 @@ class HFEngine:
             step exceeds the receiver's timeout.
         """
         with self._cond:
-            if self._thread is not None and (not self._paused or self._busy):
-                raise RuntimeError("HFEngine: receive_weights while the engine thread is "
-                                   "generating; call pause() first")
+            self._require_idle("receive_weights")
             if self._updating:
                 raise RuntimeError("HFEngine: receive_weights while another update runs")
             self._updating = True  # resume() and generation refuse while it is set
@@ -542,6 +538,12 @@ class HFEngine:
             raise WeightSyncError(f"HFEngine: {self._incomplete}") from failure
         self._incomplete, self._version = None, session.version
         return self._version
+
+    def _require_idle(self, what: str) -> None:
+        """Raise unless no engine thread runs, or it is paused and idle (caller holds _cond)."""
+        if self._thread is not None and (not self._paused or self._busy):
+            raise RuntimeError(f"HFEngine: {what} while the engine thread is generating; "
+                               f"call pause() first")
 
     def _check_complete(self) -> None:
         if self._updating:

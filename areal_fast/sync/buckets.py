@@ -84,7 +84,9 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _castable(src: torch.dtype, dst: torch.dtype) -> bool:
+def castable(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether pack/unpack can copy ``src`` elements into ``dst`` (equal dtypes, or both in
+    :data:`WIRE_DTYPES`)."""
     return src == dst or (_dtype_name(src) in WIRE_DTYPES and _dtype_name(dst) in WIRE_DTYPES)
 
 
@@ -469,7 +471,7 @@ def _check_tensor(spec: TensorSpec, tensor, device: torch.device, what: str,
     if tensor.device != device:
         raise ValueError(f"{label} is on {tensor.device}, the bucket buffer on {device}")
     src, dst = (tensor.dtype, spec.torch_dtype) if to_wire else (spec.torch_dtype, tensor.dtype)
-    if not _castable(src, dst):
+    if not castable(src, dst):
         raise ValueError(f"{label}: cannot cast {_dtype_name(src)} to {_dtype_name(dst)} "
                          f"(casts exist among {', '.join(WIRE_DTYPES)} only)")
 

@@ -17,17 +17,11 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from areal_fast.sync.buckets import BucketPlan, unpack_bucket
-from areal_fast.sync.sender import HEADER_FORMAT
+from areal_fast.sync.buckets import BucketPlan, castable, unpack_bucket
+from areal_fast.sync.sender import HEADER_FORMAT, engine_failures
 from areal_fast.sync.transports import Pending, Transport, WeightSyncError
-CASTABLE = frozenset({"float32", "bfloat16", "float16"})
 
 Accept = Callable[[BucketPlan], str]
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` → ``"bfloat16"``."""
-    return str(dtype).removeprefix("torch.")
 
 
 def check_against(plan: BucketPlan, params: dict[str, torch.Tensor]) -> str:
@@ -53,10 +47,9 @@ def check_against(plan: BucketPlan, params: dict[str, torch.Tensor]) -> str:
         if tuple(target.shape) != tuple(spec.shape):
             return (f"tensor {spec.name!r} has shape {tuple(spec.shape)}, the engine's "
                     f"parameter is {tuple(target.shape)}")
-        engine_dtype = dtype_name(target.dtype)
-        if engine_dtype != spec.dtype and not (engine_dtype in CASTABLE and spec.dtype in CASTABLE):
+        if not castable(spec.torch_dtype, target.dtype):
             return (f"tensor {spec.name!r} arrives as {spec.dtype}, which cannot be cast to the "
-                    f"engine's {engine_dtype}")
+                    f"engine's {str(target.dtype).removeprefix('torch.')}")
         if not target.is_contiguous():
             return f"the engine's parameter {spec.name!r} is not contiguous"
         covered.add(spec.name)
@@ -308,7 +301,7 @@ class WeightReceiver:
             except Exception as exc:  # a crashing check must still answer the round
                 verdict = f"the engine's plan check raised {type(exc).__name__}: {exc}"
         statuses = self.transport.gather_status(verdict, self.timeout)
-        rejected = [f"engine rank {r}: {s}" for r, s in enumerate(statuses) if r and s]
+        rejected = engine_failures(statuses)
         if rejected:
             raise WeightSyncError("weight update rejected, nothing changed: " + "; ".join(rejected))
         return ReceiveSession(self.transport, self.timeout, plan, version, aliases,

@@ -62,7 +62,8 @@ def wire_specs(source: ModuleSource, wire_dtype: Optional[torch.dtype]) -> list[
     return specs
 
 
-def _rejections(statuses: list[str]) -> list[str]:
+def engine_failures(statuses: list[str]) -> list[str]:
+    """``"engine rank r: reason"`` for every engine rank (≥ 1) whose status is not ''."""
     return [f"engine rank {rank}: {s}" for rank, s in enumerate(statuses) if rank and s]
 
 
@@ -156,7 +157,7 @@ class WeightSender:
             tp.send_header({"format": HEADER_FORMAT, "version": int(version),
                             "plan": plan.to_metadata(), "aliases": dict(source.aliases)},
                            timeout)
-            rejected = _rejections(tp.gather_status("", timeout))
+            rejected = engine_failures(tp.gather_status("", timeout))
         except BaseException:
             source.sync_flag(False)  # FSDP2: the other ranks stop gathering too
             raise
@@ -174,7 +175,7 @@ class WeightSender:
             source.sync_flag(False)
             raise
         source.sync_flag(True)  # FSDP2: every bucket went out
-        failed = _rejections(tp.gather_status("", timeout))
+        failed = engine_failures(tp.gather_status("", timeout))
         if failed:
             raise WeightSyncError(f"weight update v{version} failed on " + "; ".join(failed))
         return SyncStats(version, sum(spec.nbytes for spec in plan.specs), plan.total_bytes,

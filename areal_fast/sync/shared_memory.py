@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-ALIGNMENT = 256
+from areal_fast.sync.buckets import ALIGNMENT, TensorSpec, plan_buckets
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class WeightBufferSpec:
 
 
 def plan_layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[WeightEntry], int]:
-    """Byte layout of ``named_tensors`` in their given order, each entry 256-byte aligned.
+    """Byte layout of ``named_tensors`` in their given order, each entry 256-byte aligned:
+    the bucket planner's layout of one bucket that holds them all.
 
     Returns
     -------
@@ -54,19 +55,42 @@ def plan_layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list
     ValueError
         A name that appears twice.
     """
-    entries, offset, seen = [], 0, set()
-    for name, tensor in named_tensors:
-        if name in seen:
-            raise ValueError(f"weight buffer: tensor name {name!r} appears twice")
-        seen.add(name)
-        nbytes = tensor.numel() * tensor.element_size()
-        entries.append(WeightEntry(name, tuple(tensor.shape), str(tensor.dtype).split(".")[-1],
-                                   offset, nbytes))
-        offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
-    return entries, max(offset, ALIGNMENT)
+    specs = [TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+             for name, t in named_tensors]
+    total = max(sum(-(-s.nbytes // ALIGNMENT) * ALIGNMENT for s in specs), ALIGNMENT)
+    try:
+        plan = plan_buckets(specs, total)
+    except ValueError as exc:
+        raise ValueError(f"weight buffer: {exc}") from None
+    return [WeightEntry(s.name, s.shape, s.dtype, c.offset, s.nbytes)
+            for s, c in zip(specs, plan.chunks)], total
 
 
-def _shm_dir() -> Path:
+def reserve_file(folder: Path, nbytes: int, what: str) -> Path:
+    """A new owner-only (0o600) file ``areal_fast-weights-<pid>-<random>`` of ``nbytes``
+    bytes in ``folder``, its pages reserved now (``posix_fallocate``): a sparse file on a full
+    tmpfs would fail later with SIGBUS on first write instead of this error.
+
+    Raises
+    ------
+    OSError
+        The file cannot be created or the bytes do not fit (the message starts with ``what``).
+    """
+    path = folder / f"areal_fast-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        path.unlink(missing_ok=True)
+        raise OSError(exc.errno, f"{what}: {nbytes} bytes do not fit in {folder} "
+                                 f"({exc.strerror})") from exc
+    finally:
+        os.close(fd)
+    return path
+
+
+def shm_dir() -> Path:
+    """/dev/shm where it exists, else the temporary directory."""
     return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 
 
@@ -96,19 +120,7 @@ class SharedWeightBuffer:
             The file cannot be created (e.g. /dev/shm full).
         """
         entries, total = plan_layout(named_tensors)
-        folder = Path(directory) if directory else _shm_dir()
-        path = folder / f"areal_fast-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # owner-only
-        try:
-            # reserve the pages now: a sparse file on a full tmpfs would fail later with
-            # SIGBUS on first write instead of this error
-            os.posix_fallocate(fd, 0, total)
-        except OSError as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            raise OSError(exc.errno, f"weight buffer: {total} bytes do not fit in {folder} "
-                                     f"({exc.strerror})") from exc
-        os.close(fd)
+        path = reserve_file(Path(directory) if directory else shm_dir(), total, "weight buffer")
         return cls(WeightBufferSpec(str(path), total, tuple(entries)), owner=True)
 
     @classmethod
@@ -173,7 +185,7 @@ def remove_orphaned_buffers(directory: str | None = None) -> int:
     """Delete weight-buffer files whose creating process no longer exists (a trainer killed
     with SIGKILL cannot delete its own); returns how many were removed."""
     removed = 0
-    for path in (Path(directory) if directory else _shm_dir()).glob("areal_fast-weights-*-*"):
+    for path in (Path(directory) if directory else shm_dir()).glob("areal_fast-weights-*-*"):
         try:
             pid = int(path.name.split("-")[2])
             os.kill(pid, 0)

@@ -31,7 +31,6 @@ import math
 import os
 import re
 import shutil
-import tempfile
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -41,6 +40,8 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from areal_fast.sync.shared_memory import reserve_file, shm_dir
 
 STATUS_BYTES = 1024  # room for one status message per rank in gather_status
 
@@ -70,6 +71,18 @@ class Pending:
             The peer disappeared or the data is damaged.
         """
         return self._wait(timeout)
+
+
+def parse_header(raw, where: str) -> dict:
+    """A header's JSON object; a malformed one becomes ``{"_transport_error": reason}``,
+    which the receiver answers in the accept round (so the sender learns it at once)."""
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError(f"a JSON {type(header).__name__}, not an object")
+        return header
+    except ValueError as exc:
+        return {"_transport_error": f"{where} is not a valid JSON object ({exc})"}
 
 
 def _check_timeout(timeout: float) -> float:
@@ -350,13 +363,7 @@ class TorchDistTransport(Transport):
         self._run(self._broadcast(size), timeout, "header size broadcast")
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
         self._run(self._broadcast(data), timeout, "header broadcast")
-        try:
-            header = json.loads(bytes(data.cpu().numpy()))
-            if not isinstance(header, dict):
-                raise ValueError(f"a JSON {type(header).__name__}, not an object")
-            return header
-        except ValueError as exc:  # answered in the accept round, so the sender learns it
-            return {"_transport_error": f"the header is not a valid JSON object ({exc})"}
+        return parse_header(bytes(data.cpu().numpy()), "the header")
 
     def start_send(self, slot: int, nbytes: int, index: int) -> Pending:
         work = self._broadcast(self._send[slot][:nbytes])
@@ -560,10 +567,6 @@ class _MappedTransport(Transport):
         self.control.close()
 
 
-def _shm_dir() -> Path:
-    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-
-
 class SharedMemoryTransport(_MappedTransport):
     """Engines on the same machine read the sender's buckets in place from /dev/shm files.
 
@@ -582,7 +585,7 @@ class SharedMemoryTransport(_MappedTransport):
                  group_timeout: Optional[float] = None):
         super().__init__(control_group, group_timeout)
         self._device = torch.device("cpu")
-        self._dir = Path(directory) if directory else _shm_dir()
+        self._dir = Path(directory) if directory else shm_dir()
         self._paths: list[Path] = []
         self._slot_paths: list[str] = []
 
@@ -596,16 +599,10 @@ class SharedMemoryTransport(_MappedTransport):
         return {"path": self._slot_paths[slot], "nbytes": buf.numel()}
 
     def _allocate(self, nbytes: int) -> torch.Tensor:
-        path = self._dir / f"areal_fast-weights-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, nbytes)
+            path = reserve_file(self._dir, nbytes, "shared-memory transport")
         except OSError as exc:
-            path.unlink(missing_ok=True)
-            raise WeightSyncError(f"shared-memory transport: {nbytes} bytes do not fit in "
-                                  f"{self._dir} ({exc.strerror})") from exc
-        finally:
-            os.close(fd)
+            raise WeightSyncError(str(exc)) from exc
         self._paths.append(path)
         self._slot_paths.append(str(path))
         return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
@@ -803,13 +800,7 @@ class DiskTransport(Transport):
         self._wait_file(path, timeout, f"header of update {self._round + 1}")
         self._round += 1  # only once the header is there: a timed-out wait can be retried
         self._status_count = 0
-        try:
-            header = json.loads(path.read_text())
-            if not isinstance(header, dict):
-                raise ValueError(f"a JSON {type(header).__name__}, not an object")
-            return header
-        except ValueError as exc:  # answered in the accept round, so the sender learns it
-            return {"_transport_error": f"{path} is not a valid JSON object ({exc})"}
+        return parse_header(path.read_text(), str(path))
 
     def start_send(self, slot: int, nbytes: int, index: int) -> Pending:
         from safetensors.torch import save_file

@@ -50,7 +50,8 @@ from typing import Any, Iterable, Iterator, Optional
 
 import torch
 
-from areal_fast.sync.receiver import CASTABLE, WeightReceiver
+from areal_fast.sync.buckets import WIRE_DTYPES as CASTABLE
+from areal_fast.sync.receiver import WeightReceiver
 from areal_fast.sync.transports import (
     TorchDistTransport,
     WeightSyncError,
