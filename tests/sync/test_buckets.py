@@ -101,15 +101,19 @@ def check_plan(plan: BucketPlan) -> None:
         assert 0 <= c.offset and end <= plan.bucket_sizes[c.bucket] <= bb
         ends.setdefault(c.bucket, []).append((c.offset, end))
     # every bucket holds a chunk; its size is its last chunk's end; no overlap
+    by_bucket, by_tensor = {}, {}  # one pass (plans with many chunks stay linear to check)
+    for c in plan.chunks:
+        by_bucket.setdefault(c.bucket, []).append(c)
+        by_tensor.setdefault(c.tensor, []).append(c)
     assert sorted(ends) == list(range(plan.num_buckets))
     for k, ranges in ends.items():
         assert plan.bucket_sizes[k] == ranges[-1][1]
         for (_, end), (nxt, _) in zip(ranges, ranges[1:]):
             assert end <= nxt
-        assert plan.bucket_chunks(k) == tuple(c for c in plan.chunks if c.bucket == k)
+        assert plan.bucket_chunks(k) == tuple(by_bucket[k])
     # every element of every tensor exactly once, in element order
     for i, spec in enumerate(specs):
-        mine = [c for c in plan.chunks if c.tensor == i]
+        mine = by_tensor.get(i, [])
         assert mine, f"tensor {i} has no chunk"
         if spec.numel == 0:
             assert len(mine) == 1 and mine[0].numel == 0 and mine[0].start == 0
@@ -233,10 +237,13 @@ def check_solo(plan):
     """Every tensor of >= solo_bytes bytes is alone (zero-size chunks aside) in its buckets."""
     if not plan.solo_bytes:
         return
+    by_tensor = {}
+    for c in plan.chunks:
+        by_tensor.setdefault(c.tensor, []).append(c)
     for spec_index, spec in enumerate(plan.specs):
         if spec.nbytes < plan.solo_bytes or spec.nbytes == 0:
             continue
-        for chunk in (c for c in plan.chunks if c.tensor == spec_index):
+        for chunk in by_tensor[spec_index]:
             others = [c for c in plan.bucket_chunks(chunk.bucket)
                       if c.tensor != spec_index and c.numel > 0]
             assert not others, (spec.name, chunk.bucket)
