@@ -256,7 +256,8 @@ def save_checkpoint(cluster: LocalCluster, path: str, timeout: float) -> None:
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise WorkerError(f"trainer did not save {path} within {timeout:g} s")
+            raise WorkerError(f"trainer did not save {path} within "
+                              f"launcher.timeouts.train_step = {timeout:g} s")
         for handle, message in wait_messages([cluster.trainer], left, "while saving"):
             if isinstance(message, Saved):
                 return
