@@ -256,7 +256,7 @@ def save_checkpoint(cluster: LocalCluster, path: str, timeout: float) -> None:
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise WorkerError(f"trainer did not save {path} within "
+            raise WorkerError(f"trainer {cluster.trainer.name!r} did not save {path} within "
                               f"launcher.timeouts.train_step = {timeout:g} s")
         for handle, message in wait_messages([cluster.trainer], left, "while saving"):
             if isinstance(message, Saved):
