@@ -138,6 +138,7 @@ class AsyncController:
         self.start = self.last_step = time.monotonic()
         self.trained_tokens = 0
         self.generated_tokens = 0
+        self.agent_stats: dict[str, dict] = {}  # per worker: its agent running totals
 
     # ---- the loop -------------------------------------------------------------------
     def run(self) -> RunCounts:
@@ -228,8 +229,9 @@ class AsyncController:
         self.counts.dropped[reason] += 1
         if reason == "stale":
             self.counts.stale_dropped_tokens += sum(group.completion_lengths)
-        worker = next(w for w in self.workers if w.name == group.shard.node_id)
-        worker.send(msg.DropShards([group.group_id]))
+        if group.shard is not None:
+            worker = next(w for w in self.workers if w.name == group.shard.node_id)
+            worker.send(msg.DropShards([group.group_id]))
 
     def _on_message(self, worker: WorkerHandle, message) -> None:
         if isinstance(message, msg.GroupDone):
@@ -249,12 +251,16 @@ class AsyncController:
         self.progress[worker.name] = time.monotonic()
         self.counts.interruptions += done.interruptions
         self.generated_tokens += sum(done.completion_lengths)
+        if done.agent_stats:
+            self.agent_stats[worker.name] = done.agent_stats
         filtered = self.s.dynamic_filter and len(set(done.rewards)) == 1
         # the version that will train it: batches are formed from `ready` in order
         train_version = self.version + len(self.training) + len(self.ready) // self.s.batch_size
         # a too-stale group is dropped now, so that a replacement starts at once
         reason = "dynamic_filter" if filtered else (
             "stale" if self._too_stale(done, train_version) else None)
+        if done.shard is None:  # an agent group whose sessions were all dropped
+            reason = "agent_sessions_dropped"
         self.filtered_in_a_row = self.filtered_in_a_row + 1 if filtered else 0
         self.staleness.on_finish(accepted=reason is None)
         if reason is None:
@@ -309,9 +315,17 @@ class AsyncController:
             "step_seconds": now - self.last_step, "elapsed_seconds": now - self.start,
             "rollouts_running": self.staleness.counts.running, "rollouts_ready": len(self.ready),
             "rollouts_dropped_total": sum(self.counts.dropped.values()),
+            **self._agent_totals(),
         }
         self.last_step = now
         return record
+
+    def _agent_totals(self) -> dict:
+        """Agent sessions and trajectory-store counters, summed over the rollout workers."""
+        totals: dict = collections.Counter()
+        for stats in self.agent_stats.values():
+            totals.update(stats)
+        return dict(totals)
 
     # ---- deadlines and shutdown -----------------------------------------------------
     def _all(self) -> list[WorkerHandle]:
@@ -369,7 +383,8 @@ class AsyncController:
                     self.counts.dropped["in_flight_at_end"] += message.groups
                 elif isinstance(message, msg.GroupDone):  # finished before the cancel
                     self.counts.dropped["unused_at_end"] += 1
-                    worker.send(msg.DropShards([message.group_id]))
+                    if message.shard is not None:
+                        worker.send(msg.DropShards([message.group_id]))
                 else:
                     self._on_message(worker, message)
         self.in_flight = {w.name: 0 for w in self.workers}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from areal_fast.controller.batch import DistributedBatch, ShardMetadata
 from areal_fast.rollout.engine import SamplingParams
@@ -14,7 +15,8 @@ class GroupRequest:
     """One rollout: a prompt sampled ``params.n`` times (a GRPO group).
 
     ``seed`` is the group's sampling seed (sample i uses ``sample_seed(seed, i)``);
-    ``answer`` is what the worker's reward function compares completions with.
+    ``answer`` is what the worker's reward function compares completions with; ``data`` is
+    what an agent's ``run_agent_return_reward`` receives (question, answer, uid).
     """
 
     group_id: int
@@ -23,6 +25,7 @@ class GroupRequest:
     seed: int
     answer: str = ""
     uid: str = ""
+    data: dict = field(default_factory=dict)
 
 
 # controller → rollout worker
@@ -78,14 +81,18 @@ class WorkerReady:
 
 @dataclass
 class GroupDone:
-    """A finished rollout: shard metadata plus the scalars the controller needs."""
+    """A finished rollout: shard metadata plus the scalars the controller needs.
 
-    shard: ShardMetadata
+    An agent group whose sessions were all dropped has ``shard`` None and no rewards.
+    """
+
+    shard: Optional[ShardMetadata]
     group_id: int
     rewards: list[float]
-    completion_lengths: list[int]
+    completion_lengths: list[int]  # trained (model-generated) tokens per sequence
     stop_reasons: list[str]
     interruptions: int  # times a sample of the group was aborted and resumed
+    agent_stats: dict = field(default_factory=dict)  # AgentWorkload.finish's counters
 
 
 @dataclass

@@ -102,7 +102,9 @@ class MathRequests:
     def __call__(self, group_id: int) -> GroupRequest:
         problem = self.stream.next_batch(1)[0]
         return GroupRequest(group_id, self.prompts(problem), self.params,
-                            group_seed(self.run_seed, group_id), problem.answer, problem.uid)
+                            group_seed(self.run_seed, group_id), problem.answer, problem.uid,
+                            {"question": problem.question, "answer": problem.answer,
+                             "uid": problem.uid})
 
 
 def eval_requests(problems: list[MathProblem], prompts: ChatPrompts,

@@ -6,10 +6,16 @@ fetches them) and the group bookkeeping. On a weight update it pauses the engine
 samples come back aborted with their partial tokens), installs the new weights, resumes,
 and resubmits every aborted sample as prompt + partial with the remaining budget: log-probs
 and versions stay per token across the seam, and no sample is lost or duplicated.
+
+With an agent in its spec, training groups run as agent sessions instead
+(:class:`~areal_fast.agent.workload.AgentWorkload`): the sessions' model calls share the
+engine with the plain samples (held-out evaluation stays plain), and aborted calls are
+resumed the same way.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -39,11 +45,14 @@ class RolloutWorkerSpec:
         Module-level function (pickled by reference).
     threads : int, optional
         torch CPU threads of this process.
+    agent : AgentWorkloadSpec, optional
+        Run training groups as agent sessions (see :mod:`areal_fast.agent.workload`).
     """
 
     engine_factory: Callable
     reward_fn: Callable
     threads: Optional[int] = None
+    agent: Optional[object] = None
 
 
 @dataclass
@@ -81,13 +90,21 @@ class RolloutWorker:
         self.eval_records: Optional[list[dict]] = None
         self.eval_pending = 0
         self.buffers: dict[str, SharedWeightBuffer] = {}
-        self.next_rid = 0
+        self.rids = itertools.count()
         self.stopped = False
+        self.agent = None
+        if spec.agent is not None:
+            from areal_fast.agent.workload import AgentWorkload
+
+            self.agent = AgentWorkload(spec.agent, self.engine, self.rids, name,
+                                       lambda group: self.inbox.put(("agent_group", group)))
 
     def run(self) -> None:
         """Serve until :class:`Shutdown` (or the controller's pipe closes)."""
         self.engine.start()
         self.store.start()
+        if self.agent is not None:
+            self.agent.start()
         threading.Thread(target=self._read_control, daemon=True).start()
         threading.Thread(target=self._pump_outputs, daemon=True).start()
         self.conn.send(msg.WorkerReady(self.name, self.store.address))
@@ -98,9 +115,13 @@ class RolloutWorker:
                     raise item
                 if kind == "control":
                     self._handle_control(item)
+                elif kind == "agent_group":
+                    self._finish_agent_group(item)
                 else:
                     self._handle_outputs(item)
         finally:
+            if self.agent is not None:
+                self.agent.close()
             self.engine.close()
             self.store.close()
             for buffer in self.buffers.values():
@@ -143,6 +164,9 @@ class RolloutWorker:
     def _start_groups(self, requests: list[msg.GroupRequest], evaluation: bool) -> None:
         gen = []
         for request in requests:
+            if self.agent is not None and not evaluation:
+                self.agent.submit(request)
+                continue
             samples = [_Sample(request.group_id, i, list(request.prompt_ids),
                                sample_seed(request.seed, i), request.params.max_new_tokens)
                        for i in range(request.params.n)]
@@ -152,7 +176,7 @@ class RolloutWorker:
 
     def _request(self, sample: _Sample) -> GenRequest:
         params = self.groups[sample.group_id].request.params
-        rid, self.next_rid = self.next_rid, self.next_rid + 1
+        rid = next(self.rids)
         self.running[rid] = sample
         return GenRequest(rid, sample.prompt_ids + sample.tokens,
                           sample.budget - len(sample.tokens), params.temperature,
@@ -172,7 +196,10 @@ class RolloutWorker:
         resubmit = []
         for out in outputs:
             sample = self.running.pop(out.rid, None)
-            if sample is None:  # cancelled
+            if sample is None:  # an agent session's call, or cancelled
+                again = self.agent.route(out) if self.agent is not None else None
+                if again is not None:
+                    resubmit.append(again)
                 continue
             sample.tokens += out.output_ids
             sample.logprobs += out.logprobs
@@ -212,6 +239,18 @@ class RolloutWorker:
                                      [s.stop_reason for s in group.samples],
                                      sum(s.interruptions for s in group.samples)))
 
+    def _finish_agent_group(self, group) -> None:
+        trajectories, stats = self.agent.finish(group)
+        shard = None
+        if trajectories:
+            tensors = shard_tensors(trajectories)
+            self.store.put(group.group_id, tensors)
+            shard = ShardMetadata(self.name, self.store.address, group.group_id,
+                                  len(trajectories), 0, tensor_metadata(tensors))
+        self.conn.send(msg.GroupDone(shard, group.group_id, [t.reward for t in trajectories],
+                                     [t.num_trained_tokens for t in trajectories],
+                                     [t.stop_reason for t in trajectories], 0, stats))
+
     def _maybe_finish_eval(self) -> None:
         if self.eval_pending == 0 and self.eval_records is not None:
             self.conn.send(msg.EvalDone(self.eval_records))
@@ -219,8 +258,9 @@ class RolloutWorker:
 
     def _cancel_all(self) -> int:
         self.engine.pause(PAUSE_TIMEOUT_S)
+        cancelled = self.agent.cancel_all() if self.agent is not None else 0
         self.engine.drop_queued()
-        cancelled = sum(not g.evaluation for g in self.groups.values())
+        cancelled += sum(not g.evaluation for g in self.groups.values())
         self.groups = {k: g for k, g in self.groups.items() if g.evaluation}
         self.running = {rid: s for rid, s in self.running.items() if s.group_id in self.groups}
         self.engine.resume()

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
+from areal_fast.agent.runner import AgentConfig
+from areal_fast.agent.store import TrajectoryConfig
 from areal_fast.controller.async_loop import Timeouts
 from areal_fast.data.rewards import DEFAULT_INSTRUCTION
 from areal_fast.models.loading import DEMO_MODEL
@@ -198,6 +200,8 @@ class ExperimentConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)  # rollout by a user agent
+    trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)  # session store
     tags: List[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -210,6 +214,12 @@ class ExperimentConfig:
                              f"than the {units} {what} of a batch")
         if self.threads is not None:
             _at_least("threads", self.threads, 1)
+        longest = self.agent.max_prompt_tokens + self.rollout.max_new_tokens
+        if self.agent.path and self.actor.max_tokens_per_mb < longest:
+            raise ValueError(f"agent.max_prompt_tokens = {self.agent.max_prompt_tokens}: with "
+                             f"rollout.max_new_tokens a session's sequence can reach {longest} "
+                             f"tokens, more than actor.max_tokens_per_mb = "
+                             f"{self.actor.max_tokens_per_mb}")
         for key in ("experiment_name", "trial_name"):
             value = getattr(self, key)
             if not value or "/" in value or value.startswith("."):
@@ -274,7 +284,9 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
         prefix = _failing_section(merged, ExperimentConfig)
         message = (_omegaconf_message(exc) if isinstance(exc, OmegaConfBaseException)
                    else str(exc).splitlines()[0])
-        raise ConfigError(f"{prefix}{message}") from exc
+        # sections whose checks already name their full key (agent.*, trajectory.*)
+        raise ConfigError(message if message.startswith(prefix) else f"{prefix}{message}") \
+            from exc
 
 
 def _load_yaml(path: Path):

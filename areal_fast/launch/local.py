@@ -147,8 +147,24 @@ def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
     return (cfg.launcher.trainer_threads or trainer, cfg.launcher.rollout_threads or rollout)
 
 
+def agent_spec(cfg: ExperimentConfig):
+    """The rollout workers' agent workload (None without ``agent.path``); the trajectory
+    store goes to ``<run dir>/trajectories`` unless ``trajectory.directory`` is set."""
+    from dataclasses import replace
+
+    from areal_fast.agent.workload import AgentWorkloadSpec
+
+    if not cfg.agent.path:
+        return None
+    store = cfg.trajectory
+    if store.enabled and not store.directory:
+        store = replace(store, directory=str(cfg.run_dir / "trajectories"))
+    return AgentWorkloadSpec(cfg.agent, cfg.model.path, store)
+
+
 def cluster_spec(cfg: ExperimentConfig) -> ClusterSpec:
-    """Worker specs of one experiment: HF engines, the torch trainer, math rewards."""
+    """Worker specs of one experiment: HF engines, the torch trainer, math rewards (or the
+    configured agent)."""
     m, a = cfg.model, cfg.actor
     trainer_threads, rollout_threads = worker_threads(cfg)
     engine = HFEngineFactory(m.path, m.dtype, m.attn_implementation, m.device,
@@ -160,7 +176,8 @@ def cluster_spec(cfg: ExperimentConfig) -> ClusterSpec:
         use_decoupled_loss=a.use_decoupled_loss, prox_logp_method=a.prox_logp_method,
         ppo_n_minibatches=a.ppo_n_minibatches, seed=cfg.seed)
     return ClusterSpec(
-        rollout=RolloutWorkerSpec(engine, math_reward, threads=rollout_threads),
+        rollout=RolloutWorkerSpec(engine, math_reward, threads=rollout_threads,
+                                  agent=agent_spec(cfg)),
         trainer=TrainerWorkerSpec(trainer, adv_mode=a.adv_mode, threads=trainer_threads),
         num_rollout_workers=cfg.rollout.num_workers,
         startup_timeout=cfg.launcher.startup_timeout)
@@ -189,6 +206,10 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     check_run_dir(cfg)  # raises the one-line error before any slow work
+    if cfg.agent.path:
+        from areal_fast.agent.runner import load_agent
+
+        load_agent(cfg.agent.path, cfg.agent.kwargs)  # a bad agent.path fails here, at once
     train_set, eval_set, removed = load_datasets(cfg)
     tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)

@@ -1,0 +1,1 @@
+"""Agent-side components (sessions, trajectory store)."""

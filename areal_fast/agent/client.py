@@ -1,0 +1,226 @@
+"""Chat completions recorded into sessions: the shared core and the in-process client.
+
+:class:`ChatBackend` serves one chat-completion request of a :class:`Session`: it finds the
+earlier call the request continues (its messages, then that call's reply, then new ones), builds
+the prompt token ids (continuing that call's exact ids, or fresh), asks the engine for ``n``
+samples through an async ``generate`` function, records each as a :class:`ModelCall` and returns
+the OpenAI response object. The HTTP endpoint (:mod:`areal_fast.agent.server`) and
+:class:`AgentClient` both call it.
+
+:class:`AgentClient` has the call shape of ``openai.AsyncOpenAI``
+(``await client.chat.completions.create(model=..., messages=..., tools=..., n=...)``) and
+returns ``openai`` response objects when that package is installed (attribute access
+otherwise), so an agent runs unchanged against it or against the endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Awaitable, Callable, Optional
+
+from areal_fast.agent.chat_format import ChatFormat
+from areal_fast.agent.protocol import (
+    BadRequest,
+    ChatRequest,
+    chat_completion,
+    choice,
+    parse_chat_request,
+)
+from areal_fast.agent.session import ModelCall, Session
+from areal_fast.rollout.engine import sample_seed
+
+
+@dataclass
+class GenResult:
+    """What the engine produced for one sample.
+
+    Attributes
+    ----------
+    output_ids : list[int]
+    logprobs : list[float]
+        Behaviour log-prob of each output token (fp32 nats).
+    versions : list[int]
+        Policy version of each output token.
+    stop_reason : str
+        "stop" or "length".
+    """
+
+    output_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    stop_reason: str
+
+
+# generate(input_ids, max_new_tokens, temperature, top_p, seed) -> GenResult
+GenerateFn = Callable[[list[int], int, float, float, int], Awaitable[GenResult]]
+
+
+@dataclass
+class SessionDefaults:
+    """Sampling settings a request does not give, and the limits every request must meet.
+
+    Attributes
+    ----------
+    temperature : float
+    top_p : float
+    max_tokens : int
+        New tokens per call when the request gives none.
+    max_tokens_cap : int
+        Largest ``max_tokens`` a request may ask for.
+    max_prompt_tokens : int
+        Longest prompt (in tokens) a call may have; longer ones are refused.
+    seed : int
+        Session seed; call k's choice i samples with
+        ``sample_seed(sample_seed(seed, k), i)`` unless the request gives ``seed``.
+    model : str
+        Model name echoed in responses.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 256
+    max_tokens_cap: int = 4096
+    max_prompt_tokens: int = 8192
+    seed: int = 0
+    model: str = "areal-fast"
+
+
+class ChatBackend:
+    """Serves chat requests of sessions by sampling from an engine (see module docstring).
+
+    Parameters
+    ----------
+    chat_format : ChatFormat
+    generate : GenerateFn
+        Async function sampling one completion of given token ids.
+    """
+
+    def __init__(self, chat_format: ChatFormat, generate: GenerateFn):
+        self.chat_format, self.generate = chat_format, generate
+
+    def _continued(self, session: Session, request: ChatRequest
+                   ) -> tuple[Optional[ModelCall], Optional[list[int]]]:
+        """The latest call whose messages and reply start ``request.messages``, and the
+        environment tokens after it (None, None when there is none or it cannot extend)."""
+        msgs = request.messages
+        for call in reversed(session.calls):
+            k = len(call.messages)
+            if k + 1 >= len(msgs) or msgs[:k] != call.messages or not _same_reply(msgs[k], call):
+                continue
+            if call.tools != request.tools:
+                continue
+            env = self.chat_format.continuation_ids(call.messages, msgs[k], msgs[k + 1:],
+                                                    request.tools, call.output_ids)
+            if env is not None:
+                return call, env
+        return None, None
+
+    async def complete(self, session: Session, request: ChatRequest,
+                       defaults: SessionDefaults) -> dict:
+        """Sample ``request.n`` choices, record them in ``session``, return the response.
+
+        Raises
+        ------
+        BadRequest
+            ``max_tokens`` above the cap or a prompt longer than ``max_prompt_tokens``.
+        """
+        parent, env = self._continued(session, request)
+        input_ids = parent.full_ids + env if parent is not None else \
+            self.chat_format.prompt_ids(request.messages, request.tools)
+        if len(input_ids) > defaults.max_prompt_tokens:
+            raise BadRequest(f"the prompt has {len(input_ids)} tokens, more than "
+                             f"agent.max_prompt_tokens = {defaults.max_prompt_tokens}")
+        max_tokens = request.max_tokens or defaults.max_tokens
+        if max_tokens > defaults.max_tokens_cap:
+            raise BadRequest(f"max_tokens = {max_tokens} is above agent.max_tokens_cap = "
+                             f"{defaults.max_tokens_cap}")
+        number, session.next_call = session.next_call, session.next_call + 1
+        base = request.seed if request.seed is not None else sample_seed(defaults.seed, number)
+        temperature = defaults.temperature if request.temperature is None \
+            else request.temperature
+        top_p = defaults.top_p if request.top_p is None else request.top_p
+        results = await asyncio.gather(*[
+            self.generate(input_ids, max_tokens, temperature, top_p, sample_seed(base, i))
+            for i in range(request.n)])
+        response_id = f"chatcmpl-{session.session_id[:8]}-{number}"
+        choices = []
+        for i, res in enumerate(results):
+            content, calls = self.chat_format.parse_output(
+                res.output_ids, parse_tools=bool(request.tools) and request.tool_choice != "none")
+            call = ModelCall(f"{response_id}:{i}", list(input_ids), res.output_ids,
+                             res.logprobs, res.versions, res.stop_reason, request.messages,
+                             content, calls, parent.call_id if parent else None,
+                             tools=request.tools)
+            session.calls.append(call)
+            finish = "tool_calls" if calls else res.stop_reason
+            token_lps = list(zip(self.chat_format.token_texts(res.output_ids), res.logprobs)) \
+                if request.logprobs else None
+            choices.append(choice(i, content, calls, finish, token_lps))
+        return chat_completion(response_id, request.model or defaults.model, choices,
+                               len(input_ids), sum(len(r.output_ids) for r in results))
+
+
+def _same_reply(message: dict, call: ModelCall) -> bool:
+    """Whether ``message`` is the assistant reply ``call`` produced (content and tool calls)."""
+    if message["role"] != "assistant" or message["content"].strip() != call.content.strip():
+        return False
+    got = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+           for c in message.get("tool_calls", [])]
+    want = [(c["id"], c["function"]["name"], c["function"]["arguments"])
+            for c in call.tool_calls]
+    return got == want
+
+
+def _response_object(response: dict):
+    """openai's ``ChatCompletion`` when the package is installed, else attribute access."""
+    try:
+        from openai.types.chat import ChatCompletion
+    except ImportError:
+        return _namespace(response)
+    return ChatCompletion.model_validate(response)
+
+
+def _namespace(value):
+    if isinstance(value, dict):
+        return SimpleNamespace(**{k: _namespace(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return [_namespace(v) for v in value]
+    return value
+
+
+class AgentClient:
+    """In-process chat client of one session, shaped like ``openai.AsyncOpenAI``.
+
+    ``await client.chat.completions.create(messages=[...], tools=..., n=..., temperature=...,
+    max_tokens=..., logprobs=...)`` returns a ``ChatCompletion``; every call is recorded in
+    ``client.session``. Invalid arguments raise
+    :class:`~areal_fast.agent.protocol.BadRequest` naming the key.
+
+    Parameters
+    ----------
+    session : Session
+    backend : ChatBackend
+    defaults : SessionDefaults
+    """
+
+    def __init__(self, session: Session, backend: ChatBackend, defaults: SessionDefaults):
+        self.session, self.backend, self.defaults = session, backend, defaults
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
+
+    async def _create(self, **kwargs):
+        request = parse_chat_request({k: v for k, v in kwargs.items()
+                                      if k not in ("extra_headers", "timeout")})
+        return _response_object(await self.backend.complete(self.session, request,
+                                                            self.defaults))
+
+    def set_reward(self, completion_id: str, reward: float, index: int = 0) -> None:
+        """Give choice ``index`` of response ``completion_id`` its own (per-turn) reward."""
+        self.session.set_reward(f"{completion_id}:{index}", reward)
+
+
+def new_session_id() -> str:
+    """A random session id (hex)."""
+    return uuid.uuid4().hex

@@ -1,0 +1,201 @@
+"""The subset of OpenAI's Chat Completions API that agent sessions serve.
+
+:func:`parse_chat_request` validates a request body (the JSON object of ``POST
+/v1/chat/completions``, or the keyword arguments of ``client.chat.completions.create``) into a
+:class:`ChatRequest`; :func:`chat_completion` builds the response object. Field names and
+meanings follow the OpenAI API reference (``messages``, ``tools``, ``tool_choice``, ``n``,
+``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``logprobs``,
+``seed``; response ``choices[i].message.tool_calls``, ``finish_reason``,
+``logprobs.content``, ``usage``).
+
+Not served, refused with a :class:`BadRequest` naming the key (silently ignoring them would
+change what the agent gets): ``stream``, ``stop``, ``top_logprobs`` > 0, ``tool_choice``
+"required" or a named function, ``response_format`` other than text, ``logit_bias``,
+``presence_penalty`` / ``frequency_penalty`` other than 0.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from areal_fast.agent.chat_format import normalize_message
+
+MAX_CHOICES = 64
+_IGNORED = {"model", "user", "metadata", "store", "parallel_tool_calls", "service_tier",
+            "extra_body", "stream_options"}
+_REFUSED = {"stream": False, "stop": None, "logit_bias": None, "presence_penalty": 0,
+            "frequency_penalty": 0, "functions": None, "function_call": None, "audio": None,
+            "prediction": None, "modalities": None}
+
+
+class BadRequest(ValueError):
+    """A request the endpoint cannot serve; its message names the offending key."""
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat-completion request.
+
+    Attributes
+    ----------
+    messages : list[dict]
+        Normalised by :func:`~areal_fast.agent.chat_format.normalize_message`.
+    tools : list[dict] or None
+        OpenAI function tools ``{"type": "function", "function": {"name", ...}}``.
+    tool_choice : str
+        "auto" or "none" ("none" keeps the tools in the prompt but parses no calls).
+    n : int
+        Choices, 1..64.
+    temperature : float or None
+        None: the session default.
+    top_p : float or None
+    max_tokens : int or None
+        New-token budget per choice; None: the session default.
+    logprobs : bool
+        Return the chosen tokens' log-probs.
+    seed : int or None
+        Sampling seed; None: derived from the session and the call number.
+    model : str
+        Echoed back.
+    """
+
+    messages: list[dict]
+    tools: Optional[list[dict]] = None
+    tool_choice: str = "auto"
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    max_tokens: Optional[int] = None
+    logprobs: bool = False
+    seed: Optional[int] = None
+    model: str = ""
+
+
+def _number(body: dict, key: str, low: float, high: float, integer: bool = False):
+    value = body.get(key)
+    if value is None:
+        return None
+    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+    if isinstance(value, bool) or not ok or not low <= value <= high:
+        kind = "an integer" if integer else "a number"
+        raise BadRequest(f"{key} = {value!r} must be {kind} in [{low:g}, {high:g}]")
+    return value
+
+
+def _tools(body: dict) -> Optional[list[dict]]:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type") != "function" or \
+                not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRequest(f'tools[{i}] must be {{"type": "function", "function": '
+                             f'{{"name": ..., "parameters": ...}}}}')
+    return tools or None
+
+
+def _refuse_unsupported(body: dict) -> None:
+    for key, neutral in _REFUSED.items():
+        if key in body and body[key] not in (neutral, None):
+            raise BadRequest(f"{key} = {body[key]!r} is not supported by this endpoint")
+    if body.get("top_logprobs"):
+        raise BadRequest("top_logprobs > 0 is not supported (only the chosen tokens' "
+                         "log-probs are returned)")
+    fmt = body.get("response_format")
+    if fmt not in (None, {"type": "text"}):
+        raise BadRequest(f"response_format = {fmt!r} is not supported")
+    choice = "auto" if body.get("tool_choice") is None else body["tool_choice"]
+    if choice not in ("auto", "none"):
+        raise BadRequest(f"tool_choice = {choice!r} is not supported (use 'auto' or 'none')")
+    known = {f for f in ChatRequest.__dataclass_fields__} | set(_IGNORED) | set(_REFUSED) | {
+        "max_completion_tokens", "top_logprobs", "response_format"}
+    unknown = sorted(set(body) - known)
+    if unknown:
+        raise BadRequest(f"unknown request key {unknown[0]!r}")
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    """Validate a chat-completion request body.
+
+    Parameters
+    ----------
+    body : dict
+        The decoded JSON object (or ``create``'s keyword arguments).
+
+    Returns
+    -------
+    ChatRequest
+
+    Raises
+    ------
+    BadRequest
+        One line naming the offending key: not an object, missing or empty ``messages``, a
+        malformed message or tool, a number out of range, or an unsupported option.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    _refuse_unsupported(body)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list")
+    try:
+        normalized = [normalize_message(m, i) for i, m in enumerate(messages)]
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    if max_tokens is not None and (isinstance(max_tokens, bool) or
+                                   not isinstance(max_tokens, int) or max_tokens < 1):
+        raise BadRequest(f"{key} = {max_tokens!r} must be a positive integer")
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise BadRequest(f"seed = {seed!r} must be an integer")
+    logprobs = False if body.get("logprobs") is None else body["logprobs"]  # null: not given
+    if not isinstance(logprobs, bool):
+        raise BadRequest(f"logprobs = {logprobs!r} must be true or false")
+    return ChatRequest(
+        messages=normalized, tools=_tools(body), tool_choice=body.get("tool_choice") or "auto",
+        n=_number(body, "n", 1, MAX_CHOICES, integer=True) or 1,
+        temperature=_number(body, "temperature", 0.0, 2.0),
+        top_p=_number(body, "top_p", 1e-9, 1.0), max_tokens=max_tokens,
+        logprobs=logprobs, seed=seed, model=str(body.get("model") or ""))
+
+
+def chat_completion(response_id: str, model: str, choices: list[dict], prompt_tokens: int,
+                    completion_tokens: int) -> dict:
+    """A ``chat.completion`` response object (a JSON-serialisable dict).
+
+    Parameters
+    ----------
+    response_id : str
+    model : str
+    choices : list[dict]
+        Built by :func:`choice`.
+    prompt_tokens, completion_tokens : int
+        Token counts for ``usage`` (completion tokens over all choices).
+    """
+    return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
+            "model": model, "choices": choices, "system_fingerprint": None,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def choice(index: int, content: str, tool_calls: list[dict], finish_reason: str,
+           token_logprobs: Optional[list[tuple[str, float]]]) -> dict:
+    """One entry of ``choices``; ``token_logprobs`` is (token text, log-prob) per token or
+    None when log-probs were not requested."""
+    message = {"role": "assistant", "content": content or None if tool_calls else content}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    logprobs = None
+    if token_logprobs is not None:
+        logprobs = {"content": [{"token": text, "logprob": lp,
+                                 "bytes": list(text.encode("utf-8")), "top_logprobs": []}
+                                for text, lp in token_logprobs]}
+    return {"index": index, "message": message, "finish_reason": finish_reason,
+            "logprobs": logprobs}

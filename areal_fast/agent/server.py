@@ -1,0 +1,236 @@
+"""An OpenAI-compatible HTTP endpoint for agent sessions (aiohttp, JSON only).
+
+Agents that speak the OpenAI API (``openai.AsyncOpenAI(base_url=server.url, api_key=token)``)
+run unchanged against :class:`AgentServer`. It serves this subset of the API:
+
+- ``POST /v1/chat/completions``: non-streaming chat completions with ``tools``, ``n``,
+  ``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``logprobs`` and
+  ``seed`` (validated by :func:`~areal_fast.agent.protocol.parse_chat_request`; unsupported
+  options are refused with 400, never silently ignored);
+- ``GET /v1/models``: the one model name of the caller's session.
+
+Requests are routed to sessions by per-session bearer tokens: :meth:`AgentServer.open_session`
+returns a fresh random token that the agent passes as its API key, and every request made with
+it is served by :class:`~areal_fast.agent.client.ChatBackend` and recorded in that session.
+Unknown, missing or closed tokens get 401. Errors use OpenAI's JSON shape ``{"error":
+{"message", "type", "param", "code"}}``. The server binds the loopback interface unless told
+otherwise and handles requests concurrently on the event loop that started it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import secrets
+from typing import Optional
+
+from aiohttp import web
+
+from areal_fast.agent.client import ChatBackend, SessionDefaults
+from areal_fast.agent.protocol import BadRequest, ChatRequest, parse_chat_request
+from areal_fast.agent.session import Session
+
+logger = logging.getLogger("areal_fast.agent")
+
+# Top-level request keys a BadRequest message may start with (reported as the error's param).
+_REQUEST_KEYS = set(ChatRequest.__dataclass_fields__) | {
+    "max_completion_tokens", "top_logprobs", "response_format", "stream", "stop", "logit_bias",
+    "presence_penalty", "frequency_penalty", "functions", "function_call", "audio",
+    "prediction", "modalities"}
+_PARAM_RE = re.compile(r"^([A-Za-z_]\w*)((?:\[\d+\]|\.\w+)*)(?=[\s=]|$)")
+_UNKNOWN_KEY_RE = re.compile(r"^unknown request key '([^']*)'")
+
+
+def _error(status: int, message: str, kind: str = "invalid_request_error",
+           param: Optional[str] = None, code: Optional[str] = None) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return web.json_response(body, status=status)
+
+
+def _param_of(message: str) -> Optional[str]:
+    """The request key a :class:`BadRequest` message names first, or None."""
+    unknown = _UNKNOWN_KEY_RE.match(message)
+    if unknown:
+        return unknown.group(1)
+    match = _PARAM_RE.match(message)
+    if match and match.group(1) in _REQUEST_KEYS:
+        return match.group(1) + match.group(2)
+    return None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+class AgentServer:
+    """OpenAI-compatible chat endpoint whose requests are recorded into sessions.
+
+    Parameters
+    ----------
+    backend : ChatBackend
+        Serves and records each chat request.
+    host : str
+        Interface to bind; loopback by default (bind others only on a trusted network).
+    port : int
+        TCP port; 0 picks a free one (see :attr:`url`).
+    max_body_bytes : int
+        Largest request body accepted; larger ones get 413.
+
+    Notes
+    -----
+    HTTP statuses: 200 success; 400 a body that is not a JSON object or a request the
+    endpoint refuses (the message names the key, also given as ``param``); 401 a missing,
+    unknown or closed token; 404 an unknown route; 405 a known route with the wrong method;
+    413 a body over ``max_body_bytes``; 500 the engine failed (``"the engine failed:
+    <ExcType>: <first line>"``, logged on the ``areal_fast.agent`` logger).
+    """
+
+    def __init__(self, backend: ChatBackend, host: str = "127.0.0.1", port: int = 0,
+                 max_body_bytes: int = 16 << 20):
+        self.backend, self.host, self.port = backend, host, port
+        self.max_body_bytes = max_body_bytes
+        self._sessions: dict[str, tuple[Session, SessionDefaults]] = {}
+        self._runner: Optional[web.AppRunner] = None
+        self._bound_port: Optional[int] = None
+        self._closed = False
+
+    async def start(self) -> None:
+        """Start serving on the running event loop.
+
+        Raises
+        ------
+        RuntimeError
+            If the server was already started or closed.
+        OSError
+            If the address cannot be bound.
+        """
+        if self._runner is not None or self._closed:
+            raise RuntimeError("AgentServer.start: the server was already started or closed")
+        app = web.Application(client_max_size=self.max_body_bytes,
+                              middlewares=[self._json_errors])
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_get("/v1/models", self._models)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.host, self.port).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self._bound_port = runner.addresses[0][1]
+
+    @property
+    def url(self) -> str:
+        """Base URL of the API, ``http://<host>:<port>/v1`` (``base_url`` for openai clients).
+
+        Raises
+        ------
+        RuntimeError
+            Before :meth:`start`.
+        """
+        if self._bound_port is None:
+            raise RuntimeError("AgentServer.url: the server has not been started")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self._bound_port}/v1"
+
+    def open_session(self, session: Session, defaults: SessionDefaults) -> str:
+        """Authorise requests for ``session``.
+
+        Parameters
+        ----------
+        session : Session
+            Receives every call made with the returned token.
+        defaults : SessionDefaults
+            Sampling defaults and limits of those calls.
+
+        Returns
+        -------
+        str
+            A fresh random bearer token (the agent's API key).
+        """
+        token = secrets.token_urlsafe(32)
+        self._sessions[token] = (session, defaults)
+        return token
+
+    def close_session(self, token: str) -> None:
+        """Revoke ``token``: later requests with it get 401 (unknown tokens are ignored)."""
+        self._sessions.pop(token, None)
+
+    async def close(self) -> None:
+        """Stop serving and revoke every token; safe to call more than once.
+
+        Requests still running after a one-second grace period are cancelled (their
+        ``generate`` calls see ``asyncio.CancelledError``).
+        """
+        self._closed = True
+        self._sessions.clear()
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            await runner.cleanup()
+
+    # ---- request handling --------------------------------------------------------------
+    @web.middleware
+    async def _json_errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status)
+            return _error(exc.status, f"{request.method} {request.path}: {exc.reason}",
+                          code=code)
+
+    def _authorise(self, request: web.Request):
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            return None, _error(401, "missing bearer token in the Authorization header",
+                                "authentication_error", code="invalid_api_key")
+        entry = self._sessions.get(token.strip())
+        if entry is None:
+            return None, _error(401, "invalid or expired API key", "authentication_error",
+                                code="invalid_api_key")
+        return entry, None
+
+    async def _models(self, request: web.Request) -> web.Response:
+        entry, denied = self._authorise(request)
+        if denied is not None:
+            return denied
+        model = {"id": entry[1].model, "object": "model", "created": 0,
+                 "owned_by": "areal-fast"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    async def _chat_completions(self, request: web.Request) -> web.Response:
+        entry, denied = self._authorise(request)
+        if denied is not None:
+            return denied
+        session, defaults = entry
+        if (request.content_length or 0) > self.max_body_bytes:
+            return self._too_large()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._too_large()
+        try:
+            body = json.loads(raw, parse_constant=_reject_constant)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return _error(400, f"the request body is not valid JSON: {exc}")
+        try:
+            chat = parse_chat_request(body)
+            response = await self.backend.complete(session, chat, defaults)
+        except BadRequest as exc:
+            message = str(exc).splitlines()[0] if str(exc) else "bad request"
+            return _error(400, message, param=_param_of(message))
+        except Exception as exc:  # noqa: BLE001 - any engine failure becomes a 500
+            first = (str(exc).strip().splitlines() or [""])[0]
+            logger.exception("agent server: chat completion of session %s failed",
+                             session.session_id)
+            detail = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+            return _error(500, f"the engine failed: {detail}",
+                          "server_error", code="engine_error")
+        return web.json_response(response)
+
+    def _too_large(self) -> web.Response:
+        return _error(413, f"the request body is larger than {self.max_body_bytes} bytes",
+                      code="request_too_large")

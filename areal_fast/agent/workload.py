@@ -1,0 +1,151 @@
+"""The agent side of a rollout worker: groups of sessions in, trajectories and records out.
+
+A rollout worker whose spec names an agent hands each training
+:class:`~areal_fast.controller.messages.GroupRequest` to :meth:`AgentWorkload.submit`, which
+starts ``n`` sessions of the request's ``data`` on the :class:`AgentRunner`. The sessions'
+model calls go to the worker's engine through an :class:`EngineBridge`; the worker routes the
+engine's outputs back with :meth:`AgentWorkload.route`. When every session of a group has
+ended, the worker calls :meth:`AgentWorkload.finish`: the sessions are written to the
+trajectory store (dropped ones too, for analysis) and the finished ones are exported as
+trajectories for the trainer.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from areal_fast.agent.chat_format import ChatFormat
+from areal_fast.agent.client import ChatBackend, SessionDefaults
+from areal_fast.agent.runner import AgentConfig, AgentRunner, EngineBridge, GroupSessions, \
+    load_agent
+from areal_fast.agent.store import TrajectoryConfig, TrajectoryWriter
+from areal_fast.rl.batch import Trajectory
+from areal_fast.rollout.engine import GenOutput, GenRequest
+
+
+@dataclass
+class AgentWorkloadSpec:
+    """What a rollout worker needs to run agents (picklable).
+
+    Attributes
+    ----------
+    agent : AgentConfig
+    tokenizer_path : str
+        Tokenizer (and chat template) of the served model.
+    trajectory : TrajectoryConfig
+        ``trajectory.*``; with ``enabled`` the sessions are written under ``directory``.
+    """
+
+    agent: AgentConfig
+    tokenizer_path: str
+    trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)
+
+
+class AgentWorkload:
+    """Runs a worker's agent sessions and turns finished groups into trajectories.
+
+    Parameters
+    ----------
+    spec : AgentWorkloadSpec
+    engine : AsyncInferenceEngine
+        The worker's engine (its outputs for this workload's requests come back through
+        :meth:`route`).
+    rids : iterator of int
+        The worker's request-id counter (shared, so ids stay unique in the engine).
+    name : str
+        Worker name (the trajectory files' prefix).
+    on_group_done : callable (GroupSessions) -> None
+        Called from the runner's thread; the worker queues the group for :meth:`finish`.
+
+    Raises
+    ------
+    ValueError
+        ``agent.path`` cannot be loaded (see :func:`load_agent`), or the tokenizer has no
+        chat template.
+    """
+
+    def __init__(self, spec: AgentWorkloadSpec, engine, rids, name: str,
+                 on_group_done: Callable[[GroupSessions], None]):
+        from areal_fast.models.loading import load_tokenizer
+
+        self.spec = spec
+        agent = load_agent(spec.agent.path, spec.agent.kwargs)
+        chat_format = ChatFormat(load_tokenizer(spec.tokenizer_path))
+        self.bridge: Optional[EngineBridge] = None
+
+        def backend(loop):
+            self.bridge = EngineBridge(engine, loop, rids)
+            return ChatBackend(chat_format, self.bridge.generate), self.bridge
+        self.runner = AgentRunner(agent, backend, spec.agent, on_group_done)
+        self.writer = None
+        if spec.trajectory.enabled:
+            self.writer = TrajectoryWriter(Path(spec.trajectory.directory), spec.trajectory,
+                                           name=name)
+        self.totals: Counter = Counter()
+
+    def start(self) -> None:
+        """Start the runner's loop (and the endpoint in "http" mode)."""
+        self.runner.start()
+
+    def submit(self, request) -> None:
+        """Start the ``request.params.n`` sessions of a training GroupRequest."""
+        p = request.params
+        defaults = SessionDefaults(temperature=p.temperature, top_p=p.top_p,
+                                   max_tokens=p.max_new_tokens,
+                                   max_tokens_cap=self.spec.agent.max_tokens_cap,
+                                   max_prompt_tokens=self.spec.agent.max_prompt_tokens)
+        data = dict(request.data) or {"answer": request.answer, "uid": request.uid}
+        self.runner.submit_group(request.group_id, data, p.n, request.seed, defaults)
+
+    def route(self, out: GenOutput) -> Optional[GenRequest]:
+        """Hand an engine output that no plain sample claimed to the sessions; returns a
+        resubmission (aborted by a weight update, budget left) or None."""
+        return self.bridge.on_output(out)
+
+    def finish(self, group: GroupSessions) -> tuple[list[Trajectory], dict]:
+        """Store the group's sessions and export the finished ones.
+
+        Returns
+        -------
+        trajectories : list[Trajectory]
+            Possibly empty (every session dropped).
+        stats : dict[str, float]
+            Running totals of this worker: ``agent/sessions``, ``agent/sessions_dropped``,
+            ``agent/dropped_<reason>``, ``agent/model_calls``, ``agent/tool_calls``, and the
+            trajectory store's counters.
+
+        Raises
+        ------
+        TrajectoryStoreError
+            The store's writer failed (the run must stop rather than lose sessions).
+        """
+        cfg = self.spec.agent
+        trajectories = []
+        for session in group.sessions:
+            if self.writer is not None:
+                self.writer.put(session.to_dict())
+            self.totals["agent/sessions"] += 1
+            self.totals["agent/model_calls"] += len(session.calls)
+            self.totals["agent/tool_calls"] += sum(len(c.tool_calls) for c in session.calls)
+            if session.status == "done":
+                trajectories += session.export(cfg.export, cfg.turn_discount)
+            else:
+                self.totals["agent/sessions_dropped"] += 1
+                self.totals[f"agent/dropped_{session.drop_reason}"] += 1
+        stats = {k: float(v) for k, v in self.totals.items()}
+        if self.writer is not None:
+            stats.update(self.writer.stats.as_dict())
+        return trajectories, stats
+
+    def cancel_all(self) -> int:
+        """Cancel every running session; returns how many groups were cancelled."""
+        return self.runner.cancel_all()
+
+    def close(self) -> None:
+        """Stop the sessions, then flush and close the store (raises its error, if any)."""
+        self.runner.close()
+        if self.writer is not None:
+            self.writer.close()

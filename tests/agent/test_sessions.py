@@ -1,0 +1,356 @@
+"""Agent sessions: token-exact capture against the engine, continuation, export, bad agents."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import threading
+
+import pytest
+import torch
+
+from areal_fast.agent.chat_format import ChatFormat
+from areal_fast.agent.client import AgentClient, ChatBackend, GenResult, SessionDefaults
+from areal_fast.agent.protocol import BadRequest
+from areal_fast.agent.runner import AgentConfig, AgentRunner, EngineBridge, load_agent
+from areal_fast.agent.session import ModelCall, Session
+from areal_fast.rl.batch import IGNORE_INDEX, pack_trajectories
+from areal_fast.rollout.engine import GenRequest, sample_seed
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture
+def engine(tiny_model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from areal_fast.rollout.hf_engine import HFEngine
+
+    eng = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer, 8)
+    eng.start()
+    yield eng
+    eng.close()
+
+
+class Pump:
+    """Routes the engine's outputs to the bridge from a thread (what a rollout worker does)."""
+
+    def __init__(self, bridge):
+        self.bridge, self.stop = bridge, threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop.is_set():
+            self.bridge.pump(0.05)
+
+    def close(self):
+        self.stop.set()
+        self.thread.join(5)
+
+
+def _run_with_engine(engine, tokenizer, coro_fn):
+    async def main():
+        bridge = EngineBridge(engine, asyncio.get_running_loop())
+        pump = Pump(bridge)
+        try:
+            return await coro_fn(ChatBackend(ChatFormat(tokenizer), bridge.generate))
+        finally:
+            pump.close()
+    return asyncio.run(main())
+
+
+def test_session_captures_exactly_the_engines_tokens(engine, tokenizer, fresh_seed):
+    """Each recorded call equals a direct engine call with the same ids and seed; the
+    second turn continues the first token-exactly."""
+    session = Session()
+    question = [{"role": "user", "content": f"Add {fresh_seed % 97} and 5."}]
+
+    async def agent(backend):
+        client = AgentClient(session, backend, SessionDefaults(max_tokens=12, seed=fresh_seed))
+        first = await client.chat.completions.create(messages=question, temperature=1.0,
+                                                     seed=fresh_seed)
+        reply = first.choices[0].message
+        follow = question + [{"role": "assistant", "content": reply.content},
+                             {"role": "user", "content": "Wrong. Try again."}]
+        await client.chat.completions.create(messages=follow, temperature=0.8, n=2,
+                                             seed=fresh_seed + 1, logprobs=True)
+        return 1.0
+
+    _run_with_engine(engine, tokenizer, agent)
+    fmt = ChatFormat(tokenizer)
+    first, second_a, second_b = session.calls
+    assert first.input_ids == fmt.prompt_ids(question)
+    assert second_a.parent == first.call_id == second_b.parent
+    assert second_a.input_ids[:len(first.full_ids)] == first.full_ids
+    assert second_a.input_ids == second_b.input_ids
+    expected_seeds = [(first, sample_seed(fresh_seed, 0), 1.0),
+                      (second_a, sample_seed(fresh_seed + 1, 0), 0.8),
+                      (second_b, sample_seed(fresh_seed + 1, 1), 0.8)]
+    engine.submit([GenRequest(100 + i, c.input_ids, 12, t, 1.0, seed, 0)
+                   for i, (c, seed, t) in enumerate(expected_seeds)])
+    outs = {}
+    while len(outs) < 3:
+        outs.update({o.rid: o for o in engine.get_outputs(5.0)})
+    for i, (call, _, _) in enumerate(expected_seeds):
+        assert outs[100 + i].output_ids == call.output_ids, f"seed {fresh_seed} call {i}"
+        assert outs[100 + i].logprobs == call.logprobs
+        assert outs[100 + i].versions == call.versions
+        assert call.stop_reason == outs[100 + i].stop_reason
+
+
+def _scripted(replies):
+    """A generate() that returns scripted texts in order, with random log-probs."""
+    rng = random.Random()
+    queue = list(replies)
+
+    def factory(tokenizer):
+        async def generate(input_ids, max_new_tokens, temperature, top_p, seed):
+            text = queue.pop(0)
+            ids = tokenizer.encode(text, add_special_tokens=False)[:max_new_tokens]
+            stop = "length" if len(ids) == max_new_tokens else "stop"
+            if stop == "stop":
+                ids = ids + [tokenizer.eos_token_id]
+            return GenResult(ids, [-rng.random() for _ in ids], [7] * len(ids), stop)
+        return generate
+    return factory
+
+
+def _three_turn_session(tokenizer, turn_discount=1.0):
+    session = Session(group_id=4)
+    backend = ChatBackend(ChatFormat(tokenizer), _scripted(["12", "13", "8"])(tokenizer))
+    client = AgentClient(session, backend, SessionDefaults(max_tokens=20))
+
+    async def agent():
+        msgs = [{"role": "user", "content": "3+5?"}]
+        for turn in range(3):
+            out = await client.chat.completions.create(messages=msgs)
+            msgs = msgs + [{"role": "assistant", "content": out.choices[0].message.content},
+                           {"role": "user", "content": "Incorrect, reflect and retry."}]
+        session.finish(0.5)
+    asyncio.run(agent())
+    return session
+
+
+def test_concat_export_masks_exactly_the_model_tokens(tokenizer):
+    session = _three_turn_session(tokenizer)
+    [traj] = session.export("concat")
+    calls = session.calls
+    assert [c.parent for c in calls] == [None, calls[0].call_id, calls[1].call_id]
+    assert traj.prompt_ids == calls[0].input_ids
+    full = traj.prompt_ids + traj.completion_ids
+    assert full == calls[2].full_ids
+    generated = set()
+    for c in calls:
+        start = len(c.input_ids)
+        generated |= set(range(start, start + len(c.output_ids)))
+    mask = [False] * len(traj.prompt_ids) + traj.loss_mask
+    assert {i for i, m in enumerate(mask) if m} == generated
+    lps = [0.0] * len(traj.prompt_ids) + traj.logprobs
+    assert [lps[i] for i in sorted(generated)] == [x for c in calls for x in c.logprobs]
+    packed = pack_trajectories([traj], torch.tensor([1.0]))
+    # position t predicts token t + 1: trained labels are exactly the generated tokens
+    trained = (packed.labels != IGNORE_INDEX).nonzero().flatten().tolist()
+    assert [t + 1 for t in trained] == sorted(generated)
+    assert torch.equal(packed.loss_mask, packed.labels != IGNORE_INDEX)
+    assert (packed.versions[packed.loss_mask] == 7).all()
+    assert (packed.versions[~packed.loss_mask] == -1).all()
+    assert traj.reward == 0.5 and traj.group_id == 4
+
+
+def test_per_turn_export_and_turn_discount(tokenizer):
+    session = _three_turn_session(tokenizer)
+    session.set_reward(session.calls[0].call_id, 0.25)
+    trajs = session.export("per_turn", turn_discount=0.5)
+    assert [t.prompt_ids for t in trajs] == [c.input_ids for c in session.calls]
+    assert [t.completion_ids for t in trajs] == [c.output_ids for c in session.calls]
+    # r2 = 0.5; r1 = 0 + 0.5 * 0.5; r0 = 0.25 + 0.5 * 0.25
+    assert [t.reward for t in trajs] == pytest.approx([0.375, 0.25, 0.5])
+    assert all(t.loss_mask == [True] * len(t.completion_ids) for t in trajs)
+
+
+def test_edited_reply_starts_a_fresh_prompt(tokenizer):
+    session = Session()
+    backend = ChatBackend(ChatFormat(tokenizer), _scripted(["ab", "cd"])(tokenizer))
+    client = AgentClient(session, backend, SessionDefaults(max_tokens=20))
+
+    async def agent():
+        msgs = [{"role": "user", "content": "hi"}]
+        await client.chat.completions.create(messages=msgs)
+        msgs += [{"role": "assistant", "content": "something else"},
+                 {"role": "user", "content": "again"}]
+        await client.chat.completions.create(messages=msgs)
+    asyncio.run(agent())
+    assert session.calls[1].parent is None
+    assert session.calls[1].input_ids == ChatFormat(tokenizer).prompt_ids(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "something else"},
+         {"role": "user", "content": "again"}])
+    session.finish(1.0)
+    assert len(session.export("concat")) == 2
+
+
+def test_tool_calls_round_trip(tokenizer):
+    session = Session()
+    call_text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}' \
+                '\n</tool_call>'
+    backend = ChatBackend(ChatFormat(tokenizer), _scripted([call_text, "12"])(tokenizer))
+    client = AgentClient(session, backend, SessionDefaults(max_tokens=200))
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+
+    async def agent():
+        msgs = [{"role": "user", "content": "3*4?"}]
+        out = await client.chat.completions.create(messages=msgs, tools=tools)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        [tc] = choice.message.tool_calls
+        assert tc.function.name == "calculator" and tc.function.arguments == \
+            '{"expression": "3*4"}'
+        msgs += [choice.message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": tc.id, "content": "12"}]
+        out = await client.chat.completions.create(messages=msgs, tools=tools)
+        assert out.choices[0].message.content == "12"
+    asyncio.run(agent())
+    assert session.calls[1].parent == session.calls[0].call_id
+    assert session.calls[0].tool_calls[0]["function"]["name"] == "calculator"
+
+
+def test_bad_requests_name_the_key(tokenizer):
+    session = Session()
+    backend = ChatBackend(ChatFormat(tokenizer), _scripted(["x"] * 5)(tokenizer))
+    client = AgentClient(session, backend, SessionDefaults(max_tokens_cap=50))
+    cases = [({"messages": []}, "messages"),
+             ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+             ({"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+              "temperature"),
+             ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 51},
+              "max_tokens_cap"),
+             ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
+             ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n")]
+    for kwargs, key in cases:
+        with pytest.raises(BadRequest, match=key.replace("[", r"\[").replace("]", r"\]")):
+            asyncio.run(client.chat.completions.create(**kwargs))
+    assert session.calls == []
+
+
+# ---------------------------------------------------------------- the runner
+
+async def good_agent(data, client):
+    out = await client.chat.completions.create(messages=[{"role": "user",
+                                                          "content": data["question"]}])
+    return 1.0 if out.choices[0].message.content else 0.0
+
+
+async def raising_agent(data, client):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "q"}])
+    raise RuntimeError("tool crashed")
+
+
+async def slow_agent(data, client):
+    await asyncio.sleep(60)
+    return 1.0
+
+
+async def text_agent(data, client):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "q"}])
+    return "one"
+
+
+async def nan_agent(data, client):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "q"}])
+    return math.nan
+
+
+async def silent_agent(data, client):
+    return 1.0
+
+
+class ClassAgent:
+    def __init__(self, bonus=0.0):
+        self.bonus = bonus
+
+    async def run_agent_return_reward(self, data):
+        from areal_fast.agent.runner import current_client
+
+        out = await current_client().chat.completions.create(
+            messages=[{"role": "user", "content": data["question"]}])
+        return self.bonus + len(out.choices)
+
+
+def _run_groups(tokenizer, agent, n, config=None, groups=1):
+    done = []
+    event = threading.Event()
+    config = config or AgentConfig(timeout=2.0)
+
+    def factory(loop):
+        return ChatBackend(ChatFormat(tokenizer), _scripted(["42"] * 100)(tokenizer)), None
+
+    def on_done(result):
+        done.append(result)
+        if len(done) == groups:
+            event.set()
+    runner = AgentRunner(agent, factory, config, on_done)
+    runner.start()
+    try:
+        for g in range(groups):
+            runner.submit_group(g, {"question": "6*7?", "answer": "42"}, n, 11,
+                                SessionDefaults(max_tokens=8))
+        assert event.wait(30)
+    finally:
+        runner.close()
+    return done
+
+
+@pytest.mark.parametrize("bad,reason", [(raising_agent, "agent_error"), (slow_agent, "timeout"),
+                                        (text_agent, "bad_reward"), (nan_agent, "bad_reward"),
+                                        (silent_agent, "no_calls")])
+def test_bad_agents_are_dropped_with_a_reason(tokenizer, bad, reason, caplog):
+    calls = iter(range(100))
+
+    async def mixed(data, client):
+        agent = bad if next(calls) % 2 == 0 else good_agent
+        return await agent(data, client)
+    [group] = _run_groups(tokenizer, mixed, n=4)
+    statuses = sorted((s.status, s.drop_reason) for s in group.sessions)
+    assert statuses == [("done", "")] * 2 + [("dropped", reason)] * 2
+    assert all(s.reward == 1.0 for s in group.sessions if s.status == "done")
+    assert sum(reason in r.message for r in caplog.records) == 2
+
+
+def test_class_agent_from_path(tmp_path, tokenizer):
+    file = tmp_path / "my_agent.py"
+    file.write_text("from test_sessions import ClassAgent\n")
+    agent = load_agent(f"{file}:ClassAgent", {"bonus": 2.0})
+    groups = _run_groups(tokenizer, agent, n=3, groups=2)
+    assert sorted(g.group_id for g in groups) == [0, 1]
+    for g in groups:
+        assert [s.reward for s in g.sessions] == [3.0] * 3
+        assert all(s.group_id == g.group_id and len(s.calls) == 1 for s in g.sessions)
+
+
+@pytest.mark.parametrize("path,match", [("nomodule_xyz:agent", "cannot import"),
+                                        ("test_sessions:missing", "has no 'missing'"),
+                                        ("test_sessions:Pump", "cannot construct Pump"),
+                                        ("test_sessions:_scripted", "not an async function"),
+                                        ("test_sessions", "module:name")])
+def test_load_agent_errors_name_the_path(path, match):
+    with pytest.raises(ValueError, match=match):
+        load_agent(path) if ":" in path else AgentConfig(path=path)
+
+
+def test_session_records_round_trip_through_dicts(tokenizer):
+    session = _three_turn_session(tokenizer)
+    again = Session.from_dict(session.to_dict())
+    assert again == session
+    assert again.export("concat")[0].completion_ids == session.export("concat")[0].completion_ids
+
+
+def test_model_call_checks_lengths():
+    with pytest.raises(ValueError, match="logprobs"):
+        ModelCall("c", [1], [2, 3], [0.0], [1, 1], "stop")
