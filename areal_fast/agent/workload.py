@@ -12,6 +12,7 @@ trajectories for the trainer.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,8 +115,9 @@ class AgentWorkload:
             Possibly empty (every session dropped).
         stats : dict[str, float]
             Running totals of this worker: ``agent/sessions``, ``agent/sessions_dropped``,
-            ``agent/dropped_<reason>``, ``agent/model_calls``, ``agent/tool_calls``, and the
-            trajectory store's counters.
+            ``agent/dropped_<reason>``, ``agent/model_calls``, ``agent/tool_calls``,
+            ``agent/finish_seconds`` (time the worker's loop spent here: export and handing
+            records to the store), and the trajectory store's counters.
 
         Raises
         ------
@@ -123,6 +125,7 @@ class AgentWorkload:
             The store's writer failed (the run must stop rather than lose sessions).
         """
         cfg = self.spec.agent
+        start = time.perf_counter()
         trajectories = []
         for session in group.sessions:
             if self.writer is not None:
@@ -135,6 +138,7 @@ class AgentWorkload:
             else:
                 self.totals["agent/sessions_dropped"] += 1
                 self.totals[f"agent/dropped_{session.drop_reason}"] += 1
+        self.totals["agent/finish_seconds"] += time.perf_counter() - start
         stats = {k: float(v) for k, v in self.totals.items()}
         if self.writer is not None:
             stats.update(self.writer.stats.as_dict())

@@ -16,7 +16,7 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Optional
 
 from areal_fast.controller import messages as msg
 from areal_fast.controller.batch import DistributedBatch
@@ -77,6 +77,8 @@ class ControllerSettings:
     timeouts: Timeouts = field(default_factory=Timeouts)
     max_filtered_in_a_row: int = 1000  # groups dropped by the filter in a row before failing
     drop_stale: bool = True  # drop groups that would be trained more than η versions late
+    max_seconds: Optional[float] = None  # stop sending batches after this much training time
+    max_failed_agent_groups_in_a_row: int = 32  # agent groups with every session dropped
 
 
 @dataclass
@@ -130,6 +132,7 @@ class AsyncController:
         # per worker: when it last finished a group or went from idle to busy
         self.progress = {w.name: time.monotonic() for w in rollout_workers}
         self.filtered_in_a_row = 0
+        self.failed_in_a_row = 0  # agent groups in a row whose sessions were all dropped
         self.acked = {w.name: 0 for w in rollout_workers}
         # batches sent to the trainer and not finished: (groups, send time); at most
         # TRAIN_PIPELINE, so the trainer fetches batch k + 1 while it trains batch k
@@ -142,7 +145,8 @@ class AsyncController:
 
     # ---- the loop -------------------------------------------------------------------
     def run(self) -> RunCounts:
-        """Train ``total_steps`` steps; returns the rollout accounting.
+        """Train ``total_steps`` steps (fewer if ``max_seconds`` runs out first: no batch is
+        sent after that, batches in flight finish); returns the rollout accounting.
 
         Raises
         ------
@@ -153,7 +157,8 @@ class AsyncController:
         """
         self.start = self.last_step = time.monotonic()
         self.progress = {w.name: self.start for w in self.workers}
-        while self.version < self.s.total_steps:
+        while self.version < self.s.total_steps and not (self._out_of_time() and
+                                                         not self.training):
             self._submit_rollouts()
             self._train_if_ready()
             for worker, message in wait_messages(self._all(), self._wait_seconds(),
@@ -163,7 +168,13 @@ class AsyncController:
         self._wind_down()
         return self.counts
 
+    def _out_of_time(self) -> bool:
+        return self.s.max_seconds is not None and \
+            time.monotonic() - self.start > self.s.max_seconds
+
     def _submit_rollouts(self) -> None:
+        if self._out_of_time():
+            return
         c = self.staleness.counts
         still_needed = self.s.total_steps * self.s.batch_size - (c.accepted + c.running)
         capacity = min(self.staleness.capacity(self.version), still_needed)
@@ -185,7 +196,8 @@ class AsyncController:
                 worker.send(msg.SubmitGroups(per_worker[worker.name]))
 
     def _train_if_ready(self) -> None:
-        while len(self.training) < TRAIN_PIPELINE and len(self.ready) >= self.s.batch_size:
+        while len(self.training) < TRAIN_PIPELINE and len(self.ready) >= self.s.batch_size \
+                and not self._out_of_time():
             new_version = self.version + len(self.training) + 1
             if new_version > self.s.total_steps:
                 return
@@ -259,8 +271,13 @@ class AsyncController:
         # a too-stale group is dropped now, so that a replacement starts at once
         reason = "dynamic_filter" if filtered else (
             "stale" if self._too_stale(done, train_version) else None)
+        self.failed_in_a_row = self.failed_in_a_row + 1 if done.shard is None else 0
         if done.shard is None:  # an agent group whose sessions were all dropped
             reason = "agent_sessions_dropped"
+            if self.failed_in_a_row >= self.s.max_failed_agent_groups_in_a_row:
+                first = done.errors[0] if done.errors else "no reason given"
+                raise ValueError(f"agent: every session of the last {self.failed_in_a_row} "
+                                 f"groups was dropped (e.g. {first}); check agent.path")
         self.filtered_in_a_row = self.filtered_in_a_row + 1 if filtered else 0
         self.staleness.on_finish(accepted=reason is None)
         if reason is None:

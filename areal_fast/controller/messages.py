@@ -93,6 +93,7 @@ class GroupDone:
     stop_reasons: list[str]
     interruptions: int  # times a sample of the group was aborted and resumed
     agent_stats: dict = field(default_factory=dict)  # AgentWorkload.finish's counters
+    errors: list = field(default_factory=list)  # why each dropped agent session was dropped
 
 
 @dataclass

@@ -249,7 +249,9 @@ class RolloutWorker:
                                   len(trajectories), 0, tensor_metadata(tensors))
         self.conn.send(msg.GroupDone(shard, group.group_id, [t.reward for t in trajectories],
                                      [t.num_trained_tokens for t in trajectories],
-                                     [t.stop_reason for t in trajectories], 0, stats))
+                                     [t.stop_reason for t in trajectories], 0, stats,
+                                     [f"{s.drop_reason}: {s.error}" for s in group.sessions
+                                      if s.status != "done"]))
 
     def _maybe_finish_eval(self) -> None:
         if self.eval_pending == 0 and self.eval_records is not None:

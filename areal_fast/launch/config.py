@@ -192,6 +192,8 @@ class ExperimentConfig:
     overwrite: bool = False  # replace an existing run directory
     seed: int = 1
     total_steps: int = 20
+    # training-time budget in seconds: no batch is sent after it (None: run total_steps)
+    max_seconds: Optional[float] = None
     batch_size: int = 16  # prompts per step (each sampled group_size times)
     threads: Optional[int] = None  # torch CPU threads; None keeps torch's default
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -206,6 +208,8 @@ class ExperimentConfig:
 
     def __post_init__(self):
         _at_least("total_steps", self.total_steps, 0)
+        if self.max_seconds is not None:
+            _positive_finite("max_seconds", self.max_seconds)
         _at_least("batch_size", self.batch_size, 1)
         units = self.batch_size * (1 if self.actor.keep_groups else self.rollout.group_size)
         if self.actor.ppo_n_minibatches > units:

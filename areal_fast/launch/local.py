@@ -189,7 +189,7 @@ def controller_settings(cfg: ExperimentConfig) -> ControllerSettings:
     concurrent = r.max_concurrent_rollouts or (r.max_head_offpolicyness + 1) * cfg.batch_size
     return ControllerSettings(cfg.total_steps, cfg.batch_size, r.max_head_offpolicyness,
                               concurrent, r.dynamic_filter, cfg.launcher.timeouts,
-                              drop_stale=r.drop_stale)
+                              drop_stale=r.drop_stale, max_seconds=cfg.max_seconds)
 
 
 def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
@@ -254,12 +254,12 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
     bar.close()
     if cfg.eval.after:
         summary["eval_after"] = _evaluate(controller, held_out, run_dir / "eval_after.jsonl")
-        eval_points["after"] = (cfg.total_steps, summary["eval_after"])
+        eval_points["after"] = (controller.version, summary["eval_after"])
     if log.records:
         plot_progress(log.records, eval_points, run_dir / "progress.png")
     save_checkpoint(cluster, str(run_dir / "checkpoint"), cfg.launcher.timeouts.train_step)
     tokenizer.save_pretrained(str(run_dir / "checkpoint"))
-    summary.update(steps=cfg.total_steps, wall_seconds=time.perf_counter() - start,
+    summary.update(steps=controller.version, wall_seconds=time.perf_counter() - start,
                    max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                    **counts.as_dict(), torch=torch.__version__,
                    trainer_threads=worker_threads(cfg)[0],

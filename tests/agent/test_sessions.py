@@ -16,7 +16,7 @@ from areal_fast.agent.protocol import BadRequest
 from areal_fast.agent.runner import AgentConfig, AgentRunner, EngineBridge, load_agent
 from areal_fast.agent.session import ModelCall, Session
 from areal_fast.rl.batch import IGNORE_INDEX, pack_trajectories
-from areal_fast.rollout.engine import GenRequest, sample_seed
+from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +103,50 @@ def test_session_captures_exactly_the_engines_tokens(engine, tokenizer, fresh_se
         assert outs[100 + i].logprobs == call.logprobs
         assert outs[100 + i].versions == call.versions
         assert call.stop_reason == outs[100 + i].stop_reason
+
+
+class AbortingEngine:
+    """Aborts each new request after 2 tokens (as a weight update does); finishes resumed ones.
+
+    Token j of a completion is 10 + j and its log-prob -j / 10, from the request's offset, so
+    the stitched output shows whether the bridge resumed at the right place."""
+
+    def __init__(self):
+        self.requests, self.outputs = [], []
+
+    def submit(self, requests, front=False):
+        for r in requests:
+            self.requests.append((r, front))
+            n = r.max_new_tokens if r.offset else 2
+            ids = [10 + r.offset + j for j in range(n)]
+            self.outputs.append(GenOutput(r.rid, ids, [-(r.offset + j) / 10 for j in range(n)],
+                                          [1 if r.offset else 0] * n,
+                                          "length" if r.offset else "abort"))
+
+    def get_outputs(self, timeout):
+        out, self.outputs = self.outputs, []
+        return out
+
+
+def test_a_call_aborted_by_a_weight_update_resumes_seamlessly():
+    engine = AbortingEngine()
+
+    async def main():
+        bridge = EngineBridge(engine, asyncio.get_running_loop())
+        task = asyncio.create_task(bridge.generate([1, 2, 3], 5, 0.7, 0.9, 99))
+        await asyncio.sleep(0)
+        for _ in range(3):
+            bridge.pump(0)
+            await asyncio.sleep(0)
+        return await task, bridge
+    result, bridge = asyncio.run(main())
+    assert result.output_ids == [10, 11, 12, 13, 14]
+    assert result.logprobs == [0.0, -0.1, -0.2, -0.3, -0.4]
+    assert result.versions == [0, 0, 1, 1, 1] and result.stop_reason == "length"
+    (first, _), (again, front) = engine.requests
+    assert again.input_ids == [1, 2, 3, 10, 11] and again.offset == 2 and front
+    assert (again.max_new_tokens, again.seed, again.temperature, again.top_p) == (3, 99, 0.7, 0.9)
+    assert bridge.pending == {}
 
 
 def _scripted(replies):
