@@ -15,7 +15,8 @@ the same records twice:
 Per case: compression ratio (raw JSON bytes / stored bytes), total stall seconds and the
 median / max duration of one ``put`` call.
 
-Records come from ``--input`` (JSON lines of real records, cycled up to ``--records``) or
+Records come from ``--input`` (JSON lines of real records or a run's ``trajectories/``
+directory, cycled up to ``--records``) or
 are synthesised like agent sessions: 2-4 chat messages of English-like text, 300-800 token
 ids drawn Zipf-like from a 49,152 vocabulary, float32-valued negative log-probs (their
 float64 repr is long, like real ones), per-token policy versions and a reward.
@@ -77,9 +78,15 @@ def synth_records(n: int, seed: int = 0) -> list[dict]:
 
 
 def load_records(path: str, n: int) -> list[dict]:
-    """The first ``n`` records of a JSON lines file, cycled when it holds fewer."""
-    with open(path, encoding="utf-8") as f:
-        base = [json.loads(line) for line in f if line.strip()]
+    """The first ``n`` records of a JSON lines file or a trajectory-store directory (a run's
+    ``trajectories/``), cycled when it holds fewer."""
+    if Path(path).is_dir():
+        from areal_fast.agent.store import read_trajectories
+
+        base = list(read_trajectories(path))
+    else:
+        with open(path, encoding="utf-8") as f:
+            base = [json.loads(line) for line in f if line.strip()]
     if not base:
         raise SystemExit(f"{path} holds no records")
     return list(itertools.islice(itertools.cycle(base), n))
