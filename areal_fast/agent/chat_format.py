@@ -45,11 +45,7 @@ def tool_call_text(tool_calls: list[dict]) -> str:
     blocks = []
     for call in tool_calls:
         fn = call["function"]
-        try:
-            args = json.loads(fn["arguments"]) if isinstance(fn["arguments"], str) \
-                else fn["arguments"]
-        except json.JSONDecodeError:
-            args = fn["arguments"]
+        args = _as_obj(fn["arguments"])
         blocks.append("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args},
                                                     ensure_ascii=False) + "\n</tool_call>")
     return "\n".join(blocks)
@@ -109,13 +105,28 @@ class ChatFormat:
         self.tokenizer = tokenizer
         self.native_tools = "tools" in template
         self.native_tool_calls = "tool_calls" in template
-        self.stop_ids = {i for i in [tokenizer.eos_token_id] if i is not None}
         self.turn_closing = self._turn_closing()
+        self.stop_ids = self._stop_ids()
 
     # ---- rendering ----------------------------------------------------------------------
     def render(self, messages: list[dict], tools: Optional[list[dict]],
                add_generation_prompt: bool) -> str:
-        """Template text of ``messages`` (normalised, see :func:`normalize_message`)."""
+        """Template text of a conversation.
+
+        Parameters
+        ----------
+        messages : list[dict]
+            Normalised by :func:`normalize_message`.
+        tools : list[dict] or None
+            OpenAI function tools (natively or in the system message, see the module
+            docstring).
+        add_generation_prompt : bool
+            Append the opening of an assistant turn.
+
+        Returns
+        -------
+        str
+        """
         msgs = [self._for_template(m) for m in messages]
         kwargs = {}
         if tools and self.native_tools:
@@ -148,28 +159,54 @@ class ChatFormat:
                             {"role": "assistant", "content": _SENTINEL}], None, False)
         return text[text.rindex(_SENTINEL) + len(_SENTINEL):]
 
+    def _stop_ids(self) -> set[int]:
+        """End-of-sequence id, plus the special token that opens the turn closing (e.g.
+        ``<|im_end|>`` for a base model whose eos is ``<|endoftext|>``)."""
+        ids = {i for i in [self.tokenizer.eos_token_id] if i is not None}
+        closing = self.encode_text(self.turn_closing)
+        if closing and closing[0] in set(getattr(self.tokenizer, "all_special_ids", [])):
+            ids.add(closing[0])
+        return ids
+
     def encode_text(self, text: str) -> list[int]:
         """Token ids of template text (special tokens in it are parsed, none are added)."""
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     # ---- prompts ------------------------------------------------------------------------
     def prompt_ids(self, messages: list[dict], tools: Optional[list[dict]] = None) -> list[int]:
-        """Token ids of a fresh conversation with the generation prompt appended."""
+        """Token ids of a fresh conversation with the generation prompt appended (the
+        template's text tokenised once; special tokens in it are parsed, none are added).
+
+        Parameters
+        ----------
+        messages : list[dict]
+            Normalised messages.
+        tools : list[dict], optional
+
+        Returns
+        -------
+        list[int]
+        """
         return self.encode_text(self.render(messages, tools, True))
 
-    def continuation_ids(self, history: list[dict], reply: dict, new_messages: list[dict],
+    def continuation_ids(self, history: list[dict], new_messages: list[dict],
                          tools: Optional[list[dict]], output_ids: list[int]
                          ) -> Optional[list[int]]:
-        """Tokens that follow ``input_ids + output_ids`` of the call that produced ``reply``.
+        """Tokens that follow ``input_ids + output_ids`` of the call made with ``history``.
+
+        The conversation is rendered with a placeholder in place of that call's reply; the
+        text after the placeholder (the template's turn closing, ``new_messages`` and the
+        generation prompt) is the environment's part, and only it is tokenised. The model's
+        own tokens are never re-tokenised, so templates that re-render earlier turns (e.g.
+        dropping reasoning from them) still continue token-exactly. When the output ended on
+        a stop token whose text opens the closing, that text is not repeated.
 
         Parameters
         ----------
         history : list[dict]
-            Messages of that call's request.
-        reply : dict
-            Its assistant message as the agent sent it back.
+            Messages of that call's request (normalised).
         new_messages : list[dict]
-            Messages after the reply (user turns, tool results); not empty.
+            Messages after its reply (user turns, tool results); not empty.
         tools : list[dict] or None
             The same tools as that call (the caller checks).
         output_ids : list[int]
@@ -178,25 +215,36 @@ class ChatFormat:
         Returns
         -------
         list[int] or None
-            The environment's tokens (turn closing, new messages, generation prompt), or None
-            when the template does not render the longer conversation as an extension.
+            The environment's tokens, or None if the template does not render the
+            placeholder exactly once (the caller then starts a fresh prompt).
         """
-        before = self.render(history + [reply], tools, False)
-        after = self.render(history + [reply] + new_messages, tools, True)
-        if not after.startswith(before):
+        text = self.render(history + [{"role": "assistant", "content": _SENTINEL}]
+                           + new_messages, tools, True)
+        if text.count(_SENTINEL) != 1:
             return None
-        closing = self.turn_closing
-        ended_on_stop = bool(output_ids) and output_ids[-1] in self.stop_ids
-        if ended_on_stop:
+        env = text[text.index(_SENTINEL) + len(_SENTINEL):]
+        if output_ids and output_ids[-1] in self.stop_ids:
             stop_text = self.tokenizer.decode([output_ids[-1]])
-            if not closing.startswith(stop_text):
-                return None
-            closing = closing[len(stop_text):]
-        return self.encode_text(closing + after[len(before):])
+            if stop_text and env.startswith(stop_text):
+                env = env[len(stop_text):]
+        return self.encode_text(env)
 
     # ---- outputs ------------------------------------------------------------------------
     def parse_output(self, output_ids: list[int], parse_tools: bool) -> tuple[str, list[dict]]:
-        """Reply text (special tokens dropped) and tool calls of generated ``output_ids``."""
+        """Reply text and tool calls of generated tokens.
+
+        Parameters
+        ----------
+        output_ids : list[int]
+        parse_tools : bool
+            Look for ``<tool_call>`` blocks (see :func:`parse_tool_calls`).
+
+        Returns
+        -------
+        content : str
+            Decoded text without special tokens (and without parsed tool-call blocks).
+        tool_calls : list[dict]
+        """
         text = self.tokenizer.decode(output_ids, skip_special_tokens=True)
         return parse_tool_calls(text) if parse_tools else (text, [])
 

@@ -9,14 +9,13 @@ the OpenAI response object. The HTTP endpoint (:mod:`areal_fast.agent.server`) a
 
 :class:`AgentClient` has the call shape of ``openai.AsyncOpenAI``
 (``await client.chat.completions.create(model=..., messages=..., tools=..., n=...)``) and
-returns ``openai`` response objects when that package is installed (attribute access
-otherwise), so an agent runs unchanged against it or against the endpoint.
+returns ``openai`` response objects, so an agent runs unchanged against it or against the
+endpoint.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Awaitable, Callable, Optional
@@ -103,16 +102,20 @@ class ChatBackend:
 
     def _continued(self, session: Session, request: ChatRequest
                    ) -> tuple[Optional[ModelCall], Optional[list[int]]]:
-        """The latest call whose messages and reply start ``request.messages``, and the
-        environment tokens after it (None, None when there is none or it cannot extend)."""
+        """The call this request continues and the environment tokens after it.
+
+        That is the call of the latest request whose messages start ``request.messages``,
+        followed by its reply and at least one new message, with the same tools (the lowest
+        choice index among equal replies). (None, None) when there is none or the template
+        cannot extend it."""
         msgs = request.messages
-        for call in reversed(session.calls):
+        candidates = sorted(session.calls, key=lambda c: (-c.request, c.choice))
+        for call in candidates:
             k = len(call.messages)
-            if k + 1 >= len(msgs) or msgs[:k] != call.messages or not _same_reply(msgs[k], call):
+            if k + 1 >= len(msgs) or call.tools != request.tools or \
+                    msgs[:k] != call.messages or not call.is_reply(msgs[k]):
                 continue
-            if call.tools != request.tools:
-                continue
-            env = self.chat_format.continuation_ids(call.messages, msgs[k], msgs[k + 1:],
+            env = self.chat_format.continuation_ids(call.messages, msgs[k + 1:],
                                                     request.tools, call.output_ids)
             if env is not None:
                 return call, env
@@ -122,73 +125,83 @@ class ChatBackend:
                        defaults: SessionDefaults) -> dict:
         """Sample ``request.n`` choices, record them in ``session``, return the response.
 
+        Parameters
+        ----------
+        session : Session
+            Must be running; the request is numbered before the engine is awaited.
+        request : ChatRequest
+        defaults : SessionDefaults
+
+        Returns
+        -------
+        dict
+            The ``chat.completion`` object.
+
         Raises
         ------
         BadRequest
-            ``max_tokens`` above the cap or a prompt longer than ``max_prompt_tokens``.
+            ``max_tokens`` above the cap, a prompt longer than ``max_prompt_tokens``, or the
+            session has ended (a late call of a dropped session is not recorded).
         """
-        parent, env = self._continued(session, request)
-        input_ids = parent.full_ids + env if parent is not None else \
-            self.chat_format.prompt_ids(request.messages, request.tools)
-        if len(input_ids) > defaults.max_prompt_tokens:
-            raise BadRequest(f"the prompt has {len(input_ids)} tokens, more than "
-                             f"agent.max_prompt_tokens = {defaults.max_prompt_tokens}")
+        input_ids, parent = self._prompt(session, request, defaults)
         max_tokens = request.max_tokens or defaults.max_tokens
         if max_tokens > defaults.max_tokens_cap:
             raise BadRequest(f"max_tokens = {max_tokens} is above agent.max_tokens_cap = "
                              f"{defaults.max_tokens_cap}")
         number, session.next_call = session.next_call, session.next_call + 1
-        base = request.seed if request.seed is not None else sample_seed(defaults.seed, number)
+        base = sample_seed(defaults.seed, number)
+        if request.seed is not None:  # mixed in, so the sessions of a group still differ
+            base = sample_seed(base, request.seed)
         temperature = defaults.temperature if request.temperature is None \
             else request.temperature
         top_p = defaults.top_p if request.top_p is None else request.top_p
         results = await asyncio.gather(*[
             self.generate(input_ids, max_tokens, temperature, top_p, sample_seed(base, i))
             for i in range(request.n)])
+        if session.status != "running":
+            raise BadRequest(f"session {session.session_id[:8]} has ended "
+                             f"({session.drop_reason or session.status})")
         response_id = f"chatcmpl-{session.session_id[:8]}-{number}"
-        choices = []
-        for i, res in enumerate(results):
-            content, calls = self.chat_format.parse_output(
-                res.output_ids, parse_tools=bool(request.tools) and request.tool_choice != "none")
-            call = ModelCall(f"{response_id}:{i}", list(input_ids), res.output_ids,
-                             res.logprobs, res.versions, res.stop_reason, request.messages,
-                             content, calls, parent.call_id if parent else None,
-                             tools=request.tools)
-            session.calls.append(call)
-            finish = "tool_calls" if calls else res.stop_reason
-            token_lps = list(zip(self.chat_format.token_texts(res.output_ids), res.logprobs)) \
-                if request.logprobs else None
-            choices.append(choice(i, content, calls, finish, token_lps))
+        choices = [self._record(session, request, response_id, number, i, input_ids, parent,
+                                res) for i, res in enumerate(results)]
         return chat_completion(response_id, request.model or defaults.model, choices,
                                len(input_ids), sum(len(r.output_ids) for r in results))
 
+    def _prompt(self, session: Session, request: ChatRequest, defaults: SessionDefaults
+                ) -> tuple[list[int], Optional[ModelCall]]:
+        if session.status != "running":
+            raise BadRequest(f"session {session.session_id[:8]} has ended "
+                             f"({session.drop_reason or session.status})")
+        parent, env = self._continued(session, request)
+        input_ids = parent.full_ids + env if parent is not None else \
+            self.chat_format.prompt_ids(request.messages, request.tools)
+        if len(input_ids) > defaults.max_prompt_tokens:
+            raise BadRequest(f"the prompt has {len(input_ids)} tokens, more than "
+                             f"agent.max_prompt_tokens = {defaults.max_prompt_tokens}")
+        return input_ids, parent
 
-def _same_reply(message: dict, call: ModelCall) -> bool:
-    """Whether ``message`` is the assistant reply ``call`` produced (content and tool calls)."""
-    if message["role"] != "assistant" or message["content"].strip() != call.content.strip():
-        return False
-    got = [(c["id"], c["function"]["name"], c["function"]["arguments"])
-           for c in message.get("tool_calls", [])]
-    want = [(c["id"], c["function"]["name"], c["function"]["arguments"])
-            for c in call.tool_calls]
-    return got == want
+    def _record(self, session: Session, request: ChatRequest, response_id: str, number: int,
+                index: int, input_ids: list[int], parent: Optional[ModelCall],
+                res: GenResult) -> dict:
+        """Append choice ``index`` to the session; returns its response entry."""
+        content, calls = self.chat_format.parse_output(
+            res.output_ids, parse_tools=bool(request.tools) and request.tool_choice != "none")
+        session.calls.append(ModelCall(
+            f"{response_id}:{index}", list(input_ids), res.output_ids, res.logprobs,
+            res.versions, res.stop_reason, request.messages, content, calls,
+            parent.call_id if parent else None, tools=request.tools, request=number,
+            choice=index))
+        finish = "tool_calls" if calls and res.stop_reason == "stop" else res.stop_reason
+        token_lps = list(zip(self.chat_format.token_texts(res.output_ids), res.logprobs)) \
+            if request.logprobs else None
+        return choice(index, content, calls, finish, token_lps)
 
 
 def _response_object(response: dict):
-    """openai's ``ChatCompletion`` when the package is installed, else attribute access."""
-    try:
-        from openai.types.chat import ChatCompletion
-    except ImportError:
-        return _namespace(response)
+    """The response as openai's ``ChatCompletion`` (attribute access, ``model_dump``)."""
+    from openai.types.chat import ChatCompletion
+
     return ChatCompletion.model_validate(response)
-
-
-def _namespace(value):
-    if isinstance(value, dict):
-        return SimpleNamespace(**{k: _namespace(v) for k, v in value.items()})
-    if isinstance(value, list):
-        return [_namespace(v) for v in value]
-    return value
 
 
 class AgentClient:
@@ -211,16 +224,30 @@ class AgentClient:
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
 
     async def _create(self, **kwargs):
-        request = parse_chat_request({k: v for k, v in kwargs.items()
-                                      if k not in ("extra_headers", "timeout")})
+        body = {k: v for k, v in kwargs.items()
+                if k not in ("extra_headers", "extra_query", "extra_body", "timeout")}
+        body.update(kwargs.get("extra_body") or {})  # as openai merges it into the JSON body
+        request = parse_chat_request(body)
         return _response_object(await self.backend.complete(self.session, request,
                                                             self.defaults))
 
     def set_reward(self, completion_id: str, reward: float, index: int = 0) -> None:
-        """Give choice ``index`` of response ``completion_id`` its own (per-turn) reward."""
+        """Give choice ``index`` of a response its own (per-turn) reward.
+
+        Parameters
+        ----------
+        completion_id : str
+            The response's ``id``.
+        reward : float
+            Finite.
+        index : int
+            The choice.
+
+        Raises
+        ------
+        KeyError
+            No such response or choice in this session.
+        ValueError
+            ``reward`` is not a finite number.
+        """
         self.session.set_reward(f"{completion_id}:{index}", reward)
-
-
-def new_session_id() -> str:
-    """A random session id (hex)."""
-    return uuid.uuid4().hex

@@ -14,11 +14,14 @@ returns a fresh random token that the agent passes as its API key, and every req
 it is served by :class:`~areal_fast.agent.client.ChatBackend` and recorded in that session.
 Unknown, missing or closed tokens get 401. Errors use OpenAI's JSON shape ``{"error":
 {"message", "type", "param", "code"}}``. The server binds the loopback interface unless told
-otherwise and handles requests concurrently on the event loop that started it.
+otherwise and handles requests concurrently on the event loop that started it. A request whose
+client disconnects is cancelled (its ``generate`` calls see ``asyncio.CancelledError``), and so
+are the running requests of a session when :meth:`AgentServer.close_session` revokes its token.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
@@ -59,6 +62,17 @@ def _param_of(message: str) -> Optional[str]:
     return None
 
 
+def _bad_request(exc: BadRequest) -> web.Response:
+    message = str(exc).splitlines()[0] if str(exc) else "bad request"
+    return _error(400, message, param=_param_of(message))
+
+
+def _describe(exc: BaseException) -> str:
+    """``"<ExcType>: <first line>"`` (just the type when the message is empty)."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -79,11 +93,14 @@ class AgentServer:
 
     Notes
     -----
-    HTTP statuses: 200 success; 400 a body that is not a JSON object or a request the
-    endpoint refuses (the message names the key, also given as ``param``); 401 a missing,
-    unknown or closed token; 404 an unknown route; 405 a known route with the wrong method;
-    413 a body over ``max_body_bytes``; 500 the engine failed (``"the engine failed:
-    <ExcType>: <first line>"``, logged on the ``areal_fast.agent`` logger).
+    HTTP statuses: 200 success; 400 a body that is not a JSON object (or nested too deeply)
+    or a request the endpoint refuses (the message names the key, also given as ``param``);
+    401 a missing, unknown or closed token, also a request still running when its session
+    is closed (code ``"session_closed"``); 404 an unknown route; 405 a known route with the
+    wrong method; 413 a body over ``max_body_bytes``; 500 the request could not be read
+    (``"cannot read the request: <ExcType>: <first line>"``, a bug of the parser) or the
+    engine failed (``"the engine failed: <ExcType>: <first line>"``); 500s are logged on the
+    ``areal_fast.agent`` logger.
     """
 
     def __init__(self, backend: ChatBackend, host: str = "127.0.0.1", port: int = 0,
@@ -91,6 +108,7 @@ class AgentServer:
         self.backend, self.host, self.port = backend, host, port
         self.max_body_bytes = max_body_bytes
         self._sessions: dict[str, tuple[Session, SessionDefaults]] = {}
+        self._running: dict[str, set[asyncio.Task]] = {}  # token -> its requests' tasks
         self._runner: Optional[web.AppRunner] = None
         self._bound_port: Optional[int] = None
         self._closed = False
@@ -111,7 +129,9 @@ class AgentServer:
                               middlewares=[self._json_errors])
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+        # handler_cancellation: a request whose client disconnects is cancelled
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0,
+                               handler_cancellation=True)
         await runner.setup()
         try:
             await web.TCPSite(runner, self.host, self.port).start()
@@ -155,17 +175,28 @@ class AgentServer:
         return token
 
     def close_session(self, token: str) -> None:
-        """Revoke ``token``: later requests with it get 401 (unknown tokens are ignored)."""
+        """Revoke ``token``: later requests with it get 401, and its running requests are
+        cancelled (they answer 401 too). Unknown tokens are ignored.
+
+        Parameters
+        ----------
+        token : str
+            From :meth:`open_session`.
+        """
         self._sessions.pop(token, None)
+        for task in self._running.pop(token, ()):
+            task.cancel()
 
     async def close(self) -> None:
         """Stop serving and revoke every token; safe to call more than once.
 
-        Requests still running after a one-second grace period are cancelled (their
-        ``generate`` calls see ``asyncio.CancelledError``).
+        The sessions' running requests are cancelled at once (their ``generate`` calls see
+        ``asyncio.CancelledError``; they answer 401), other requests after a one-second grace
+        period.
         """
         self._closed = True
-        self._sessions.clear()
+        for token in list(self._sessions):
+            self.close_session(token)
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
@@ -183,6 +214,7 @@ class AgentServer:
                           code=code)
 
     def _authorise(self, request: web.Request):
+        """((session, defaults), token) of the request's bearer token, or (None, a 401)."""
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             return None, _error(401, "missing bearer token in the Authorization header",
@@ -191,13 +223,13 @@ class AgentServer:
         if entry is None:
             return None, _error(401, "invalid or expired API key", "authentication_error",
                                 code="invalid_api_key")
-        return entry, None
+        return (entry, token.strip()), None
 
     async def _models(self, request: web.Request) -> web.Response:
         entry, denied = self._authorise(request)
         if denied is not None:
             return denied
-        model = {"id": entry[1].model, "object": "model", "created": 0,
+        model = {"id": entry[0][1].model, "object": "model", "created": 0,
                  "owned_by": "areal-fast"}
         return web.json_response({"object": "list", "data": [model]})
 
@@ -205,7 +237,7 @@ class AgentServer:
         entry, denied = self._authorise(request)
         if denied is not None:
             return denied
-        session, defaults = entry
+        (session, defaults), token = entry
         if (request.content_length or 0) > self.max_body_bytes:
             return self._too_large()
         try:
@@ -214,21 +246,47 @@ class AgentServer:
             return self._too_large()
         try:
             body = json.loads(raw, parse_constant=_reject_constant)
+        except RecursionError:
+            return _error(400, "the request body is not valid JSON: it is nested too deeply")
         except (ValueError, UnicodeDecodeError) as exc:
             return _error(400, f"the request body is not valid JSON: {exc}")
         try:
             chat = parse_chat_request(body)
-            response = await self.backend.complete(session, chat, defaults)
         except BadRequest as exc:
-            message = str(exc).splitlines()[0] if str(exc) else "bad request"
-            return _error(400, message, param=_param_of(message))
+            return _bad_request(exc)
+        except RecursionError:
+            return _error(400, "the request is nested too deeply")
+        except Exception as exc:  # noqa: BLE001 - a parser bug, not the caller's or engine's
+            logger.exception("agent server: cannot read a chat request of session %s",
+                             session.session_id)
+            return _error(500, f"cannot read the request: {_describe(exc)}", "server_error",
+                          code="internal_error")
+        if token not in self._sessions:  # closed while the body was read
+            return _error(401, "invalid or expired API key", "authentication_error",
+                          code="invalid_api_key")
+        task = asyncio.ensure_future(self.backend.complete(session, chat, defaults))
+        running = self._running.setdefault(token, set())
+        running.add(task)
+        try:
+            response = await task
+        except asyncio.CancelledError:
+            if asyncio.current_task().cancelling():  # the client went away, or shutdown
+                raise
+            return _error(401, "the session was closed while this request was running",
+                          "authentication_error", code="session_closed")
+        except BadRequest as exc:
+            return _bad_request(exc)
+        except RecursionError:
+            return _error(400, "the request is nested too deeply")
         except Exception as exc:  # noqa: BLE001 - any engine failure becomes a 500
-            first = (str(exc).strip().splitlines() or [""])[0]
             logger.exception("agent server: chat completion of session %s failed",
                              session.session_id)
-            detail = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-            return _error(500, f"the engine failed: {detail}",
+            return _error(500, f"the engine failed: {_describe(exc)}",
                           "server_error", code="engine_error")
+        finally:
+            running.discard(task)
+            if not running and self._running.get(token) is running:
+                del self._running[token]
         return web.json_response(response)
 
     def _too_large(self) -> web.Response:

@@ -16,9 +16,14 @@ Export (:meth:`Session.export`):
 - ``"per_turn"``: one trajectory per call (its input as the prompt, its output as the
   completion).
 
-Rewards with a turn discount γ follow AReaL's multi-turn agents: walking the calls from last
-to first, each call's reward is its own reward plus γ times the next call's, so with only a
-final reward R the call k turns before the end gets γ^k · R.
+Rewards. Turn k of a session is its k-th chat request (numbered in the order the agent made
+them). The episode's path holds the choices the agent went on with (a later request sent their
+reply back) and every choice of the last request. The agent's final reward R goes to the last
+request's choices; walking back, a call of turn k gets its own per-call reward plus γ times the
+mean value of the path calls of turn k + 1 (γ = ``turn_discount``; with only R, the call K − 1 − k
+turns before the last gets γ^(K−1−k) · R). Choices the agent never continued (with ``n`` > 1)
+are not part of the episode: they are not exported unless the agent gave them their own reward.
+A concatenated sequence gets the value of its first call (its return from there on).
 """
 
 from __future__ import annotations
@@ -66,6 +71,10 @@ class ModelCall:
         Per-call reward set by the agent (see :meth:`Session.set_reward`).
     tools : list[dict], optional
         The request's tools (a continuation must offer the same ones).
+    request : int
+        Number of the chat request that produced it (0, 1, ... within the session).
+    choice : int
+        Its index among that request's choices.
     """
 
     call_id: str
@@ -80,6 +89,8 @@ class ModelCall:
     parent: Optional[str] = None
     reward: Optional[float] = None
     tools: Optional[list[dict]] = None
+    request: int = 0
+    choice: int = 0
 
     def __post_init__(self):
         if not (len(self.output_ids) == len(self.logprobs) == len(self.versions)):
@@ -91,6 +102,16 @@ class ModelCall:
     def full_ids(self) -> list[int]:
         """Input followed by output token ids."""
         return self.input_ids + self.output_ids
+
+    def is_reply(self, message: dict) -> bool:
+        """Whether a normalised chat ``message`` is this call's reply as the agent got it
+        (role assistant, same text up to surrounding whitespace, same tool calls)."""
+        if message.get("role") != "assistant" or \
+                (message.get("content") or "").strip() != self.content.strip():
+            return False
+        def key(calls):
+            return [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        return key(message.get("tool_calls") or []) == key(self.tool_calls)
 
 
 @dataclass
@@ -130,48 +151,121 @@ class Session:
     next_call: int = 0
 
     def call(self, call_id: str) -> ModelCall:
-        """The call named ``call_id``; KeyError naming it if there is none."""
+        """The call named ``call_id``.
+
+        Raises
+        ------
+        KeyError
+            Naming ``call_id`` if the session has no such call.
+        """
         for c in self.calls:
             if c.call_id == call_id:
                 return c
         raise KeyError(f"session {self.session_id} has no call {call_id!r}")
 
     def set_reward(self, call_id: str, reward: float) -> None:
-        """Attach a per-call (per-turn) reward; ValueError if it is not a finite number."""
+        """Attach a per-call (per-turn) reward.
+
+        Parameters
+        ----------
+        call_id : str
+        reward : float
+
+        Raises
+        ------
+        KeyError
+            No such call.
+        ValueError
+            ``reward`` is not a finite real number (bools are refused).
+        """
         self.call(call_id).reward = _finite_reward(reward, f"reward of call {call_id!r}")
 
     def finish(self, reward) -> None:
-        """Record the agent's final reward; ValueError (session unchanged) if it is not a
-        finite real number (bools are refused too)."""
+        """Record the agent's final reward and mark the session done.
+
+        Parameters
+        ----------
+        reward : float-like
+            What ``run_agent_return_reward`` returned.
+
+        Raises
+        ------
+        ValueError
+            (Session unchanged.) Not a finite real number (bools are refused), or the session
+            made no model call.
+        """
         value = _finite_reward(reward, "run_agent_return_reward's return value")
         if not self.calls:
             raise ValueError("the agent returned a reward without calling the model")
         self.reward, self.status = value, "done"
 
     def drop(self, reason: str, error: str) -> None:
-        """Mark the session dropped for ``reason`` (one of :data:`DROP_REASONS`)."""
+        """Mark the session dropped; it records no further calls.
+
+        Parameters
+        ----------
+        reason : str
+            One of :data:`DROP_REASONS`.
+        error : str
+            One line saying why.
+
+        Raises
+        ------
+        ValueError
+            Unknown ``reason``.
+        """
         if reason not in DROP_REASONS:
             raise ValueError(f"drop reason {reason!r} is not one of {DROP_REASONS}")
         self.status, self.drop_reason, self.error = "dropped", reason, error
 
     # ---- rewards and export -----------------------------------------------------------
+    def path(self) -> list[ModelCall]:
+        """Calls on the episode's path: every choice the agent sent back in a later request,
+        and every choice of the last request (see the module docstring)."""
+        if not self.calls:
+            return []
+        last = max(c.request for c in self.calls)
+        sent_back = set()
+        for later in self.calls:
+            for c in self.calls:
+                if c.request < later.request and any(c.is_reply(m) for m in later.messages):
+                    sent_back.add(c.call_id)
+        return [c for c in self.calls if c.request == last or c.call_id in sent_back]
+
     def call_rewards(self, turn_discount: float = 1.0) -> dict[str, float]:
-        """Reward of each call: per-call rewards (0 where unset), the final reward added to
-        every choice of the last request, then discounted backwards (r_k += γ · r_{k+1})
-        along each chain (a call continued by several gets the best of them)."""
+        """Value of each call that is on the path or has its own reward.
+
+        Parameters
+        ----------
+        turn_discount : float
+            γ in [0, 1].
+
+        Returns
+        -------
+        dict[str, float]
+            call_id → own reward (0 if unset) + R for the last request's choices, or + γ ·
+            (mean value of the next request's path calls) for earlier ones.
+
+        Raises
+        ------
+        ValueError
+            The session has no final reward.
+        """
         if self.reward is None:
             raise ValueError(f"session {self.session_id} has no final reward")
-        own = {c.call_id: c.reward or 0.0 for c in self.calls}
-        last_request = self.calls[-1].call_id.rsplit(":", 1)[0]
-        for c in self.calls:
-            if c.call_id.rsplit(":", 1)[0] == last_request:
-                own[c.call_id] += self.reward
-        out: dict[str, float] = {}
-        children = self._children()
-        for c in reversed(self.calls):
-            later = [out[k] for k in children.get(c.call_id, []) if k in out]
-            out[c.call_id] = own[c.call_id] + turn_discount * (max(later) if later else 0.0)
-        return out
+        on_path = {c.call_id for c in self.path()}
+        requests = sorted({c.request for c in self.calls}, reverse=True)
+        values: dict[str, float] = {}
+        following = self.reward  # what the last request's calls receive
+        for number in requests:
+            calls = [c for c in self.calls if c.request == number]
+            for c in calls:
+                values[c.call_id] = (c.reward or 0.0) + following
+            path_values = [values[c.call_id] for c in calls if c.call_id in on_path]
+            following = turn_discount * (sum(path_values) / len(path_values)
+                                         if path_values else 0.0)
+        return {k: v for k, v in values.items()
+                if k in on_path or self.call(k).reward is not None}
 
     def export(self, mode: str = "concat", turn_discount: float = 1.0) -> list[Trajectory]:
         """Trajectories for the trainer (see the module docstring).
@@ -179,8 +273,8 @@ class Session:
         Parameters
         ----------
         mode : str
-            "concat" (one sequence per root-to-leaf chain, environment tokens masked out)
-            or "per_turn" (one sequence per call).
+            "concat" (one sequence per chain of token-exact continuations, environment tokens
+            masked out) or "per_turn" (one sequence per call).
         turn_discount : float
             γ in [0, 1].
 
@@ -198,29 +292,28 @@ class Session:
             raise ValueError(f"agent.export = {mode!r} is not one of {EXPORT_MODES}")
         if not 0.0 <= turn_discount <= 1.0:
             raise ValueError(f"agent.turn_discount = {turn_discount} must be in [0, 1]")
-        rewards = self.call_rewards(turn_discount)
+        values = self.call_rewards(turn_discount)
+        kept = [c for c in self.calls if c.call_id in values]
         if mode == "per_turn":
-            return [self._trajectory([c], rewards[c.call_id]) for c in self.calls]
-        return [self._trajectory(chain, rewards[chain[-1].call_id]) for chain in self.chains()]
+            return [self._trajectory([c], values[c.call_id]) for c in kept]
+        return [self._trajectory(chain, values[chain[0].call_id])
+                for chain in self.chains(kept)]
 
-    def chains(self) -> list[list[ModelCall]]:
-        """Root-to-leaf chains of calls (a leaf is a call no other call continues)."""
-        by_id = {c.call_id: c for c in self.calls}
-        children = self._children()
+    def chains(self, calls: Optional[list[ModelCall]] = None) -> list[list[ModelCall]]:
+        """Chains of token-exact continuations among ``calls`` (default: all), first to last.
+
+        A chain ends at a call that no call in ``calls`` continues; it starts at a call whose
+        parent is not in ``calls`` (or that has none)."""
+        calls = self.calls if calls is None else calls
+        by_id = {c.call_id: c for c in calls}
+        continued = {c.parent for c in calls if c.parent in by_id}
         chains = []
-        for leaf in (c for c in self.calls if c.call_id not in children):
+        for leaf in (c for c in calls if c.call_id not in continued):
             chain = [leaf]
-            while chain[-1].parent is not None:
+            while chain[-1].parent in by_id:
                 chain.append(by_id[chain[-1].parent])
             chains.append(chain[::-1])
         return chains
-
-    def _children(self) -> dict[str, list[str]]:
-        children: dict[str, list[str]] = {}
-        for c in self.calls:
-            if c.parent is not None:
-                children.setdefault(c.parent, []).append(c.call_id)
-        return children
 
     def _trajectory(self, chain: list[ModelCall], reward: float) -> Trajectory:
         root = chain[0]

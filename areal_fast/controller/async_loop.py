@@ -12,6 +12,7 @@ rollout worker to load the new weights (they interrupt and resume their running 
 from __future__ import annotations
 
 import collections
+import logging
 import math
 import statistics
 import time
@@ -24,6 +25,7 @@ from areal_fast.controller.staleness import StalenessManager
 from areal_fast.controller.workers import WorkerError, WorkerHandle, wait_messages
 
 TRAIN_PIPELINE = 2  # batches handed to the trainer ahead of completion (prefetch depth)
+log = logging.getLogger("areal_fast.controller")
 
 
 @dataclass
@@ -247,7 +249,10 @@ class AsyncController:
 
     def _on_message(self, worker: WorkerHandle, message) -> None:
         if isinstance(message, msg.GroupDone):
-            self._on_group_done(worker, message)
+            if message.group_id in self.submitted_at:
+                self._on_group_done(worker, message)
+            else:
+                self._on_unknown_group(worker, message)
         elif isinstance(message, msg.StepDone):
             self._on_step_done(message)
         elif isinstance(message, msg.WeightsUpdated):
@@ -288,6 +293,14 @@ class AsyncController:
             raise ValueError(f"rollout.dynamic_filter: the last {self.filtered_in_a_row} "
                              f"groups all had equal rewards and were dropped, so no batch can "
                              f"be filled; check the reward function or turn the filter off")
+
+    def _on_unknown_group(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
+        """A group that is not running (it was cancelled at the end of training, or reported
+        twice): free its shard and change no counts."""
+        log.warning("rollout worker %r reported group %d, which is not running (cancelled "
+                    "before it finished?); it is ignored", worker.name, done.group_id)
+        if done.shard is not None:
+            worker.send(msg.DropShards([done.group_id]))
 
     def _on_step_done(self, done: msg.StepDone) -> None:
         if not self.training or done.group_ids != [g.group_id for g in self.training[0][0]]:
@@ -338,10 +351,15 @@ class AsyncController:
         return record
 
     def _agent_totals(self) -> dict:
-        """Agent sessions and trajectory-store counters, summed over the rollout workers."""
+        """Agent sessions and trajectory-store counters, summed over the rollout workers
+        (the store's compression ratio from the summed byte counts)."""
         totals: dict = collections.Counter()
         for stats in self.agent_stats.values():
             totals.update(stats)
+        if "trajectory/compression_ratio" in totals:
+            stored = totals.get("trajectory/stored_bytes", 0)
+            totals["trajectory/compression_ratio"] = \
+                totals.get("trajectory/raw_bytes", 0) / stored if stored else 0.0
         return dict(totals)
 
     # ---- deadlines and shutdown -----------------------------------------------------
@@ -398,7 +416,11 @@ class AsyncController:
                 if isinstance(message, msg.Cancelled):
                     cancelled.discard(worker.name)
                     self.counts.dropped["in_flight_at_end"] += message.groups
+                elif isinstance(message, msg.GroupDone) and \
+                        message.group_id not in self.submitted_at:
+                    self._on_unknown_group(worker, message)
                 elif isinstance(message, msg.GroupDone):  # finished before the cancel
+                    self.submitted_at.pop(message.group_id)
                     self.counts.dropped["unused_at_end"] += 1
                     if message.shard is not None:
                         worker.send(msg.DropShards([message.group_id]))

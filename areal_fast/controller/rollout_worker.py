@@ -11,11 +11,16 @@ With an agent in its spec, training groups run as agent sessions instead
 (:class:`~areal_fast.agent.workload.AgentWorkload`): the sessions' model calls share the
 engine with the plain samples (held-out evaluation stays plain), and aborted calls are
 resumed the same way.
+
+The worker's main thread owns the set of agent groups it handed to the workload and has not
+reported: :class:`CancelAll` counts and forgets them, so a group that ends on the agent loop
+after the cancel is not reported (the controller counted it as cancelled).
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -31,6 +36,8 @@ from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
 from areal_fast.sync.shared_memory import SharedWeightBuffer
 
 PAUSE_TIMEOUT_S = 300.0
+FLUSH_TIMEOUT_S = 300.0  # trajectory store: writing out what is queued when training ends
+log = logging.getLogger("areal_fast.rollout_worker")
 
 
 @dataclass
@@ -93,6 +100,8 @@ class RolloutWorker:
         self.rids = itertools.count()
         self.stopped = False
         self.agent = None
+        self.agent_groups: set[int] = set()  # handed to the agent, not reported or cancelled
+        self.agent_resumed = 0  # the agent's resumed calls already reported in a GroupDone
         if spec.agent is not None:
             from areal_fast.agent.workload import AgentWorkload
 
@@ -100,15 +109,23 @@ class RolloutWorker:
                                        lambda group: self.inbox.put(("agent_group", group)))
 
     def run(self) -> None:
-        """Serve until :class:`Shutdown` (or the controller's pipe closes)."""
-        self.engine.start()
-        self.store.start()
-        if self.agent is not None:
-            self.agent.start()
-        threading.Thread(target=self._read_control, daemon=True).start()
-        threading.Thread(target=self._pump_outputs, daemon=True).start()
-        self.conn.send(msg.WorkerReady(self.name, self.store.address))
+        """Serve until :class:`Shutdown` (or the controller's pipe closes).
+
+        Raises
+        ------
+        Exception
+            What stopped the loop; else the first error of closing the agent sessions, the
+            engine, the shard store and the weight buffers (each is closed regardless).
+        """
+        failed = True
         try:
+            self.engine.start()
+            self.store.start()
+            if self.agent is not None:
+                self.agent.start()
+            threading.Thread(target=self._read_control, daemon=True).start()
+            threading.Thread(target=self._pump_outputs, daemon=True).start()
+            self.conn.send(msg.WorkerReady(self.name, self.store.address))
             while not self.stopped:
                 kind, item = self.inbox.get()
                 if kind == "error":
@@ -119,13 +136,29 @@ class RolloutWorker:
                     self._finish_agent_group(item)
                 else:
                     self._handle_outputs(item)
+            failed = False
         finally:
-            if self.agent is not None:
-                self.agent.close()
-            self.engine.close()
-            self.store.close()
-            for buffer in self.buffers.values():
-                buffer.close()
+            self.stopped = True
+            self._close(raise_error=not failed)
+
+    def _close(self, raise_error: bool) -> None:
+        """Close every resource, each in its own try; the first error is raised (when
+        ``raise_error``) after all of them, the others are logged."""
+        closers = [("the agent sessions", self.agent.close)] if self.agent is not None else []
+        closers += [("the engine", self.engine.close), ("the shard store", self.store.close)]
+        closers += [(f"weight buffer {path}", b.close) for path, b in self.buffers.items()]
+        first = None
+        for what, close in closers:
+            try:
+                close()
+            except Exception as exc:  # noqa: BLE001 - the others are closed all the same
+                if first is None and raise_error:
+                    first = exc
+                else:
+                    log.error("rollout worker %s: closing %s failed: %s: %s", self.name, what,
+                              type(exc).__name__, exc)
+        if first is not None:
+            raise first
 
     def _read_control(self) -> None:
         try:
@@ -156,8 +189,11 @@ class RolloutWorker:
             self._update_weights(message)
         elif isinstance(message, msg.DropShards):
             self.store.drop(message.shard_ids)
-        elif isinstance(message, msg.CancelAll):
-            self.conn.send(msg.Cancelled(self._cancel_all()))
+        elif isinstance(message, msg.CancelAll):  # the end of training
+            cancelled = self._cancel_all()
+            if self.agent is not None:  # a store failure fails the run now, not at exit
+                self.agent.flush(FLUSH_TIMEOUT_S)
+            self.conn.send(msg.Cancelled(cancelled))
         elif isinstance(message, msg.Shutdown):
             self.stopped = True
 
@@ -165,6 +201,7 @@ class RolloutWorker:
         gen = []
         for request in requests:
             if self.agent is not None and not evaluation:
+                self.agent_groups.add(request.group_id)
                 self.agent.submit(request)
                 continue
             samples = [_Sample(request.group_id, i, list(request.prompt_ids),
@@ -240,7 +277,14 @@ class RolloutWorker:
                                      sum(s.interruptions for s in group.samples)))
 
     def _finish_agent_group(self, group) -> None:
+        if group.group_id not in self.agent_groups:
+            return  # ended after CancelAll took it: counted as cancelled, not reported
+        self.agent_groups.discard(group.group_id)
         trajectories, stats = self.agent.finish(group)
+        # the bridge does not know which group a resumed call belonged to: each GroupDone
+        # carries the calls resumed since the previous one, so their sum is the total
+        resumed = int(stats.get("agent/resumed_calls", 0))
+        interruptions, self.agent_resumed = resumed - self.agent_resumed, resumed
         shard = None
         if trajectories:
             tensors = shard_tensors(trajectories)
@@ -249,7 +293,8 @@ class RolloutWorker:
                                   len(trajectories), 0, tensor_metadata(tensors))
         self.conn.send(msg.GroupDone(shard, group.group_id, [t.reward for t in trajectories],
                                      [t.num_trained_tokens for t in trajectories],
-                                     [t.stop_reason for t in trajectories], 0, stats,
+                                     [t.stop_reason for t in trajectories], interruptions,
+                                     stats,
                                      [f"{s.drop_reason}: {s.error}" for s in group.sessions
                                       if s.status != "done"]))
 
@@ -260,7 +305,10 @@ class RolloutWorker:
 
     def _cancel_all(self) -> int:
         self.engine.pause(PAUSE_TIMEOUT_S)
-        cancelled = self.agent.cancel_all() if self.agent is not None else 0
+        cancelled = len(self.agent_groups)  # whatever the agent loop has finished meanwhile
+        self.agent_groups.clear()
+        if self.agent is not None:
+            self.agent.cancel_all()
         self.engine.drop_queued()
         cancelled += sum(not g.evaluation for g in self.groups.values())
         self.groups = {k: g for k, g in self.groups.items() if g.evaluation}

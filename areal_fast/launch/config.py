@@ -218,16 +218,37 @@ class ExperimentConfig:
                              f"than the {units} {what} of a batch")
         if self.threads is not None:
             _at_least("threads", self.threads, 1)
-        longest = self.agent.max_prompt_tokens + self.rollout.max_new_tokens
-        if self.agent.path and self.actor.max_tokens_per_mb < longest:
-            raise ValueError(f"agent.max_prompt_tokens = {self.agent.max_prompt_tokens}: with "
-                             f"rollout.max_new_tokens a session's sequence can reach {longest} "
-                             f"tokens, more than actor.max_tokens_per_mb = "
-                             f"{self.actor.max_tokens_per_mb}")
+        if self.agent.path:
+            self._check_agent_lengths()
         for key in ("experiment_name", "trial_name"):
             value = getattr(self, key)
             if not value or "/" in value or value.startswith("."):
                 raise ValueError(f"{key} = {value!r} must be a plain, non-empty folder name")
+
+    def _check_agent_lengths(self) -> None:
+        """An agent's sequences must fit a micro-batch: a concat sequence is at most one
+        call's prompt (agent.max_prompt_tokens) plus its output (the effective
+        agent.max_tokens_cap), and with actor.keep_groups a whole group goes in one."""
+        a, r, mb = self.agent, self.rollout, self.actor.max_tokens_per_mb
+        cap = r.max_new_tokens if a.max_tokens_cap is None else a.max_tokens_cap
+        if r.max_new_tokens > cap:
+            raise ValueError(f"rollout.max_new_tokens = {r.max_new_tokens} is above "
+                             f"agent.max_tokens_cap = {cap}: every model call without "
+                             f"max_tokens would be refused")
+        if a.export == "per_turn" and self.actor.keep_groups:
+            raise ValueError("agent.export = 'per_turn' with actor.keep_groups = true: a group "
+                             "has one sequence per model call, however many, so it may not "
+                             "fit one micro-batch; use agent.export=concat or "
+                             "actor.keep_groups=false")
+        sequences = r.group_size if self.actor.keep_groups else 1
+        need = sequences * (a.max_prompt_tokens + cap)
+        if need > mb:
+            what = (f"a group of rollout.group_size = {r.group_size} sessions (actor.keep_groups)"
+                    if self.actor.keep_groups else "a session's sequence")
+            raise ValueError(f"agent.max_prompt_tokens = {a.max_prompt_tokens}: with "
+                             f"max_tokens up to {cap} (agent.max_tokens_cap, default "
+                             f"rollout.max_new_tokens) {what} can reach {need} tokens, more "
+                             f"than actor.max_tokens_per_mb = {mb}")
 
     @property
     def run_dir(self) -> Path:

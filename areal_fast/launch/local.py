@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import random
@@ -29,6 +30,8 @@ from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
 from areal_fast.launch.processes import ClusterSpec, LocalCluster
 from areal_fast.models.loading import load_model_config, load_tokenizer
 from areal_fast.rollout.engine import SamplingParams
+
+log = logging.getLogger("areal_fast.launch")
 
 
 def seed_everything(seed: int) -> None:
@@ -209,7 +212,8 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
     if cfg.agent.path:
         from areal_fast.agent.runner import load_agent
 
-        load_agent(cfg.agent.path, cfg.agent.kwargs)  # a bad agent.path fails here, at once
+        # a bad agent.path fails here, at once; the agent is built in the rollout workers
+        load_agent(cfg.agent.path, cfg.agent.kwargs, construct=False)
     train_set, eval_set, removed = load_datasets(cfg)
     tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)
@@ -219,11 +223,23 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
     run_dir = prepare_run_dir(cfg)
     try:
         with LocalCluster(cluster_spec(cfg)) as cluster:
-            return _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set,
-                        removed, show_progress)
+            summary = _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set,
+                           removed, show_progress)
     except BaseException as exc:
         (run_dir / "FAILED").write_text(f"{type(exc).__name__}: {exc}\n")
         raise
+    warn_failed_exits(cluster)
+    return summary
+
+
+def warn_failed_exits(cluster: LocalCluster) -> None:
+    """Log each worker that exited non-zero after the run itself succeeded (an error while
+    shutting down, e.g. closing its agent sessions; its traceback precedes on stderr)."""
+    for handle in [*cluster.rollout_workers, *([cluster.trainer] if cluster.trainer else [])]:
+        code = handle.process.exitcode
+        if code:
+            how = "was killed (it did not exit in time)" if code < 0 else f"exited with code {code}"
+            log.warning("worker %r %s while shutting down after the run", handle.name, how)
 
 
 def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed,

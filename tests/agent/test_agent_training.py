@@ -108,12 +108,41 @@ def test_an_agent_that_always_fails_ends_the_run(tiny_model_dir, tmp_path, capsy
 
 @pytest.mark.parametrize("override,key", [("agent.export=tree", "agent.export"),
                                           ("agent.turn_discount=1.5", "agent.turn_discount"),
+                                          ("agent.dropped_reward=nan", "agent.dropped_reward"),
                                           ("trajectory.compression=gzip",
-                                           "trajectory.compression")])
+                                           "trajectory.compression"),
+                                          # every call without max_tokens would be refused
+                                          ("agent.max_tokens_cap=4", "rollout.max_new_tokens"),
+                                          # a group of sessions cannot fit a micro-batch
+                                          ("agent.max_prompt_tokens=2100",
+                                           "agent.max_prompt_tokens"),
+                                          # a group's sequences are unbounded
+                                          ("agent.export=per_turn", "agent.export")])
 def test_config_errors_name_the_key(tiny_model_dir, tmp_path, capsys, override, key):
     assert main(_args(tiny_model_dir, tmp_path, MULTITURN, override)) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"{key} = " in last and f"{key.split('.')[0]}.{key}" not in last
+
+
+def test_agent_lengths_must_fit_a_micro_batch():
+    from areal_fast.launch.config import ConfigError, load_config
+
+    ok = load_config(str(MULTITURN))  # 4 · (512 + 32) tokens ≤ 4096
+    assert ok.agent.max_tokens_cap is None and ok.agent.max_prompt_tokens == 512
+    assert load_config(str(CALCULATOR)).agent.max_prompt_tokens == 768
+    with pytest.raises(ConfigError) as exc:
+        load_config(str(MULTITURN), ["agent.max_prompt_tokens=1000"])
+    assert str(exc.value) == (
+        "agent.max_prompt_tokens = 1000: with max_tokens up to 32 (agent.max_tokens_cap, "
+        "default rollout.max_new_tokens) a group of rollout.group_size = 4 sessions "
+        "(actor.keep_groups) can reach 4128 tokens, more than actor.max_tokens_per_mb = 4096")
+    # one session's sequence is what must fit without keep_groups; the cap counts when set
+    load_config(str(MULTITURN), ["agent.max_prompt_tokens=1000", "actor.keep_groups=false"])
+    with pytest.raises(ConfigError, match="can reach 4112 tokens"):
+        load_config(str(MULTITURN), ["agent.max_tokens_cap=3600", "actor.keep_groups=false"])
+    with pytest.raises(ConfigError, match="agent.export = 'per_turn' with actor.keep_groups"):
+        load_config(str(MULTITURN), ["agent.export=per_turn"])
+    assert load_config(str(MULTITURN), ["agent.export=per_turn", "actor.keep_groups=false"])
 
 
 @pytest.mark.slow

@@ -406,6 +406,93 @@ def test_engine_failure_gets_500_and_server_keeps_serving(fmt, caplog):
     assert any(r.name == "areal_fast.agent" and r.exc_info for r in caplog.records)
 
 
+def test_deeply_nested_json_gets_400(fmt):
+    gen = Scripted(fmt)
+    deep = b'{"messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+    async def main():
+        async with serving(fmt, gen) as (server, session, token):
+            return await post(server, token, None, raw=deep), session
+
+    (status, body), session = asyncio.run(main())
+    assert status == 400
+    err = assert_error(body, "invalid_request_error")
+    assert err["message"] == "the request body is not valid JSON: it is nested too deeply"
+    assert session.calls == [] and gen.calls == []
+
+
+def test_a_parser_failure_is_not_called_an_engine_failure(fmt, monkeypatch, caplog):
+    import areal_fast.agent.server as server_module
+
+    def broken(body):
+        raise KeyError("content")
+    monkeypatch.setattr(server_module, "parse_chat_request", broken)
+
+    async def main():
+        async with serving(fmt, Scripted(fmt)) as (server, session, token):
+            return await post(server, token, {"messages": MESSAGES})
+
+    with caplog.at_level("ERROR", logger="areal_fast.agent"):
+        status, body = asyncio.run(main())
+    assert status == 500
+    err = assert_error(body, "server_error")
+    assert err["message"] == "cannot read the request: KeyError: 'content'"
+    assert err["code"] == "internal_error"
+    assert any(r.name == "areal_fast.agent" and r.exc_info for r in caplog.records)
+
+
+class Hanging:
+    """A ``generate`` that never returns; records that it started and that it was cancelled."""
+
+    def __init__(self):
+        self.started, self.cancelled = asyncio.Event(), asyncio.Event()
+
+    async def __call__(self, *args):
+        self.started.set()
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+def test_a_request_is_cancelled_when_its_client_goes_away(fmt):
+    async def main():
+        gen = Hanging()
+        async with serving(fmt, gen) as (server, session, token):
+            request = asyncio.create_task(post(server, token, {"messages": MESSAGES}))
+            await asyncio.wait_for(gen.started.wait(), 10)
+            request.cancel()  # the client closes its connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await request
+            await asyncio.wait_for(gen.cancelled.wait(), 10)
+            return session, server._running
+
+    session, running = asyncio.run(main())
+    assert session.calls == [] and running == {}
+
+
+def test_closing_a_session_cancels_its_running_requests(fmt):
+    async def main():
+        gen = Hanging()
+        async with serving(fmt, gen) as (server, session, token):
+            other = server.open_session(Session(), SessionDefaults())
+            request = asyncio.create_task(post(server, token, {"messages": MESSAGES}))
+            await asyncio.wait_for(gen.started.wait(), 10)
+            server.close_session(other)  # another session's token: changes nothing
+            assert not gen.cancelled.is_set()
+            server.close_session(token)
+            status, body = await asyncio.wait_for(request, 10)
+            return status, body, gen.cancelled.is_set(), session, server._running
+
+    status, body, cancelled, session, running = asyncio.run(main())
+    assert status == 401 and cancelled
+    err = assert_error(body, "authentication_error")
+    assert err["code"] == "session_closed"
+    assert err["message"] == "the session was closed while this request was running"
+    assert session.calls == [] and running == {}
+
+
 # ---------------------------------------------------------------- lifecycle, binding
 
 
@@ -495,8 +582,10 @@ def test_real_engine_through_the_sdk(tiny_model_dir):
     fmt = ChatFormat(tok)
     msgs = [{"role": "user", "content": "What is 6 times 7?"}]
 
+    session_seed = int.from_bytes(os.urandom(4), "little")
+
     async def main():
-        defaults = SessionDefaults(max_tokens=12, seed=int.from_bytes(os.urandom(4), "little"))
+        defaults = SessionDefaults(max_tokens=12, seed=session_seed)
         async with serving(fmt, generate, defaults) as (server, session, token):
             async with client(server, token) as oa:
                 a = await oa.chat.completions.create(model="m", messages=msgs, n=2,
@@ -507,6 +596,7 @@ def test_real_engine_through_the_sdk(tiny_model_dir):
 
     try:
         a, b, session = asyncio.run(main())
+        *_, again = asyncio.run(main())
     finally:
         generate.close()
         engine.close()
@@ -517,6 +607,9 @@ def test_real_engine_through_the_sdk(tiny_model_dir):
         assert [t.logprob for t in choice.logprobs.content] == call.logprobs
         assert all(lp <= 0 for lp in call.logprobs)
         assert choice.message.content == fmt.parse_output(call.output_ids, False)[0]
-    # Sampling is seeded per choice: the same request seed reproduces choice 0.
-    assert session.calls[2].output_ids == session.calls[0].output_ids
+    # Sampling is seeded per choice: the same session seed and request seeds reproduce
+    # every choice.
+    assert [c.output_ids for c in again.calls] == [c.output_ids for c in session.calls], \
+        session_seed
+    assert [c.logprobs for c in again.calls] == [c.logprobs for c in session.calls]
     assert a.usage.completion_tokens == sum(len(c.output_ids) for c in session.calls[:2])

@@ -90,9 +90,12 @@ def test_session_captures_exactly_the_engines_tokens(engine, tokenizer, fresh_se
     assert second_a.parent == first.call_id == second_b.parent
     assert second_a.input_ids[:len(first.full_ids)] == first.full_ids
     assert second_a.input_ids == second_b.input_ids
-    expected_seeds = [(first, sample_seed(fresh_seed, 0), 1.0),
-                      (second_a, sample_seed(fresh_seed + 1, 0), 0.8),
-                      (second_b, sample_seed(fresh_seed + 1, 1), 0.8)]
+    # request k's base seed mixes the session seed, k and the request's seed
+    base0 = sample_seed(sample_seed(fresh_seed, 0), fresh_seed)
+    base1 = sample_seed(sample_seed(fresh_seed, 1), fresh_seed + 1)
+    expected_seeds = [(first, sample_seed(base0, 0), 1.0),
+                      (second_a, sample_seed(base1, 0), 0.8),
+                      (second_b, sample_seed(base1, 1), 0.8)]
     engine.submit([GenRequest(100 + i, c.input_ids, 12, t, 1.0, seed, 0)
                    for i, (c, seed, t) in enumerate(expected_seeds)])
     outs = {}
@@ -236,7 +239,81 @@ def test_edited_reply_starts_a_fresh_prompt(tokenizer):
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "something else"},
          {"role": "user", "content": "again"}])
     session.finish(1.0)
-    assert len(session.export("concat")) == 2
+    # the model's first reply was replaced by the agent: it is not part of the episode
+    [traj] = session.export("concat")
+    assert traj.info["call_ids"] == [session.calls[1].call_id]
+
+
+def test_unchosen_choices_are_left_out_and_rewards_follow_the_path(tokenizer):
+    """n = 3 at turn 0, the agent goes on with choice 1: choices 0 and 2 are not trained
+    (unless given their own reward), and the final reward flows back to choice 1 only."""
+    session = Session()
+    backend = ChatBackend(ChatFormat(tokenizer), _scripted(["a", "b", "c", "d"])(tokenizer))
+    client = AgentClient(session, backend, SessionDefaults(max_tokens=20))
+
+    async def agent():
+        msgs = [{"role": "user", "content": "pick"}]
+        out = await client.chat.completions.create(messages=msgs, n=3)
+        msgs += [{"role": "assistant", "content": out.choices[1].message.content},
+                 {"role": "user", "content": "go on"}]
+        await client.chat.completions.create(messages=msgs)
+        return out.id
+    first_id = asyncio.run(agent())
+    session.finish(-1.0)
+    c0, c1, c2, last = session.calls
+    assert last.parent == c1.call_id
+    assert [c.call_id for c in session.path()] == [c1.call_id, last.call_id]
+    per_turn = session.export("per_turn", turn_discount=0.5)
+    assert [(t.info["call_ids"], t.reward) for t in per_turn] == [
+        ([c1.call_id], -0.5), ([last.call_id], -1.0)]
+    [concat] = session.export("concat", turn_discount=0.5)
+    assert concat.info["call_ids"] == [c1.call_id, last.call_id] and concat.reward == -0.5
+    AgentClient(session, backend, SessionDefaults()).set_reward(first_id, 0.25, index=2)
+    rewards = session.call_rewards(0.5)
+    assert rewards == {c1.call_id: -0.5, c2.call_id: 0.25 - 0.5, last.call_id: -1.0}
+
+
+_THINK_TEMPLATE = (
+    "{% for m in messages %}{% set content = m['content'] %}"
+    "{% if m['role'] == 'assistant' and not loop.last %}"
+    "{% set content = content.split('</think>')[-1] %}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_templates_that_rewrite_earlier_turns_still_continue_token_exactly(tokenizer):
+    """Like Qwen3's template, this one drops reasoning from earlier assistant turns: the next
+    prompt still holds the model's own tokens (reasoning included), not a re-render."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.chat_template = _THINK_TEMPLATE
+    session = Session()
+    backend = ChatBackend(ChatFormat(tok), _scripted(["<think>2+2</think>4", "5"])(tok))
+    client = AgentClient(session, backend, SessionDefaults(max_tokens=40))
+
+    async def agent():
+        msgs = [{"role": "user", "content": "2+2?"}]
+        out = await client.chat.completions.create(messages=msgs)
+        msgs += [{"role": "assistant", "content": out.choices[0].message.content},
+                 {"role": "user", "content": "sure?"}]
+        await client.chat.completions.create(messages=msgs)
+    asyncio.run(agent())
+    first, second = session.calls
+    assert second.parent == first.call_id
+    assert second.input_ids[:len(first.full_ids)] == first.full_ids
+    env = tok.decode(second.input_ids[len(first.full_ids):])
+    assert env == "\n<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_a_dropped_session_records_no_late_call(tokenizer):
+    session = Session()
+    backend = ChatBackend(ChatFormat(tokenizer), _scripted(["x"])(tokenizer))
+    client = AgentClient(session, backend, SessionDefaults())
+    session.drop("timeout", "too slow")
+    with pytest.raises(BadRequest, match="has ended"):
+        asyncio.run(client.chat.completions.create(messages=[{"role": "user", "content": "q"}]))
+    assert session.calls == []
 
 
 def test_tool_calls_round_trip(tokenizer):
