@@ -28,7 +28,8 @@ def evaluate(model_path: str, agent_path: str, kwargs: dict, problems, temperatu
     """Run the agent once per problem; returns the summary (see the module docstring)."""
     from areal_fast.agent.chat_format import ChatFormat
     from areal_fast.agent.client import ChatBackend, SessionDefaults
-    from areal_fast.agent.runner import AgentConfig, AgentRunner, EngineBridge, load_agent
+    from areal_fast.agent.bridge import EngineBridge
+    from areal_fast.agent.runner import AgentConfig, AgentRunner, load_agent
     from areal_fast.models.loading import load_causal_lm, load_tokenizer
     from areal_fast.rollout.hf_engine import HFEngine
 
@@ -79,7 +80,8 @@ def main(argv=None) -> int:
     from areal_fast.launch.config import load_config
     from areal_fast.launch.local import load_datasets
 
-    cfg = load_config(str(Path(args.run) / "config.yaml"))
+    # only the data and eval settings are used: the run's own agent section is not checked
+    cfg = load_config(str(Path(args.run) / "config.yaml"), ['agent.path=""'])
     torch.manual_seed(cfg.seed)
     _, eval_set, _ = load_datasets(cfg)
     model = args.model or cfg.model.path

@@ -7,10 +7,10 @@ Light to import: the endpoint (aiohttp) and the store's zstandard are imported w
 from areal_fast.agent.chat_format import ChatFormat
 from areal_fast.agent.client import AgentClient, ChatBackend, GenResult, SessionDefaults
 from areal_fast.agent.protocol import BadRequest, ChatRequest, parse_chat_request
+from areal_fast.agent.bridge import EngineBridge
 from areal_fast.agent.runner import (
     AgentConfig,
     AgentRunner,
-    EngineBridge,
     current_client,
     load_agent,
 )

@@ -10,10 +10,7 @@ counted reason and a logged one-line message while the others go on. Each sessio
 deep copy of the group's ``data``. A group is reported at the latest ``agent.timeout`` +
 :data:`CANCEL_GRACE_S` seconds after it started, even if an agent ignores cancellation.
 
-:class:`EngineBridge` turns ``await generate(...)`` into :class:`GenRequest` s for an
-:class:`~areal_fast.rollout.engine.AsyncInferenceEngine`. When a weight update aborts a
-request, the bridge resubmits the prompt plus the partial output with the remaining budget
-(the sample continues its random stream), so a model call spans versions token by token.
+Model calls reach the engine through :class:`~areal_fast.agent.bridge.EngineBridge`.
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ import copy
 import importlib
 import importlib.util
 import inspect
-import itertools
 import json
 import logging
 import math
@@ -35,9 +31,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
-from areal_fast.agent.client import AgentClient, GenResult, SessionDefaults
+from areal_fast.agent.client import AgentClient, SessionDefaults
 from areal_fast.agent.session import EXPORT_MODES, Session
-from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
+from areal_fast.rollout.engine import sample_seed
 
 log = logging.getLogger("areal_fast.agent")
 _CLIENT: contextvars.ContextVar = contextvars.ContextVar("areal_fast_agent_client")
@@ -181,88 +177,6 @@ def _check_agent_function(path: str, target, self_params: int) -> None:
         what = "(self, data) or (self, data, client)" if self_params else \
             "(data) or (data, client)"
         raise ValueError(f"agent.path = {path!r} must take {what}")
-
-
-class EngineBridge:
-    """``await generate(...)`` over a request-level engine (see the module docstring).
-
-    Parameters
-    ----------
-    engine : AsyncInferenceEngine
-    loop : asyncio.AbstractEventLoop
-        The loop whose coroutines await :meth:`generate`.
-    rids : iterator of int
-        Request ids shared with other users of the engine (unique per engine).
-
-    Attributes
-    ----------
-    resumed : int
-        Requests resubmitted after an abort so far (a model call interrupted by a weight
-        update, counted once per interruption).
-    """
-
-    def __init__(self, engine, loop: asyncio.AbstractEventLoop, rids=None):
-        self.engine, self.loop = engine, loop
-        self.rids = rids if rids is not None else itertools.count()
-        self.pending: dict[int, tuple[asyncio.Future, GenRequest, GenResult]] = {}
-        self.lock = threading.Lock()
-        self.resumed = 0
-
-    async def generate(self, input_ids: list[int], max_new_tokens: int, temperature: float,
-                       top_p: float, seed: int) -> GenResult:
-        """Sample one completion of ``input_ids`` (see :data:`~areal_fast.agent.client.
-        GenerateFn`); cancelling the awaiting task forgets the request."""
-        future = self.loop.create_future()
-        request = GenRequest(next(self.rids), list(input_ids), max_new_tokens, temperature,
-                             top_p, seed, 0)
-        with self.lock:
-            self.pending[request.rid] = (future, request, GenResult([], [], [], ""))
-        self.engine.submit([request])
-        try:
-            return await future
-        finally:
-            with self.lock:
-                for rid in [r for r, entry in self.pending.items() if entry[0] is future]:
-                    del self.pending[rid]
-
-    def owns(self, rid: int) -> bool:
-        """Whether request ``rid`` is one of this bridge's (still awaited)."""
-        with self.lock:
-            return rid in self.pending
-
-    def on_output(self, out: GenOutput) -> Optional[GenRequest]:
-        """Take one engine output (any thread). Returns the resubmission of an aborted
-        request with budget left (the caller submits it at the front), else None."""
-        with self.lock:
-            entry = self.pending.pop(out.rid, None)
-            if entry is None:
-                return None
-            future, request, acc = entry
-            acc.output_ids += out.output_ids
-            acc.logprobs += out.logprobs
-            acc.versions += out.versions
-            done = len(acc.output_ids)
-            if out.stop_reason == "abort" and done < request.max_new_tokens:
-                again = GenRequest(next(self.rids), request.input_ids + acc.output_ids,
-                                   request.max_new_tokens - done, request.temperature,
-                                   request.top_p, request.seed, done)
-                self.pending[again.rid] = (future, request, acc)
-                self.resumed += 1
-                return again
-        acc.stop_reason = "length" if out.stop_reason == "abort" else out.stop_reason
-        self.loop.call_soon_threadsafe(_resolve, future, acc)
-        return None
-
-    def pump(self, timeout: float = 0.5) -> None:
-        """Route one batch of the engine's outputs (for callers without a rollout worker)."""
-        again = [r for r in map(self.on_output, self.engine.get_outputs(timeout)) if r]
-        if again:
-            self.engine.submit(again, front=True)
-
-
-def _resolve(future: asyncio.Future, result: GenResult) -> None:
-    if not future.done():
-        future.set_result(result)
 
 
 @dataclass

@@ -21,7 +21,8 @@ from typing import Callable, Optional
 
 from areal_fast.agent.chat_format import ChatFormat
 from areal_fast.agent.client import ChatBackend, SessionDefaults
-from areal_fast.agent.runner import AgentConfig, AgentRunner, EngineBridge, GroupSessions, \
+from areal_fast.agent.bridge import EngineBridge
+from areal_fast.agent.runner import AgentConfig, AgentRunner, GroupSessions, \
     load_agent
 from areal_fast.agent.store import TrajectoryConfig, TrajectoryWriter
 from areal_fast.rl.batch import Trajectory

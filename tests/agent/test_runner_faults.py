@@ -19,8 +19,8 @@ import pytest
 
 from areal_fast.agent.client import SessionDefaults
 from areal_fast.agent.protocol import BadRequest, chat_completion, choice
-from areal_fast.agent.runner import AgentConfig, AgentRunner, EngineBridge, GroupSessions, \
-    load_agent
+from areal_fast.agent.bridge import EngineBridge
+from areal_fast.agent.runner import AgentConfig, AgentRunner, GroupSessions, load_agent
 from areal_fast.agent.session import ModelCall, Session
 from areal_fast.agent.store import TrajectoryConfig, TrajectoryStoreError, read_trajectories
 from areal_fast.agent.workload import AgentWorkload, AgentWorkloadSpec

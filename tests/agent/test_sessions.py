@@ -13,7 +13,8 @@ import torch
 from areal_fast.agent.chat_format import ChatFormat
 from areal_fast.agent.client import AgentClient, ChatBackend, GenResult, SessionDefaults
 from areal_fast.agent.protocol import BadRequest
-from areal_fast.agent.runner import AgentConfig, AgentRunner, EngineBridge, load_agent
+from areal_fast.agent.bridge import EngineBridge
+from areal_fast.agent.runner import AgentConfig, AgentRunner, load_agent
 from areal_fast.agent.session import ModelCall, Session
 from areal_fast.rl.batch import IGNORE_INDEX, pack_trajectories
 from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
