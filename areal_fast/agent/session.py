@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
 from areal_fast.rl.batch import Trajectory
@@ -335,8 +335,15 @@ class Session:
 
     # ---- serialisation ----------------------------------------------------------------
     def to_dict(self) -> dict:
-        """JSON-serialisable record (what the trajectory store writes)."""
-        return asdict(self)
+        """JSON-serialisable record (what the trajectory store writes).
+
+        Shallow: the record shares the session's lists (token ids, log-probs, messages), so
+        building it costs microseconds on the rollout loop; do not change a session after
+        handing its record to the store.
+        """
+        record = dict(vars(self))
+        record["calls"] = [dict(vars(c)) for c in self.calls]
+        return record
 
     @classmethod
     def from_dict(cls, record: dict) -> "Session":

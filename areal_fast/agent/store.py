@@ -37,6 +37,7 @@ __all__ = ["TrajectoryConfig", "TrajectoryStats", "TrajectoryStoreError", "Traje
            "read_trajectories"]
 
 MAX_BATCH = 256  # records one thread takes from the queue at most per frame
+LINGER_RECORDS = 64  # a lingering writer thread stops waiting once this many are queued
 COMPRESSIONS = ("zstd", "none")
 SUFFIXES = (".jsonl.zst", ".jsonl")
 _READ_SIZE = 1 << 20
@@ -79,6 +80,12 @@ class TrajectoryConfig:
         Whether the run stores trajectories; read by the caller, not by the writer.
     directory : str
         Store directory; empty means the caller fills in the run directory.
+    linger_seconds : float
+        How long (>= 0) a writer thread waits, after the first record of a batch, for more
+        records before writing it (it writes at once when :data:`LINGER_RECORDS` are queued,
+        on ``flush`` and on ``close``). Frames of many records compress far better than
+        frames of one (single-turn sessions of the demo model: 5.2x against 1.7x at level 3);
+        records in flight are lost if the process dies, so this bounds that window too.
 
     Raises
     ------
@@ -92,6 +99,7 @@ class TrajectoryConfig:
     compression_level: int = 3
     enabled: bool = False
     directory: str = ""
+    linger_seconds: float = 1.0
 
     def __post_init__(self):
         for key in ("cache_size", "write_threads", "compression_level"):
@@ -110,6 +118,10 @@ class TrajectoryConfig:
             _invalid("enabled", self.enabled, "must be true or false")
         if not isinstance(self.directory, (str, os.PathLike)):
             _invalid("directory", self.directory, "must be a path")
+        if isinstance(self.linger_seconds, bool) or \
+                not isinstance(self.linger_seconds, (int, float)) or \
+                not 0 <= self.linger_seconds <= 3600:
+            _invalid("linger_seconds", self.linger_seconds, "must be a number in [0, 3600]")
 
 
 def _invalid(key: str, value, why: str):
@@ -132,6 +144,8 @@ class TrajectoryStats:
         Time ``put`` spent waiting for room in a full cache; exactly 0.0 if it never waited.
     errors : int
         Failures of writer threads.
+    frames : int
+        Batches written (zstd frames, or appends of plain JSON lines).
     write_seconds : float
         Thread-seconds spent serialising, compressing and writing, summed over threads.
     """
@@ -141,6 +155,7 @@ class TrajectoryStats:
     stored_bytes: int = 0
     stall_seconds: float = 0.0
     errors: int = 0
+    frames: int = 0
     write_seconds: float = 0.0
 
     @property
@@ -256,6 +271,7 @@ class TrajectoryWriter:
         self._accepted = 0
         self._error: str | None = None
         self._closed = False
+        self._flushing = 0  # flush calls in progress
         self._threads = [threading.Thread(target=self._run, args=(s,), daemon=True,
                                           name=f"trajectory-{name}-{i}")
                          for i, s in enumerate(sinks)]
@@ -310,14 +326,19 @@ class TrajectoryWriter:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while self._error is None and self._pending() > 0:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TrajectoryStoreError(
-                        f"trajectory flush of {self.directory} timed out after {timeout:g} s "
-                        f"with {self._pending()} records pending")
-                self._progress.wait(remaining)
-            self._check_error()
+            self._flushing += 1  # lingering threads write what they have at once
+            self._not_empty.notify_all()
+            try:
+                while self._error is None and self._pending() > 0:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        raise TrajectoryStoreError(
+                            f"trajectory flush of {self.directory} timed out after "
+                            f"{timeout:g} s with {self._pending()} records pending")
+                    self._progress.wait(remaining)
+                self._check_error()
+            finally:
+                self._flushing -= 1
 
     def close(self, timeout: float = 60.0) -> None:
         """Write out the queue and stop the threads; calling it again is harmless.
@@ -409,11 +430,20 @@ class TrajectoryWriter:
                 self._fail(sink.path, exc)
 
     def _take(self) -> list[dict] | None:
+        """The next batch (after lingering for more records), or None once closed and empty."""
+        enough = min(LINGER_RECORDS, self.config.cache_size)
         with self._lock:
-            while not self._queue and not self._closed:
-                self._not_empty.wait()
-            if not self._queue:
-                return None
+            while True:
+                while not self._queue and not self._closed:
+                    self._not_empty.wait()
+                if not self._queue:
+                    return None
+                deadline = time.monotonic() + self.config.linger_seconds
+                while self._queue and len(self._queue) < enough and not self._closed \
+                        and not self._flushing and time.monotonic() < deadline:
+                    self._not_empty.wait(deadline - time.monotonic())
+                if self._queue:  # else another thread took them while this one waited
+                    break
             batch = [self._queue.popleft() for _ in range(min(len(self._queue), MAX_BATCH))]
             self._not_full.notify_all()
             return batch
@@ -425,6 +455,7 @@ class TrajectoryWriter:
             s.raw_bytes += raw
             s.stored_bytes += stored
             s.write_seconds += seconds
+            s.frames += 1
             self._progress.notify_all()
 
     def _fail(self, path: Path, exc: BaseException) -> None:

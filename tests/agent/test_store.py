@@ -385,3 +385,34 @@ def test_failed_write_is_cut_off_the_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     got = list(read_trajectories(tmp_path))  # the partial frame is gone
     assert Counter(map(canon, got)) == Counter(map(canon, records)), f"seed={seed}"
+
+
+def test_linger_packs_paced_records_into_one_frame(tmp_path):
+    """Records put one at a time are written as one frame when the threads linger (and
+    compress better than one frame each); flush writes what is queued without waiting."""
+    rng, seed = fresh_rng()
+    records = [random_record(rng, i) for i in range(10)]
+    lingering = TrajectoryWriter(tmp_path / "a", TrajectoryConfig(write_threads=4,
+                                                                  linger_seconds=30.0))
+    for r in records:
+        lingering.put(r)
+    start = time.monotonic()
+    lingering.flush(timeout=10)
+    assert time.monotonic() - start < 10  # flush did not wait out the 30 s linger
+    lingering.close()
+    eager = TrajectoryWriter(tmp_path / "b", TrajectoryConfig(write_threads=1,
+                                                              linger_seconds=0.0))
+    for r in records:
+        eager.put(r)
+        eager.flush(timeout=10)
+    eager.close()
+    a, b = lingering.stats, eager.stats
+    assert (a.frames, b.frames) == (1, 10), seed
+    assert a.raw_bytes == b.raw_bytes and a.stored_bytes < b.stored_bytes, seed
+    assert list(read_trajectories(tmp_path / "a")) == records == \
+        list(read_trajectories(tmp_path / "b"))
+
+
+def test_linger_seconds_is_checked():
+    with pytest.raises(ValueError, match=r"trajectory\.linger_seconds = -1"):
+        TrajectoryConfig(linger_seconds=-1)
