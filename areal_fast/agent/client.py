@@ -146,8 +146,9 @@ class ChatBackend:
         input_ids, parent = self._prompt(session, request, defaults)
         max_tokens = request.max_tokens or defaults.max_tokens
         if max_tokens > defaults.max_tokens_cap:
-            raise BadRequest(f"max_tokens = {max_tokens} is above agent.max_tokens_cap = "
-                             f"{defaults.max_tokens_cap}")
+            raise BadRequest(f"max_tokens = {max_tokens} is above the cap of "
+                             f"{defaults.max_tokens_cap} (agent.max_tokens_cap, which defaults "
+                             f"to rollout.max_new_tokens)")
         number, session.next_call = session.next_call, session.next_call + 1
         base = sample_seed(defaults.seed, number)
         if request.seed is not None:  # mixed in, so the sessions of a group still differ

@@ -27,6 +27,7 @@ import logging
 import math
 import sys
 import threading
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Dict, Optional
@@ -43,7 +44,40 @@ CANCEL_GRACE_S = 10.0  # how long after agent.timeout a session that ignores can
 
 @dataclass
 class AgentConfig:
-    """``agent.*``: which agent drives rollout and how its sessions become training data."""
+    """``agent.*``: which agent drives rollout and how its sessions become training data.
+
+    Attributes
+    ----------
+    path : str
+        ``package.module:name`` or ``path/to/file.py:name`` (relative to the working
+        directory) of ``run_agent_return_reward`` or of a class with that method; "" runs the
+        plain single-turn rollout without an agent.
+    kwargs : dict
+        Keyword arguments of the class's constructor (refused for a function).
+    mode : str
+        "inprocess" (:class:`~areal_fast.agent.client.AgentClient`) or "http"
+        (``openai.AsyncOpenAI`` against the local endpoint).
+    host : str
+        Endpoint address in "http" mode (a free port is chosen); 127.0.0.1 by default.
+    export : str
+        "concat" or "per_turn" (see :meth:`~areal_fast.agent.session.Session.export`).
+    turn_discount : float
+        γ in [0, 1] of the export (the agent's own reward may discount turns already).
+    timeout : float
+        Seconds one session may run before it is dropped.
+    max_tokens_cap : int or None
+        Largest ``max_tokens`` a call may ask for; None: ``rollout.max_new_tokens``.
+    max_prompt_tokens : int
+        Longest prompt of a call, in tokens.
+    dropped_reward : float or None
+        None: dropped sessions are not trained; a number: a dropped session that made a
+        model call (not a cancelled one) is trained with this reward.
+
+    Raises
+    ------
+    ValueError
+        A field out of range; the message names it as ``agent.<field>``.
+    """
 
     # "package.module:name" or "path/to/file.py:name" of run_agent_return_reward or of a
     # class with that method; "" = plain single-turn rollout without an agent
@@ -128,7 +162,8 @@ def load_agent(path: str, kwargs: Optional[dict] = None, construct: bool = True)
     ------
     ValueError
         Naming ``agent.path``: the module or file cannot be imported, the name is missing, the
-        class cannot be constructed with ``kwargs``, or it is not an async function taking
+        class cannot be constructed with ``kwargs``, ``kwargs`` are given for a function, or it
+        is not an async function taking
         (data) or (data, client).
     """
     where, _, name = path.rpartition(":")
@@ -149,6 +184,9 @@ def load_agent(path: str, kwargs: Optional[dict] = None, construct: bool = True)
     target = getattr(module, name, None)
     if target is None:
         raise ValueError(f"agent.path = {path!r}: {where!r} has no {name!r}")
+    if kwargs and not inspect.isclass(target):
+        raise ValueError(f"agent.kwargs = {kwargs!r} is set but agent.path = {path!r} names a "
+                         f"function, which takes no constructor arguments")
     if inspect.isclass(target) and not construct:
         method = getattr(target, "run_agent_return_reward", None)
         raw = inspect.getattr_static(target, "run_agent_return_reward", None)
@@ -319,6 +357,7 @@ class AgentRunner:
         _CLIENT.set(client)
         if token is not None:
             self._tokens[session.session_id] = token
+        started = time.monotonic()
         try:
             args = (data, client) if self.takes_client else (data,)
             reward = await asyncio.wait_for(self.agent(*args), self.config.timeout)
@@ -337,6 +376,12 @@ class AgentRunner:
                 await client.close()
         if session.status != "running":
             return  # reported as dropped already (it ignored its cancellation)
+        took = time.monotonic() - started
+        if took > self.config.timeout:  # only possible if the agent blocked the event loop
+            return self._drop(session, "timeout", f"took {took:.1f} s, more than agent.timeout "
+                                                  f"= {self.config.timeout:g} s, while blocking "
+                                                  f"the event loop (run blocking work with "
+                                                  f"await asyncio.to_thread(...))")
         try:
             session.finish(reward)
         except ValueError as exc:

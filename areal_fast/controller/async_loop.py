@@ -101,6 +101,15 @@ class RunCounts:
                 "stale_dropped_completion_tokens": self.stale_dropped_tokens}
 
 
+def _drop_hint(error: str) -> str:
+    """What to check for an agent drop reason (the start of ``error``)."""
+    hints = {"timeout": "check agent.timeout (and that the agent does not block the event loop)",
+             "bad_reward": "run_agent_return_reward must return a finite number",
+             "no_calls": "the agent must call the model through its client",
+             "agent_error": "the agent raised: its log lines name the error"}
+    return hints.get(error.split(":", 1)[0], "check agent.path")
+
+
 class AsyncController:
     """Drives rollout workers and one trainer worker; see the module docstring.
 
@@ -282,7 +291,7 @@ class AsyncController:
             if self.failed_in_a_row >= self.s.max_failed_agent_groups_in_a_row:
                 first = done.errors[0] if done.errors else "no reason given"
                 raise ValueError(f"agent: every session of the last {self.failed_in_a_row} "
-                                 f"groups was dropped (e.g. {first}); check agent.path")
+                                 f"groups was dropped (e.g. {first}); {_drop_hint(first)}")
         self.filtered_in_a_row = self.filtered_in_a_row + 1 if filtered else 0
         self.staleness.on_finish(accepted=reason is None)
         if reason is None:

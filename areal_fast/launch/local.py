@@ -150,6 +150,25 @@ def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
     return (cfg.launcher.trainer_threads or trainer, cfg.launcher.rollout_threads or rollout)
 
 
+def check_trajectory_dir(cfg: ExperimentConfig) -> None:
+    """Create an explicitly set ``trajectory.directory`` now, so a path that cannot hold it
+    fails before any work (the run directory's default is created with the run).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``trajectory.directory`` and the OS error.
+    """
+    store = cfg.trajectory
+    if not (store.enabled and store.directory):
+        return
+    try:
+        Path(store.directory).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"trajectory.directory = {store.directory!r} cannot be created "
+                          f"({exc.strerror or exc})") from exc
+
+
 def agent_spec(cfg: ExperimentConfig):
     """The rollout workers' agent workload (None without ``agent.path``); the trajectory
     store goes to ``<run dir>/trajectories`` unless ``trajectory.directory`` is set."""
@@ -214,6 +233,7 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
 
         # a bad agent.path fails here, at once; the agent is built in the rollout workers
         load_agent(cfg.agent.path, cfg.agent.kwargs, construct=False)
+        check_trajectory_dir(cfg)
     train_set, eval_set, removed = load_datasets(cfg)
     tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)

@@ -72,16 +72,17 @@ def test_http_mode_with_the_openai_client(tiny_model_dir, tmp_path):
         assert all(len(c.output_ids) == len(c.logprobs) == len(c.versions) for c in s.calls)
 
 
-def test_store_failure_stops_the_run_with_one_line(tiny_model_dir, tmp_path, capsys):
+def test_a_store_directory_that_cannot_exist_fails_before_any_work(tiny_model_dir, tmp_path,
+                                                                    capsys):
+    """(A store that fails while running stops the worker: see test_runner_faults.py.)"""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     code = main(_args(tiny_model_dir, tmp_path, MULTITURN,
                       f"trajectory.directory={blocker / 'store'}"))
-    assert code == 1
+    assert code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("areal-fast: error:") and "TrajectoryStoreError" in last
-    assert "a_file" in last
-    assert (tmp_path / "agent-multiturn" / "trial0" / "FAILED").exists()
+    assert last.startswith("areal-fast: error: trajectory.directory = ") and "a_file" in last
+    assert not (tmp_path / "agent-multiturn").exists()
 
 
 def test_bad_agent_path_fails_before_any_work(tiny_model_dir, tmp_path, capsys):

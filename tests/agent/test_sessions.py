@@ -6,6 +6,7 @@ import asyncio
 import math
 import random
 import threading
+import time
 
 import pytest
 import torch
@@ -393,6 +394,19 @@ async def silent_agent(data, client):
     return 1.0
 
 
+async def blocking_agent(data, client):
+    await client.chat.completions.create(messages=[{"role": "user", "content": "q"}])
+    time.sleep(0.6)  # blocks the event loop: wait_for cannot fire
+    return 1.0
+
+
+def test_an_agent_that_blocks_the_event_loop_past_its_timeout_is_dropped(tokenizer, caplog):
+    [group] = _run_groups(tokenizer, blocking_agent, n=1, config=AgentConfig(timeout=0.3))
+    [session] = group.sessions
+    assert (session.status, session.drop_reason) == ("dropped", "timeout")
+    assert "blocking the event loop" in session.error and "asyncio.to_thread" in session.error
+
+
 class ClassAgent:
     def __init__(self, bonus=0.0):
         self.bonus = bonus
@@ -454,6 +468,11 @@ def test_class_agent_from_path(tmp_path, tokenizer):
     for g in groups:
         assert [s.reward for s in g.sessions] == [3.0] * 3
         assert all(s.group_id == g.group_id and len(s.calls) == 1 for s in g.sessions)
+
+
+def test_kwargs_for_a_function_agent_are_refused():
+    with pytest.raises(ValueError, match=r"agent.kwargs = \{'x': 1\} is set but"):
+        load_agent("test_sessions:good_agent", {"x": 1})
 
 
 @pytest.mark.parametrize("path,match", [("nomodule_xyz:agent", "cannot import"),
