@@ -27,14 +27,16 @@ class MultiTurnMathAgent:
         γ: a right answer at turn k earns γ^k.
     instruction : str
         Appended to the question (the answer format).
+    feedback : str
+        The user turn after a wrong answer.
     """
 
     def __init__(self, max_turns: int = 3, turn_discount: float = 0.9,
-                 instruction: str = DEFAULT_INSTRUCTION):
+                 instruction: str = DEFAULT_INSTRUCTION, feedback: str = FEEDBACK):
         if max_turns < 1:
             raise ValueError(f"max_turns = {max_turns} must be >= 1")
         self.max_turns, self.turn_discount = max_turns, turn_discount
-        self.instruction = instruction
+        self.instruction, self.feedback = instruction, feedback
 
     async def run_agent_return_reward(self, data: dict, client) -> float:
         """Run one episode on ``data`` ({"question", "answer"}); returns its reward."""
@@ -45,5 +47,5 @@ class MultiTurnMathAgent:
             if math_reward(reply, data["answer"]) == 1.0:
                 return self.turn_discount ** turn
             messages = messages + [{"role": "assistant", "content": reply},
-                                   {"role": "user", "content": FEEDBACK}]
+                                   {"role": "user", "content": self.feedback}]
         return 0.0
