@@ -16,7 +16,7 @@ import itertools
 import threading
 from typing import Optional
 
-from areal_fast.agent.client import GenResult
+from areal_fast.agent.client import GenerateFn, GenResult
 from areal_fast.rollout.engine import GenOutput, GenRequest
 
 
@@ -100,3 +100,34 @@ class EngineBridge:
 def _resolve(future: asyncio.Future, result: GenResult) -> None:
     if not future.done():
         future.set_result(result)
+
+
+def completion_engine_generate(engine) -> GenerateFn:
+    """``generate`` for agent sessions over an engine with the call shape of
+    :meth:`~areal_fast.rollout.vllm_engine.VLLMEngine.generate` (one request per call, run in
+    a worker thread; the engine serialises them).
+
+    Parameters
+    ----------
+    engine : VLLMEngine or alike
+        ``generate(prompts_token_ids, n, temperature, max_tokens, logprobs, top_p, seed)``
+        returning ``[[Completion]]`` with ``token_ids``, ``logprobs``, ``finish_reason``,
+        ``version``.
+
+    Returns
+    -------
+    GenerateFn
+        The behaviour log-probs are the engine's (vLLM's default ``raw_logprobs`` are taken
+        before temperature and top-p: equal to the sampling distribution's only at
+        temperature 1 and top_p 1).
+    """
+    async def generate(input_ids: list[int], max_new_tokens: int, temperature: float,
+                       top_p: float, seed: int) -> GenResult:
+        [[c]] = await asyncio.to_thread(engine.generate, [input_ids], 1, temperature,
+                                        max_new_tokens, True, top_p, seed % VLLM_SEED_RANGE)
+        return GenResult(list(c.token_ids), list(c.logprobs), [c.version] * len(c.token_ids),
+                         c.finish_reason or "length")
+    return generate
+
+
+VLLM_SEED_RANGE = 2 ** 31  # seeds are folded into a 31-bit range, which every engine accepts

@@ -390,3 +390,40 @@ def test_accept_check_on_the_demo_checkpoint():
     assert "misses 1 of the model's 272" in check_update_plan(
         [x for x in specs if x[0] != q], expected)
     assert "arrives twice" in check_update_plan(specs + specs[:1], expected)
+
+
+def test_agent_session_records_exactly_what_vllm_sampled(engine):
+    """An agent session over vLLM (completion_engine_generate): each recorded call equals a
+    direct engine call with the same ids and seed, and the second turn continues the first
+    token-exactly."""
+    import asyncio
+
+    from areal_fast.agent.bridge import VLLM_SEED_RANGE, completion_engine_generate
+    from areal_fast.agent.chat_format import ChatFormat
+    from areal_fast.agent.client import AgentClient, ChatBackend, SessionDefaults
+    from areal_fast.agent.session import Session
+    from areal_fast.models.loading import demo_model_dir, load_tokenizer
+    from areal_fast.rollout.engine import sample_seed
+
+    seed = int.from_bytes(os.urandom(4), "little")
+    session = Session()
+    backend = ChatBackend(ChatFormat(load_tokenizer(str(demo_model_dir()))),
+                          completion_engine_generate(engine))
+    client = AgentClient(session, backend, SessionDefaults(max_tokens=12, seed=seed))
+
+    async def agent():
+        msgs = [{"role": "user", "content": "What is 6 + 7?"}]
+        out = await client.chat.completions.create(messages=msgs, logprobs=True)
+        msgs += [{"role": "assistant", "content": out.choices[0].message.content},
+                 {"role": "user", "content": "Are you sure?"}]
+        await client.chat.completions.create(messages=msgs)
+    asyncio.run(agent())
+    first, second = session.calls
+    assert second.parent == first.call_id
+    assert second.input_ids[:len(first.full_ids)] == first.full_ids
+    for number, call in enumerate(session.calls):
+        call_seed = sample_seed(sample_seed(seed, number), 0) % VLLM_SEED_RANGE
+        [[direct]] = engine.generate([call.input_ids], 1, 1.0, 12, True, 1.0, call_seed)
+        assert call.output_ids == direct.token_ids, f"seed {seed}, call {number}"
+        assert call.logprobs == direct.logprobs
+        assert call.versions == [direct.version] * len(direct.token_ids)
