@@ -8,6 +8,7 @@ runs stays small.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import re
@@ -15,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -201,6 +203,35 @@ def fmt(value, spec: str = ".3f", suffix: str = "") -> str:
     if value is None:
         return "–"
     return f"{value:{spec}}{suffix}"
+
+
+def write_json(path, data, indent: int = 1) -> None:
+    """Write ``data`` as JSON to ``path`` (nothing if empty) atomically: parents created, a
+    temporary file renamed into place, so a killed benchmark never leaves half a file."""
+    if not path:
+        return
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=indent) + "\n")
+    tmp.replace(path)
+
+
+@contextmanager
+def native_disabled(disabled: bool):
+    """Within the block, areal_fast's native extension is off (``disabled``) or allowed
+    (through its environment switch); the previous setting is restored after."""
+    from areal_fast import _native
+
+    old = os.environ.get(_native.DISABLE_ENV)
+    os.environ[_native.DISABLE_ENV] = "1" if disabled else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(_native.DISABLE_ENV, None)
+        else:
+            os.environ[_native.DISABLE_ENV] = old
 
 
 def eprint(*args) -> None:

@@ -24,11 +24,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from areal_fast.agent.session import Session
-from areal_fast.agent.store import TrajectoryConfig, TrajectoryWriter, read_trajectories
-from areal_fast.controller.batch import shard_tensors
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import write_json  # noqa: E402
+
+from areal_fast.agent.session import Session  # noqa: E402
+from areal_fast.agent.store import (TrajectoryConfig, TrajectoryWriter,  # noqa: E402
+                                    read_trajectories)
+from areal_fast.controller.batch import shard_tensors  # noqa: E402
 
 
 def groups_of(sessions: list[Session], size: int) -> list[list[Session]]:
@@ -106,8 +109,7 @@ def main(argv=None) -> int:
         print(f"| {mode} | {r['median_ms']:.2f} | {r['p99_ms']:.2f} | {r['max_ms']:.2f} |")
     print(f"\nstore on adds {extra:.3f} ms per group (median); put waited {stall:.4f} s in "
           f"all; compression {result['compression_ratio']:.2f}x")
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    write_json(args.json, result, indent=2)
     return 0
 
 

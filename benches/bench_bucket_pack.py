@@ -41,10 +41,8 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -105,19 +103,6 @@ def make_tensors(shapes, dtype, device) -> list[torch.Tensor]:
         t.uniform_(-1.0, 1.0, generator=gen)
         out.append(t)
     return out
-
-
-@contextmanager
-def implementation(impl: str):
-    old = os.environ.get(_native.DISABLE_ENV)
-    os.environ[_native.DISABLE_ENV] = "1" if impl == "torch" else "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(_native.DISABLE_ENV, None)
-        else:
-            os.environ[_native.DISABLE_ENV] = old
 
 
 # ---------------------------------------------------------------------------
@@ -200,7 +185,7 @@ def run_mode(mode: str, shapes, args, impls, thread_counts, reference) -> list[d
               f"{plan.total_bytes / 1e9:.3f} GB on the wire; building sources ...")
     sources = make_tensors(shapes, src_dtype, device)
     buf = torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device)
-    with implementation("native"):
+    with hx.native_disabled(False):
         checked = verify(plan, sources, buf, target_dtype, device)
     hx.eprint(f"[{mode}] verified {checked} tensors against torch")
     # Unpack writes back into the sources (cast mode: rounded values, same speed), so no
@@ -234,7 +219,7 @@ def run_mode(mode: str, shapes, args, impls, thread_counts, reference) -> list[d
     for impl in impls:
         # The torch fallback as it runs in production: on torch's --threads threads.
         counts = thread_counts if impl == "native" else thread_counts[-1:]
-        with implementation(impl):
+        with hx.native_disabled(impl == "torch"):
             for threads in counts:
                 ref, ref_name = reference(threads)
                 for op, fn, nbytes in (("pack", pack_all, wire_bytes),
@@ -300,16 +285,6 @@ def render_table(data: dict) -> str:
     return "\n".join(lines)
 
 
-def _write_json(path, data) -> None:
-    if not path:
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -360,9 +335,9 @@ def main(argv=None) -> int:
     for mode in [m for m in args.modes.split(",") if m]:
         rows = run_mode(mode, shapes, args, impls, thread_counts, reference)
         data["results"].extend(rows)
-        _write_json(args.json, data)
+        hx.write_json(args.json, data)
     meta["wall_s"] = time.perf_counter() - start
-    _write_json(args.json, data)
+    hx.write_json(args.json, data)
     print(render_table(data), flush=True)
     return 0
 

@@ -548,7 +548,7 @@ def _run_cpu_cases(args, shapes, meta) -> dict:
                     note = f"{shape_name(shape)} {mode} {impl}: {why}"
                     out["notes"].append(note)
                 add_ratios(entry, shape, mode)
-                _write_json(args.json, out)
+                hx.write_json(args.json, out)
     for entry in out["results"]:
         for mode in entry["modes"]:
             add_ratios(entry, tuple(entry[k] for k in "THV"), mode)
@@ -569,16 +569,6 @@ def _one_line(rec: dict) -> str:
     mem = rec.get("extra_peak_mb")
     return (f"median {rec['median_s']:.4f} s (p20 {rec['p20_s']:.4f}, p80 {rec['p80_s']:.4f}), "
             f"extra peak {mem:.1f} MB, checks {rec.get('checks')}")
-
-
-def _write_json(path, data) -> None:
-    if not path:
-        return
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(data, indent=1) + "\n")
-    tmp.replace(path)
 
 
 # ---------------------------------------------------------------------------
@@ -677,7 +667,7 @@ def run_cuda(args) -> dict:
                     out["notes"].append(f"{shape_name(shape)} {mode} {impl}: "
                                         + rec.get("skipped", rec.get("error", "")))
                 add_ratios(entry, shape, mode)
-                _write_json(args.json, out)
+                hx.write_json(args.json, out)
         mm = entry["modes"].get("fwd", {}).get("matmul", {}).get("median_s")
         if mm:
             entry["bf16_mm_tflops"] = 2.0 * T * H * V / mm / 1e12
@@ -837,7 +827,7 @@ def main(argv=None) -> int:
         print(json.dumps(record), flush=True)
         return 0
     data = run_cpu(args) if args.device == "cpu" else run_cuda(args)
-    _write_json(args.json, data)
+    hx.write_json(args.json, data)
     print(render_table(data), flush=True)
     return 0
 

@@ -25,11 +25,16 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 
-from areal_fast import _native
-from areal_fast.ops.packing import partition_balanced
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import native_disabled  # noqa: E402
+
+from areal_fast import _native  # noqa: E402
+from areal_fast.ops.packing import partition_balanced  # noqa: E402
 
 NUM_SEQS = 100_000
 MAX_LEN = 4096
@@ -51,17 +56,10 @@ def make_workload(name: str, num_seqs: int = NUM_SEQS, seed: int = 0):
 @contextmanager
 def implementation(impl: str):
     """Select the native or the Python implementation for the duration of the block."""
-    old = os.environ.get(_native.DISABLE_ENV)
-    os.environ[_native.DISABLE_ENV] = "1" if impl == "python" else "0"
-    try:
+    with native_disabled(impl == "python"):
         if impl == "cpp" and _native.load_native() is None:
             raise RuntimeError("areal_fast._C is not importable; build the extension first")
         yield
-    finally:
-        if old is None:
-            os.environ.pop(_native.DISABLE_ENV, None)
-        else:
-            os.environ[_native.DISABLE_ENV] = old
 
 
 def summarize(mbs, seqlens) -> tuple[int, int, int]:

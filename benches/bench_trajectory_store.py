@@ -40,7 +40,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import base_metadata, eprint, fmt, markdown_table  # noqa: E402
+from _harness import base_metadata, eprint, fmt, markdown_table, write_json  # noqa: E402
 
 from areal_fast.agent.store import TrajectoryConfig, TrajectoryWriter  # noqa: E402
 
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
 
         meta = base_metadata()
         meta.update(zstandard=zstandard.__version__, args=vars(args), raw_bytes_per_record=raw)
-        Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+        write_json(args.json, {"meta": meta, "results": results}, indent=2)
     return 0
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import base_metadata, eprint, fmt, markdown_table  # noqa: E402
+from _harness import base_metadata, eprint, fmt, markdown_table, write_json  # noqa: E402
 
 MODELS = {
     # name: (vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, qkv_bias, tied)
@@ -237,11 +237,9 @@ def main(argv=None) -> int:
         rows.append(run_model(model, args.transport, args.bucket_mb, args.repeats, args.threads,
                               args.engines))
     print(table(rows))
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"meta": base_metadata(args.threads),
-                                         "args": {k: str(v) for k, v in vars(args).items()},
-                                         "models": {r["model"]: r for r in rows}}, indent=2))
+    write_json(args.json, {"meta": base_metadata(args.threads),
+                           "args": {k: str(v) for k, v in vars(args).items()},
+                           "models": {r["model"]: r for r in rows}}, indent=2)
     return 0
 
 
