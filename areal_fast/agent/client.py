@@ -159,9 +159,7 @@ class ChatBackend:
         results = await asyncio.gather(*[
             self.generate(input_ids, max_tokens, temperature, top_p, sample_seed(base, i))
             for i in range(request.n)])
-        if session.status != "running":
-            raise BadRequest(f"session {session.session_id[:8]} has ended "
-                             f"({session.drop_reason or session.status})")
+        _check_running(session)
         response_id = f"chatcmpl-{session.session_id[:8]}-{number}"
         choices = [self._record(session, request, response_id, number, i, input_ids, parent,
                                 res) for i, res in enumerate(results)]
@@ -170,9 +168,7 @@ class ChatBackend:
 
     def _prompt(self, session: Session, request: ChatRequest, defaults: SessionDefaults
                 ) -> tuple[list[int], Optional[ModelCall]]:
-        if session.status != "running":
-            raise BadRequest(f"session {session.session_id[:8]} has ended "
-                             f"({session.drop_reason or session.status})")
+        _check_running(session)
         parent, env = self._continued(session, request)
         input_ids = parent.full_ids + env if parent is not None else \
             self.chat_format.prompt_ids(request.messages, request.tools)
@@ -196,6 +192,13 @@ class ChatBackend:
         token_lps = list(zip(self.chat_format.token_texts(res.output_ids), res.logprobs)) \
             if request.logprobs else None
         return choice(index, content, calls, finish, token_lps)
+
+
+def _check_running(session: Session) -> None:
+    """BadRequest unless ``session`` is still running (a dropped one records nothing more)."""
+    if session.status != "running":
+        raise BadRequest(f"session {session.session_id[:8]} has ended "
+                         f"({session.drop_reason or session.status})")
 
 
 def _response_object(response: dict):

@@ -73,6 +73,11 @@ class ChatRequest:
     model: str = ""
 
 
+# every top-level key a request may carry (served, ignored or refused with a message)
+REQUEST_KEYS = frozenset(ChatRequest.__dataclass_fields__) | _IGNORED | set(_REFUSED) | {
+    "max_completion_tokens", "top_logprobs", "response_format"}
+
+
 def _number(body: dict, key: str, low: float, high: float, integer: bool = False):
     value = body.get(key)
     if value is None:
@@ -112,9 +117,7 @@ def _refuse_unsupported(body: dict) -> None:
     choice = "auto" if body.get("tool_choice") is None else body["tool_choice"]
     if choice not in ("auto", "none"):
         raise BadRequest(f"tool_choice = {choice!r} is not supported (use 'auto' or 'none')")
-    known = {f for f in ChatRequest.__dataclass_fields__} | set(_IGNORED) | set(_REFUSED) | {
-        "max_completion_tokens", "top_logprobs", "response_format"}
-    unknown = sorted(set(body) - known)
+    unknown = sorted(set(body) - REQUEST_KEYS)
     if unknown:
         raise BadRequest(f"unknown request key {unknown[0]!r}")
 

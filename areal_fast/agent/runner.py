@@ -121,6 +121,11 @@ class AgentConfig:
             raise ValueError(f"agent.path = {self.path!r} must look like 'module:name' or "
                              f"'file.py:name'")
 
+    def tokens_cap(self, max_new_tokens: int) -> int:
+        """The effective ``max_tokens`` cap: ``max_tokens_cap``, or ``max_new_tokens`` (the
+        rollout's budget) when unset."""
+        return max_new_tokens if self.max_tokens_cap is None else self.max_tokens_cap
+
 
 def current_client():
     """The client of the session the calling coroutine belongs to (for one-argument agents).
@@ -298,9 +303,8 @@ class AgentRunner:
 
     def _start_group(self, group_id: int, data: dict, n: int, seed: int,
                      defaults: SessionDefaults) -> None:
-        stored = _json_record(data)
         inputs = [copy.deepcopy(data) for _ in range(n)]
-        sessions = [Session(data=json.loads(stored), group_id=group_id) for _ in range(n)]
+        sessions = _new_sessions(group_id, data, n)
         self.tasks[group_id] = [
             self.loop.create_task(self._run(s, d, _with_seed(defaults, seed, i)))
             for i, (s, d) in enumerate(zip(sessions, inputs))]
@@ -314,8 +318,7 @@ class AgentRunner:
             task.cancel()
         error = f"the sessions could not start: {type(exc).__name__}: {_first_line(exc)}"
         log.warning("agent group %d: %s", group_id, error)
-        stored = _json_record(data)
-        sessions = [Session(data=json.loads(stored), group_id=group_id) for _ in range(n)]
+        sessions = _new_sessions(group_id, data, n)
         for session in sessions:
             session.drop("agent_error", error)
         self.on_group_done(GroupSessions(group_id, sessions))
@@ -484,6 +487,12 @@ class AgentRunner:
             self.loop.call_soon_threadsafe(self.loop.stop)
             if stopped:
                 self.thread.join(timeout)
+
+
+def _new_sessions(group_id: int, data, n: int) -> list[Session]:
+    """``n`` fresh sessions of a group, each holding its own JSON-safe copy of ``data``."""
+    stored = _json_record(data)
+    return [Session(data=json.loads(stored), group_id=group_id) for _ in range(n)]
 
 
 def _with_seed(defaults: SessionDefaults, seed: int, index: int) -> SessionDefaults:

@@ -31,16 +31,11 @@ from typing import Optional
 from aiohttp import web
 
 from areal_fast.agent.client import ChatBackend, SessionDefaults
-from areal_fast.agent.protocol import BadRequest, ChatRequest, parse_chat_request
+from areal_fast.agent.protocol import REQUEST_KEYS, BadRequest, parse_chat_request
 from areal_fast.agent.session import Session
 
 logger = logging.getLogger("areal_fast.agent")
 
-# Top-level request keys a BadRequest message may start with (reported as the error's param).
-_REQUEST_KEYS = set(ChatRequest.__dataclass_fields__) | {
-    "max_completion_tokens", "top_logprobs", "response_format", "stream", "stop", "logit_bias",
-    "presence_penalty", "frequency_penalty", "functions", "function_call", "audio",
-    "prediction", "modalities"}
 _PARAM_RE = re.compile(r"^([A-Za-z_]\w*)((?:\[\d+\]|\.\w+)*)(?=[\s=]|$)")
 _UNKNOWN_KEY_RE = re.compile(r"^unknown request key '([^']*)'")
 
@@ -57,7 +52,7 @@ def _param_of(message: str) -> Optional[str]:
     if unknown:
         return unknown.group(1)
     match = _PARAM_RE.match(message)
-    if match and match.group(1) in _REQUEST_KEYS:
+    if match and match.group(1) in REQUEST_KEYS:
         return match.group(1) + match.group(2)
     return None
 

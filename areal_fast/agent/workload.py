@@ -103,9 +103,9 @@ class AgentWorkload:
             ``agent.max_tokens_cap`` new tokens (``rollout.max_new_tokens`` when unset).
         """
         p, cfg = request.params, self.spec.agent
-        cap = p.max_new_tokens if cfg.max_tokens_cap is None else cfg.max_tokens_cap
         defaults = SessionDefaults(temperature=p.temperature, top_p=p.top_p,
-                                   max_tokens=p.max_new_tokens, max_tokens_cap=cap,
+                                   max_tokens=p.max_new_tokens,
+                                   max_tokens_cap=cfg.tokens_cap(p.max_new_tokens),
                                    max_prompt_tokens=cfg.max_prompt_tokens)
         data = dict(request.data) or {"answer": request.answer, "uid": request.uid}
         self.runner.submit_group(request.group_id, data, p.n, request.seed, defaults)

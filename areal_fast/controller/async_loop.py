@@ -252,9 +252,7 @@ class AsyncController:
         self.counts.dropped[reason] += 1
         if reason == "stale":
             self.counts.stale_dropped_tokens += sum(group.completion_lengths)
-        if group.shard is not None:
-            worker = next(w for w in self.workers if w.name == group.shard.node_id)
-            worker.send(msg.DropShards([group.group_id]))
+        self._free_shard(group)
 
     def _on_message(self, worker: WorkerHandle, message) -> None:
         if isinstance(message, msg.GroupDone):
@@ -303,13 +301,19 @@ class AsyncController:
                              f"groups all had equal rewards and were dropped, so no batch can "
                              f"be filled; check the reward function or turn the filter off")
 
+    def _free_shard(self, group: msg.GroupDone, worker: Optional[WorkerHandle] = None) -> None:
+        """Tell the worker holding ``group``'s shard (if it has one) to drop it."""
+        if group.shard is None:
+            return
+        worker = worker or next(w for w in self.workers if w.name == group.shard.node_id)
+        worker.send(msg.DropShards([group.group_id]))
+
     def _on_unknown_group(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
         """A group that is not running (it was cancelled at the end of training, or reported
         twice): free its shard and change no counts."""
         log.warning("rollout worker %r reported group %d, which is not running (cancelled "
                     "before it finished?); it is ignored", worker.name, done.group_id)
-        if done.shard is not None:
-            worker.send(msg.DropShards([done.group_id]))
+        self._free_shard(done, worker)
 
     def _on_step_done(self, done: msg.StepDone) -> None:
         if not self.training or done.group_ids != [g.group_id for g in self.training[0][0]]:
@@ -431,8 +435,7 @@ class AsyncController:
                 elif isinstance(message, msg.GroupDone):  # finished before the cancel
                     self.submitted_at.pop(message.group_id)
                     self.counts.dropped["unused_at_end"] += 1
-                    if message.shard is not None:
-                        worker.send(msg.DropShards([message.group_id]))
+                    self._free_shard(message, worker)
                 else:
                     self._on_message(worker, message)
         self.in_flight = {w.name: 0 for w in self.workers}

@@ -267,14 +267,18 @@ class RolloutWorker:
         trajectories = [Trajectory(s.prompt_ids, s.tokens, s.logprobs, s.versions,
                                    s.stop_reason, request.group_id, reward)
                         for s, reward in zip(group.samples, rewards)]
-        tensors = shard_tensors(trajectories)
-        self.store.put(request.group_id, tensors)
-        shard = ShardMetadata(self.name, self.store.address, request.group_id,
-                              len(trajectories), 0, tensor_metadata(tensors))
+        shard = self._put_shard(request.group_id, trajectories)
         self.conn.send(msg.GroupDone(shard, request.group_id, rewards,
                                      [len(s.tokens) for s in group.samples],
                                      [s.stop_reason for s in group.samples],
                                      sum(s.interruptions for s in group.samples)))
+
+    def _put_shard(self, group_id: int, trajectories: list[Trajectory]) -> ShardMetadata:
+        """Keep a finished group's packed tensors in the shard store; returns its metadata."""
+        tensors = shard_tensors(trajectories)
+        self.store.put(group_id, tensors)
+        return ShardMetadata(self.name, self.store.address, group_id, len(trajectories), 0,
+                             tensor_metadata(tensors))
 
     def _finish_agent_group(self, group) -> None:
         if group.group_id not in self.agent_groups:
@@ -285,12 +289,7 @@ class RolloutWorker:
         # carries the calls resumed since the previous one, so their sum is the total
         resumed = int(stats.get("agent/resumed_calls", 0))
         interruptions, self.agent_resumed = resumed - self.agent_resumed, resumed
-        shard = None
-        if trajectories:
-            tensors = shard_tensors(trajectories)
-            self.store.put(group.group_id, tensors)
-            shard = ShardMetadata(self.name, self.store.address, group.group_id,
-                                  len(trajectories), 0, tensor_metadata(tensors))
+        shard = self._put_shard(group.group_id, trajectories) if trajectories else None
         self.conn.send(msg.GroupDone(shard, group.group_id, [t.reward for t in trajectories],
                                      [t.num_trained_tokens for t in trajectories],
                                      [t.stop_reason for t in trajectories], interruptions,

@@ -230,7 +230,7 @@ class ExperimentConfig:
         call's prompt (agent.max_prompt_tokens) plus its output (the effective
         agent.max_tokens_cap), and with actor.keep_groups a whole group goes in one."""
         a, r, mb = self.agent, self.rollout, self.actor.max_tokens_per_mb
-        cap = r.max_new_tokens if a.max_tokens_cap is None else a.max_tokens_cap
+        cap = a.tokens_cap(r.max_new_tokens)
         if r.max_new_tokens > cap:
             raise ValueError(f"rollout.max_new_tokens = {r.max_new_tokens} is above "
                              f"agent.max_tokens_cap = {cap}: every model call without "
