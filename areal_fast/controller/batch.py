@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Listener
 
+import msgpack
 import torch
 
 from areal_fast.ops.packing import (
@@ -143,12 +144,69 @@ def tensor_metadata(tensors: dict[str, torch.Tensor]) -> dict[str, TensorMetadat
             for k, v in tensors.items()}
 
 
+def send_shards(conn, shards: dict) -> None:
+    """Send ``{shard_id: {field: tensor}}`` (or ``{"error": str}``) over ``conn``: one msgpack
+    header (per tensor: dtype name, shape, byte count), then each tensor's raw bytes as its
+    own message, in header order. No pickle; the receiver allocates exactly what the header
+    announces (:func:`recv_shards`)."""
+    if "error" in shards:
+        conn.send_bytes(msgpack.packb({"error": shards["error"]}))
+        return
+    header, payloads = {}, []
+    for shard_id, tensors in shards.items():
+        entry = {}
+        for name, tensor in tensors.items():
+            raw = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8)
+            entry[name] = [str(tensor.dtype).split(".")[-1], list(tensor.shape), raw.numel()]
+            payloads.append(raw)
+        header[shard_id] = entry
+    conn.send_bytes(msgpack.packb({"shards": header}))
+    for raw in payloads:
+        conn.send_bytes(raw.numpy().data)
+
+
+WIRE_DTYPES = {name: getattr(torch, name) for name in
+               ("int64", "int32", "float32", "float64", "bfloat16", "float16", "bool", "uint8")}
+
+
+def recv_shards(conn, node: str) -> dict:
+    """Receive what :func:`send_shards` sent: ``{shard_id: {field: tensor}}``.
+
+    Raises
+    ------
+    RuntimeError
+        The worker answered with an error, announced an unknown dtype, or sent a tensor
+        whose size does not match its header (worker ``node`` named).
+    """
+    reply = msgpack.unpackb(conn.recv_bytes(), raw=False, strict_map_key=False)
+    if "error" in reply:
+        raise RuntimeError(f"worker {node!r}: {reply['error']}")
+    out = {}
+    for shard_id, entry in reply["shards"].items():
+        tensors = {}
+        for name, (dtype, shape, nbytes) in entry.items():
+            if dtype not in WIRE_DTYPES:
+                raise RuntimeError(f"worker {node!r} sent shard {shard_id} field {name!r} with "
+                                   f"unsupported dtype {dtype!r}")
+            buffer = bytearray(nbytes)
+            got = conn.recv_bytes_into(buffer) if nbytes else 0
+            if got != nbytes:
+                raise RuntimeError(f"worker {node!r} sent {got} bytes for shard {shard_id} "
+                                   f"field {name!r}, its header said {nbytes}")
+            flat = torch.frombuffer(buffer, dtype=torch.uint8) if nbytes else \
+                torch.empty(0, dtype=torch.uint8)
+            tensors[name] = flat.view(WIRE_DTYPES[dtype]).reshape(shape)
+        out[int(shard_id)] = tensors
+    return out
+
+
 class ShardStore:
     """Shards of one rollout worker, served to trainers over ``multiprocessing.connection``.
 
-    The server binds 127.0.0.1 on a free port and requires ``authkey`` (an HMAC challenge
-    before any data is read), so only processes of the same job can connect; tensors travel
-    as numpy arrays.
+    The server binds ``host`` (127.0.0.1 unless a launcher configures another) on a free port
+    and requires ``authkey`` (an HMAC challenge before any data is read), so only processes
+    of the same job can connect; requests are msgpack and tensors travel as raw bytes
+    (:func:`send_shards`), never pickled.
     """
 
     def __init__(self, authkey: bytes, host: str = "127.0.0.1"):
@@ -182,8 +240,7 @@ class ShardStore:
             missing = [i for i in shard_ids if i not in self._shards]
             if missing:
                 return {"error": f"shard {missing[0]} is not held (already fetched or dropped)"}
-            return {i: {k: v.numpy() for k, v in self._shards.pop(i).items()}
-                    for i in shard_ids}
+            return {i: self._shards.pop(i) for i in shard_ids}
 
     def _serve(self) -> None:
         while not self._closed:
@@ -198,10 +255,13 @@ class ShardStore:
         with conn:
             try:
                 while True:
-                    request = conn.recv()
-                    conn.send(self._take(list(request["fetch"])))
+                    request = msgpack.unpackb(conn.recv_bytes(), raw=False)
+                    shard_ids = [int(i) for i in request["fetch"]]
+                    send_shards(conn, self._take(shard_ids))
             except (EOFError, OSError):
                 return
+            except (ValueError, KeyError, TypeError, msgpack.UnpackException):
+                return  # a malformed request: drop the connection, keep serving others
 
     def close(self) -> None:
         """Stop serving."""
@@ -258,21 +318,18 @@ def fetch_shards(batch: DistributedBatch, authkey: bytes, timeout: float
         try:
             with _connect((host, int(port)), authkey, timeout, node) as conn:
                 _no_delay(conn)
-                conn.send({"fetch": [s.shard_id for s in shards]})
+                conn.send_bytes(msgpack.packb({"fetch": [s.shard_id for s in shards]}))
                 if not conn.poll(timeout):
                     raise TimeoutError(f"fetching {len(shards)} shards from worker {node!r} "
                                        f"({addr}) took more than {timeout:g} s")
-                reply = conn.recv()
-        except TimeoutError:
+                reply = recv_shards(conn, node)
+        except (TimeoutError, RuntimeError):
             raise
         except (OSError, EOFError) as exc:
             raise RuntimeError(f"fetching shards from worker {node!r} ({addr}) failed: "
                                f"{exc}") from exc
-        if "error" in reply:
-            raise RuntimeError(f"worker {node!r}: {reply['error']}")
         for shard in shards:
-            fetched[(addr, shard.shard_id)] = {k: torch.from_numpy(v)
-                                               for k, v in reply[shard.shard_id].items()}
+            fetched[(addr, shard.shard_id)] = reply[shard.shard_id]
     return [fetched[(s.node_addr, s.shard_id)] for s in batch.shards]
 
 

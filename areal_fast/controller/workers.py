@@ -1,8 +1,8 @@
 """Worker processes of the local launcher: spawn, message, wait with deadlines, detect death.
 
 Each worker is a ``spawn``-ed process connected to the controller by a duplex pipe. Messages
-are the dataclasses of :mod:`areal_fast.controller.messages` (pickled between processes of
-the same job only). :func:`wait_messages` waits on every pipe and every process sentinel at
+are the dataclasses of :mod:`areal_fast.controller.messages`, sent as msgpack
+(:mod:`areal_fast.controller.codec`; nothing is unpickled). :func:`wait_messages` waits on every pipe and every process sentinel at
 once, so a worker that dies is reported at once, by name, instead of hanging the run.
 """
 
@@ -15,6 +15,7 @@ import traceback
 from dataclasses import dataclass
 from multiprocessing.connection import wait
 
+from areal_fast.controller.codec import CodecError, MessageChannel
 from areal_fast.controller.messages import WorkerFailed
 
 
@@ -28,7 +29,7 @@ class WorkerHandle:
 
     name: str
     process: mp.Process
-    conn: object  # multiprocessing.connection.Connection
+    conn: MessageChannel
 
     def send(self, message) -> None:
         """Send one message.
@@ -69,8 +70,10 @@ class WorkerHandle:
         self.conn.close()
 
 
-def _worker_entry(target, conn, name: str, spec, authkey: bytes) -> None:
-    """Run ``target(conn, name, spec, authkey)``; report an exception before exiting."""
+def _worker_entry(target, raw_conn, name: str, spec, authkey: bytes) -> None:
+    """Run ``target(conn, name, spec, authkey)`` with ``conn`` a :class:`MessageChannel`
+    over ``raw_conn``; report an exception before exiting."""
+    conn = MessageChannel(raw_conn)
     try:
         target(conn, name, spec, authkey)
     except BaseException as exc:  # noqa: BLE001 - reported, then re-raised
@@ -95,7 +98,7 @@ def spawn_worker(name: str, target, spec, authkey: bytes) -> WorkerHandle:
                           name=name, daemon=True)
     process.start()
     child.close()
-    return WorkerHandle(name, process, parent)
+    return WorkerHandle(name, process, MessageChannel(parent))
 
 
 def wait_messages(handles: list[WorkerHandle], timeout: float, doing: str
@@ -123,6 +126,9 @@ def wait_messages(handles: list[WorkerHandle], timeout: float, doing: str
                 except (EOFError, OSError):
                     handle.process.join(1.0)
                     raise WorkerError(handle.died_message(doing)) from None
+                except CodecError as exc:
+                    raise WorkerError(f"worker {handle.name!r} sent an undecodable message "
+                                      f"{doing}: {exc}") from None
                 if isinstance(message, WorkerFailed):
                     raise WorkerError(f"worker {message.name!r} failed {doing}: "
                                       f"{message.message}")
