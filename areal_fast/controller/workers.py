@@ -12,7 +12,7 @@ import multiprocessing as mp
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from typing import Optional
 from multiprocessing.connection import wait
 
 from areal_fast.controller.codec import CodecError, MessageChannel
@@ -20,16 +20,45 @@ from areal_fast.controller.messages import WorkerFailed
 
 
 class WorkerError(RuntimeError):
-    """A worker died, failed, or did not answer in time; the message names it."""
+    """A worker died, failed, or did not answer in time; the message names it.
+
+    Attributes
+    ----------
+    worker : str or None
+        Name of the worker concerned (None when no single worker is to blame).
+    died : bool
+        The worker's process is gone (killed, crashed): a restart may help.
+    """
+
+    def __init__(self, message: str, worker: Optional[str] = None, died: bool = False):
+        super().__init__(message)
+        self.worker, self.died = worker, died
 
 
-@dataclass
 class WorkerHandle:
-    """The controller's end of one worker process."""
+    """The controller's end of one worker: a :class:`MessageChannel` plus its process.
+
+    Subclasses say how the process is watched and stopped: :class:`ProcessHandle` (a local
+    ``spawn`` process) and the Ray launcher's actor handle.
+    """
 
     name: str
-    process: mp.Process
     conn: MessageChannel
+
+    @property
+    def sentinel(self):
+        """An object ``multiprocessing.connection.wait`` reports when the process ends, or
+        None (then death shows as the channel's end of file)."""
+        return None
+
+    @property
+    def pid(self) -> Optional[int]:
+        """Operating-system process id of the worker (None if unknown)."""
+        return None
+
+    def exit_status(self) -> str:
+        """"still running", "exit code N", or what else is known of its end."""
+        return "exited"
 
     def send(self, message) -> None:
         """Send one message.
@@ -37,25 +66,49 @@ class WorkerHandle:
         Raises
         ------
         WorkerError
-            The pipe is broken (the worker died).
+            The channel is broken (the worker died).
         """
         try:
             self.conn.send(message)
         except (OSError, ValueError) as exc:
             raise WorkerError(f"worker {self.name!r} is unreachable "
-                              f"({self._exit_status()}): {exc}") from exc
-
-    def _exit_status(self) -> str:
-        code = self.process.exitcode
-        return "still running" if code is None else f"exit code {code}"
+                              f"({self.exit_status()}): {exc}", self.name, died=True) from exc
 
     def died_message(self, doing: str) -> str:
         """One line saying that this worker died and what it was doing."""
-        return (f"worker {self.name!r} (pid {self.process.pid}) died with "
-                f"{self._exit_status()} {doing}")
+        return (f"worker {self.name!r} (pid {self.pid}) died with "
+                f"{self.exit_status()} {doing}")
+
+    def reap(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for a dead worker's exit status."""
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Ask the worker to exit; terminate it if it has not after ``timeout`` seconds."""
+        """Ask the worker to exit; kill it if it has not after ``timeout`` seconds."""
+        raise NotImplementedError
+
+
+class ProcessHandle(WorkerHandle):
+    """A worker in a local ``spawn`` process (see :func:`spawn_worker`)."""
+
+    def __init__(self, name: str, process: mp.Process, conn: MessageChannel):
+        self.name, self.process, self.conn = name, process, conn
+
+    @property
+    def sentinel(self):
+        return self.process.sentinel
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self.process.pid
+
+    def exit_status(self) -> str:
+        code = self.process.exitcode
+        return "still running" if code is None else f"exit code {code}"
+
+    def reap(self, timeout: float) -> None:
+        self.process.join(timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
         from areal_fast.controller.messages import Shutdown
 
         if self.process.is_alive():
@@ -87,7 +140,7 @@ def _worker_entry(target, raw_conn, name: str, spec, authkey: bytes) -> None:
         raise
 
 
-def spawn_worker(name: str, target, spec, authkey: bytes) -> WorkerHandle:
+def spawn_worker(name: str, target, spec, authkey: bytes) -> ProcessHandle:
     """Start ``target(conn, name, spec, authkey)`` in a new ``spawn`` process.
 
     ``target`` and ``spec`` must be picklable (module-level function, dataclass spec).
@@ -98,7 +151,7 @@ def spawn_worker(name: str, target, spec, authkey: bytes) -> WorkerHandle:
                           name=name, daemon=True)
     process.start()
     child.close()
-    return WorkerHandle(name, process, MessageChannel(parent))
+    return ProcessHandle(name, process, MessageChannel(parent))
 
 
 def wait_messages(handles: list[WorkerHandle], timeout: float, doing: str
@@ -114,7 +167,7 @@ def wait_messages(handles: list[WorkerHandle], timeout: float, doing: str
         worker and ``doing`` (what the controller was waiting for).
     """
     by_conn = {h.conn: h for h in handles}
-    by_sentinel = {h.process.sentinel: h for h in handles}
+    by_sentinel = {h.sentinel: h for h in handles if h.sentinel is not None}
     ready = wait(list(by_conn) + list(by_sentinel), timeout)
     out = []
     for obj in ready:
@@ -124,19 +177,19 @@ def wait_messages(handles: list[WorkerHandle], timeout: float, doing: str
                 try:
                     message = handle.conn.recv()
                 except (EOFError, OSError):
-                    handle.process.join(1.0)
-                    raise WorkerError(handle.died_message(doing)) from None
+                    handle.reap(1.0)
+                    raise WorkerError(handle.died_message(doing), handle.name,
+                                      died=True) from None
                 except CodecError as exc:
                     raise WorkerError(f"worker {handle.name!r} sent an undecodable message "
-                                      f"{doing}: {exc}") from None
+                                      f"{doing}: {exc}", handle.name) from None
                 if isinstance(message, WorkerFailed):
                     raise WorkerError(f"worker {message.name!r} failed {doing}: "
-                                      f"{message.message}")
+                                      f"{message.message}", handle.name)
                 out.append((handle, message))
     for obj in ready:
         if obj in by_sentinel and not by_sentinel[obj].conn.poll():
             handle = by_sentinel[obj]
-            handle.process.join(1.0)
-            raise WorkerError(handle.died_message(doing))
+            handle.reap(1.0)
+            raise WorkerError(handle.died_message(doing), handle.name, died=True)
     return out
-

@@ -256,7 +256,7 @@ def warn_failed_exits(cluster: LocalCluster) -> None:
     """Log each worker that exited non-zero after the run itself succeeded (an error while
     shutting down, e.g. closing its agent sessions; its traceback precedes on stderr)."""
     for handle in [*cluster.rollout_workers, *([cluster.trainer] if cluster.trainer else [])]:
-        code = handle.process.exitcode
+        code = getattr(getattr(handle, "process", None), "exitcode", None)
         if code:
             how = "was killed (it did not exit in time)" if code < 0 else f"exited with code {code}"
             log.warning("worker %r %s while shutting down after the run", handle.name, how)

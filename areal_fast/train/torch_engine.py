@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, NamedTuple, Optional
 
 import torch
 
@@ -19,11 +19,17 @@ from areal_fast.rl.decoupled import (behav_weight_stats, check_token_versions,
 from areal_fast.rl.objectives import grpo_loss
 
 PROX_LOGP_METHODS = ("recompute", "loglinear")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+SHARDED_FORWARD = "fsdp_packed_forward_logprobs"
 
 
 @dataclass
 class OptimizerConfig:
-    """AdamW and gradient-clipping settings (Loshchilov & Hutter 2019)."""
+    """AdamW, gradient-clipping and learning-rate schedule settings (Loshchilov & Hutter 2019).
+
+    ``lr_schedule`` and ``warmup_steps`` shape the learning rate per optimizer update, see
+    :func:`lr_factor`; the decay horizon is the engine's ``total_steps``.
+    """
 
     lr: float = 1e-5
     weight_decay: float = 0.0
@@ -31,6 +37,8 @@ class OptimizerConfig:
     beta2: float = 0.999
     eps: float = 1e-8
     grad_clip: float = 1.0
+    lr_schedule: str = "constant"  # "constant" | "linear" | "cosine" decay after warmup
+    warmup_steps: int = 0  # optimizer updates of linear warmup
 
     def __post_init__(self):
         for name in ("lr", "eps", "grad_clip"):
@@ -42,6 +50,38 @@ class OptimizerConfig:
                 raise ValueError(f"{name} = {getattr(self, name)} must be in [0, 1)")
         if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
             raise ValueError(f"weight_decay = {self.weight_decay} must be a finite number >= 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule = {self.lr_schedule!r} is not one of {LR_SCHEDULES}")
+        if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
+                or self.warmup_steps < 0):
+            raise ValueError(f"warmup_steps = {self.warmup_steps!r} must be an int >= 0")
+
+
+def lr_factor(update: int, schedule: str, warmup_steps: int,
+              total_updates: Optional[int]) -> float:
+    """Learning-rate multiplier of optimizer update ``update`` (0-based).
+
+    Warmup: ``(update + 1) / (warmup_steps + 1)`` for ``update < warmup_steps``. Then, with
+    ``p = (update − warmup_steps) / max(total_updates − warmup_steps, 1)`` clamped to [0, 1]:
+    "constant" 1, "linear" ``1 − p``, "cosine" ``(1 + cos(π p)) / 2`` (Loshchilov & Hutter
+    2017, SGDR, without restarts). ``total_updates`` None: no decay (1 after warmup).
+    """
+    if update < warmup_steps:
+        return (update + 1) / (warmup_steps + 1)
+    if schedule == "constant" or total_updates is None:
+        return 1.0
+    progress = min(max((update - warmup_steps) / max(total_updates - warmup_steps, 1), 0.0), 1.0)
+    if schedule == "linear":
+        return 1.0 - progress
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class BatchTotals(NamedTuple):
+    """Counts of a (global) batch that the micro-batch loss weights divide by."""
+
+    tokens: int  # trained tokens (loss_mask True)
+    seqs: int  # sequences
+    trained_seqs: int  # sequences with at least one trained token
 
 
 def packed_forward_logprobs(model, batch: PackedBatch, temperature: float,
@@ -71,7 +111,20 @@ def packed_forward_logprobs(model, batch: PackedBatch, temperature: float,
     -------
     logprobs : Tensor [T] float32 (0 where ``labels == -100``)
     entropy : Tensor [T] float32 or None
+
+    A model sharded by :func:`areal_fast.train.fsdp.shard_model` carries this computation as
+    an FSDP2 forward method (``SHARDED_FORWARD``), so its root parameters (embeddings, final
+    norm, LM head) are gathered around it; it is called instead.
     """
+    sharded_forward = getattr(model, SHARDED_FORWARD, None)
+    if sharded_forward is not None:
+        return sharded_forward(batch, temperature, with_entropy)
+    return unsharded_forward_logprobs(model, batch, temperature, with_entropy)
+
+
+def unsharded_forward_logprobs(model, batch: PackedBatch, temperature: float,
+                               with_entropy: bool = True):
+    """:func:`packed_forward_logprobs` on a model whose parameters are all present."""
     _check_supported(model.config)
     device = next(model.parameters()).device
     cu_seqlens = batch.cu_seqlens.to(device)
@@ -141,6 +194,10 @@ class TorchTrainEngine:
         split into micro-batches.
     initial_version : int
         Starting value of :attr:`version`.
+    total_steps : int, optional
+        :meth:`train_step` calls the run will make: the learning-rate schedule decays over
+        ``total_steps · ppo_n_minibatches`` optimizer updates (:func:`lr_factor`). None: no
+        decay (constant after warmup).
 
     Attributes
     ----------
@@ -155,10 +212,13 @@ class TorchTrainEngine:
                  pack_method: str = "kk", keep_groups: bool = False, ref_model=None,
                  packed_attention: bool = True, use_decoupled_loss: bool = False,
                  prox_logp_method: str = "recompute", ppo_n_minibatches: int = 1,
-                 initial_version: int = 0):
+                 initial_version: int = 0, total_steps: Optional[int] = None):
         if loss_config.kl_coef > 0 and ref_model is None:
             raise ValueError("loss.kl_coef > 0 needs a reference model")
         _check_decoupled_args(prox_logp_method, ppo_n_minibatches, initial_version)
+        if total_steps is not None and (isinstance(total_steps, bool)
+                                        or not isinstance(total_steps, int) or total_steps < 1):
+            raise ValueError(f"total_steps = {total_steps!r} must be an int >= 1 or None")
         if packed_attention:
             name = register_packed_attention()
             for m in (model, ref_model):
@@ -177,12 +237,22 @@ class TorchTrainEngine:
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
             weight_decay=optim.weight_decay)
+        self.total_steps = total_steps
+        self.scheduler = self._make_scheduler(optim, total_steps, ppo_n_minibatches)
         self.use_decoupled_loss = bool(use_decoupled_loss)
         self.prox_logp_method = prox_logp_method
         self.ppo_n_minibatches = ppo_n_minibatches
         self.version = initial_version
         # Run the separate no-grad proximal pass even when one minibatch makes it redundant.
         self._explicit_prox_pass = False
+
+    def _make_scheduler(self, optim: OptimizerConfig, total_steps, ppo_n_minibatches):
+        """A LambdaLR over :func:`lr_factor`, stepped once per optimizer update."""
+        total_updates = None if total_steps is None else total_steps * ppo_n_minibatches
+
+        def factor(update: int) -> float:  # a plain function: LambdaLR saves no state of it
+            return lr_factor(update, optim.lr_schedule, optim.warmup_steps, total_updates)
+        return torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
 
     def micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
         """Split ``batch`` into balanced micro-batches under the token budget."""
@@ -220,20 +290,26 @@ class TorchTrainEngine:
         assert len(parts) == n, (len(parts), n)
         return parts
 
-    def _mb_weight(self, mb: PackedBatch, batch: PackedBatch) -> float:
+    def batch_totals(self, batch: PackedBatch) -> BatchTotals:
+        """Trained tokens, sequences and trained sequences of ``batch`` (the FSDP engine
+        sums them over the data-parallel ranks: the totals of the global batch)."""
+        return BatchTotals(int(batch.loss_mask.sum()), batch.num_seqs, _num_trained_seqs(batch))
+
+    def _mb_weight(self, mb: PackedBatch, totals: BatchTotals) -> float:
         """Share of the whole-batch loss that a micro-batch's aggregated loss carries.
 
         Summing ``weight · loss(mb)`` over micro-batches equals the loss of the whole batch
-        for every aggregation, so accumulated gradients match one pass over the batch.
+        (whose counts are ``totals``) for every aggregation, so accumulated gradients match
+        one pass over the batch.
         """
         agg = self.loss_config.aggregation
         if agg == "token_sum":
             return 1.0
         if agg == "token_mean":
-            return int(mb.loss_mask.sum()) / max(int(batch.loss_mask.sum()), 1)
+            return int(mb.loss_mask.sum()) / max(totals.tokens, 1)
         if agg == "seq_mean_token_sum":
-            return mb.num_seqs / max(batch.num_seqs, 1)
-        return _num_trained_seqs(mb) / max(_num_trained_seqs(batch), 1)
+            return mb.num_seqs / max(totals.seqs, 1)
+        return _num_trained_seqs(mb) / max(totals.trained_seqs, 1)
 
     def train_step(self, batch: PackedBatch) -> dict[str, float]:
         """``ppo_n_minibatches`` optimizer updates on ``batch``, then ``version += 1``.
@@ -253,7 +329,8 @@ class TorchTrainEngine:
             statistics of :meth:`accumulate_gradients` (means over the batch's trained
             tokens; ``behav_logprob_abs_diff`` is the mean |trainer − engine| log-prob, the
             engine/trainer mismatch), ``num_micro_batches`` (all minibatches together),
-            ``num_minibatches``, ``version`` (after the step) and, with decoupled PPO,
+            ``num_minibatches``, ``lr`` (mean over the step's updates), ``version`` (after
+            the step) and, with decoupled PPO,
             ``staleness_mean`` / ``staleness_max`` (version at the start of the step minus
             token version) and ``behav_weight_mean`` / ``behav_weight_masked_fraction``.
         """
@@ -261,26 +338,36 @@ class TorchTrainEngine:
         if self.use_decoupled_loss:
             if self.prox_logp_method == "loglinear":  # fail before any update
                 check_token_versions(batch.versions, batch.loss_mask, self.version)
-            start_stats = staleness_stats(batch.versions, batch.loss_mask, self.version)
+            start_stats = self._staleness_stats(batch)
         parts = self.minibatch_parts(batch)
         prox = self._prox_before_update(batch)
         results = []
         for part in parts:
             minibatch, mb_prox = (batch, prox) if len(parts) == 1 else _select(batch, part, prox)
             stats = self._optimizer_step(minibatch, mb_prox)
-            results.append((int(minibatch.loss_mask.sum()), stats))
+            tokens = self.batch_totals(minibatch).tokens if len(parts) > 1 else 0
+            results.append((tokens, stats))
         self.version += 1
         stats = _combine_minibatch_stats(results)
         stats.update(start_stats, num_minibatches=float(len(parts)), version=float(self.version))
         return stats
 
+    def _staleness_stats(self, batch: PackedBatch) -> dict[str, float]:
+        return staleness_stats(batch.versions, batch.loss_mask, self.version)
+
     def _optimizer_step(self, batch: PackedBatch, prox) -> dict[str, float]:
         self.optimizer.zero_grad(set_to_none=True)
         stats = self.accumulate_gradients(batch, prox_logprobs=prox)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
+        stats["grad_norm"] = self._clip_gradients()
+        stats["lr"] = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
-        stats["grad_norm"] = float(grad_norm)
+        self.scheduler.step()
         return stats
+
+    def _clip_gradients(self) -> float:
+        """Clip the global gradient norm to ``optim.grad_clip``; the pre-clip norm."""
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                    self.optim.grad_clip))
 
     def _prox_before_update(self, batch: PackedBatch):
         """Proximal log-probs [T] computed before any update, or None where the loss makes
@@ -302,9 +389,11 @@ class TorchTrainEngine:
         device = next(self.model.parameters()).device
         out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
         for part in self._micro_batch_parts(batch):
-            logprobs, _ = packed_forward_logprobs(self.model, select_sequences(batch, part),
-                                                  self.temperature, with_entropy=False)
-            out[_token_index(batch.cu_seqlens, part).to(device)] = logprobs.float()
+            mb = select_sequences(batch, part or [0])  # [] pads: see _padding_pass
+            logprobs, _ = packed_forward_logprobs(self.model, mb, self.temperature,
+                                                  with_entropy=False)
+            if part:
+                out[_token_index(batch.cu_seqlens, part).to(device)] = logprobs.float()
         return out
 
     def accumulate_gradients(self, batch: PackedBatch,
@@ -323,11 +412,15 @@ class TorchTrainEngine:
             raise ValueError(f"prox_logprobs must be [T={batch.num_tokens}], "
                              f"got {tuple(prox_logprobs.shape)}")
         sums: dict[str, float] = {"loss": 0.0}
-        total_tokens = max(int(batch.loss_mask.sum()), 1)
+        totals = self.batch_totals(batch)
+        total_tokens = max(totals.tokens, 1)
         parts = self._micro_batch_parts(batch)
         for part in parts:
+            if not part:
+                self._padding_pass(batch)
+                continue
             mb, mb_prox = _select(batch, part, prox_logprobs)
-            weight = self._mb_weight(mb, batch)
+            weight = self._mb_weight(mb, totals)
             loss, stats = self._micro_batch_loss(mb, mb_prox)
             (loss * weight).backward()
             sums["loss"] += float(loss.detach()) * weight
@@ -335,8 +428,20 @@ class TorchTrainEngine:
             for key, value in stats.items():
                 if key != "num_tokens":
                     sums[key] = sums.get(key, 0.0) + float(value) * token_share
+        sums = self._reduce_stats(sums)
         sums["num_micro_batches"] = float(len(parts))
         return sums
+
+    def _reduce_stats(self, sums: dict[str, float]) -> dict[str, float]:
+        """Sum the shares of the micro-batch statistics over data-parallel ranks (here: one)."""
+        return sums
+
+    def _padding_pass(self, batch: PackedBatch) -> None:
+        """Forward and backward of the first sequence with weight 0: an empty part ``[]``
+        pads a data-parallel rank's micro-batch count up to the other ranks' (their FSDP
+        collectives pair up); it adds exact zeros to the gradients and nothing to the stats."""
+        loss, _ = self._micro_batch_loss(select_sequences(batch, [0]))
+        (loss * 0.0).backward()
 
     def _micro_batch_loss(self, mb: PackedBatch, prox: torch.Tensor | None = None):
         device = next(self.model.parameters()).device
@@ -407,7 +512,7 @@ def _select(batch: PackedBatch, indices: list[int], per_token: torch.Tensor | No
 
 def _combine_minibatch_stats(results: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
     """Merge per-minibatch stats: token-weighted means of the token statistics, plain
-    means of ``loss`` and ``grad_norm``, the sum of ``num_micro_batches``."""
+    means of ``loss``, ``grad_norm`` and ``lr``, the sum of ``num_micro_batches``."""
     if len(results) == 1:
         return dict(results[0][1])
     total_tokens = max(sum(tokens for tokens, _ in results), 1)
@@ -416,7 +521,7 @@ def _combine_minibatch_stats(results: list[tuple[int, dict[str, float]]]) -> dic
         for key, value in stats.items():
             if key == "num_micro_batches":
                 share = 1.0
-            elif key in ("loss", "grad_norm"):
+            elif key in ("loss", "grad_norm", "lr"):
                 share = 1.0 / len(results)
             else:
                 share = tokens / total_tokens
