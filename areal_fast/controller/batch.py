@@ -10,10 +10,13 @@ group is trained on at most once.
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 import threading
 from dataclasses import dataclass, field
 from multiprocessing.connection import Client, Listener
+from pathlib import Path
 
 import msgpack
 import torch
@@ -26,6 +29,7 @@ from areal_fast.ops.packing import (
 from areal_fast.rl.advantages import group_advantages
 from areal_fast.rl.batch import PackedBatch, Trajectory, pack_trajectories
 
+log = logging.getLogger("areal_fast.batch")
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "behav_logprobs", "versions")
 SEQ_FIELDS = ("seq_lens", "rewards", "group_ids")
 
@@ -58,6 +62,9 @@ class ShardMetadata:
     fields : dict[str, TensorMetadata]
         Per-token fields ([T_shard]): input_ids, labels, loss_mask, behav_logprobs, versions;
         per-sequence fields ([batch_size]): seq_lens, rewards, group_ids.
+    path : str
+        The shard's spool file (safetensors) when the worker keeps one: a trainer reads it
+        there if the worker has died ("" when not spooled).
     """
 
     node_id: str
@@ -66,6 +73,7 @@ class ShardMetadata:
     batch_size: int
     offset: int
     fields: dict = field(hash=False)
+    path: str = ""
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +91,7 @@ class DistributedBatch:
         offset, placed = 0, []
         for shard in self.shards:
             placed.append(ShardMetadata(shard.node_id, shard.node_addr, shard.shard_id,
-                                        shard.batch_size, offset, shard.fields))
+                                        shard.batch_size, offset, shard.fields, shard.path))
             offset += shard.batch_size
         self.shards = placed
 
@@ -142,6 +150,39 @@ def tensor_metadata(tensors: dict[str, torch.Tensor]) -> dict[str, TensorMetadat
     """:class:`TensorMetadata` of each tensor in ``tensors``."""
     return {k: TensorMetadata(tuple(v.shape), str(v.dtype).split(".")[-1], str(v.device))
             for k, v in tensors.items()}
+
+
+def write_shard_file(path: str, tensors: dict[str, torch.Tensor]) -> None:
+    """Write one shard as a safetensors file, atomically (temp name, fsync, rename)."""
+    from safetensors.torch import save
+
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as fh:
+        fh.write(save({k: v.contiguous() for k, v in tensors.items()}))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_shard_file(path: str, node: str) -> dict[str, torch.Tensor]:
+    """Read a spooled shard written by :func:`write_shard_file` (and delete it: a shard is
+    trained at most once).
+
+    Raises
+    ------
+    RuntimeError
+        The file is missing or not a valid safetensors file (worker ``node`` named).
+    """
+    from safetensors.torch import load
+
+    try:
+        data = Path(path).read_bytes()
+        tensors = load(data)
+    except Exception as exc:  # noqa: BLE001 - missing, truncated, corrupt
+        raise RuntimeError(f"worker {node!r} is gone and its spooled shard {path} cannot be "
+                           f"read ({type(exc).__name__}: {exc})") from exc
+    Path(path).unlink(missing_ok=True)
+    return tensors
 
 
 def send_shards(conn, shards: dict) -> None:
@@ -209,8 +250,11 @@ class ShardStore:
     (:func:`send_shards`), never pickled.
     """
 
-    def __init__(self, authkey: bytes, host: str = "127.0.0.1"):
+    def __init__(self, authkey: bytes, host: str = "127.0.0.1", spool_dir: str | None = None):
         self._shards: dict[int, dict[str, torch.Tensor]] = {}
+        self.spool_dir = Path(spool_dir) if spool_dir else None
+        if self.spool_dir is not None:
+            self.spool_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self._listener = Listener((host, 0), authkey=authkey)
         self._closed = False
@@ -221,15 +265,30 @@ class ShardStore:
         """Start accepting trainer connections."""
         self._thread.start()
 
-    def put(self, shard_id: int, tensors: dict[str, torch.Tensor]) -> None:
-        """Keep ``tensors`` under ``shard_id`` until fetched or dropped."""
+    def spool_path(self, shard_id: int) -> str:
+        """Spool file of ``shard_id`` ("" without a spool directory)."""
+        return str(self.spool_dir / f"{shard_id}.safetensors") if self.spool_dir else ""
+
+    def put(self, shard_id: int, tensors: dict[str, torch.Tensor]) -> str:
+        """Keep ``tensors`` under ``shard_id`` until fetched or dropped; with a spool
+        directory also write them to its file first (atomically: temp name, then rename),
+        so they outlive this process. Returns the spool path ("" without)."""
+        path = self.spool_path(shard_id)
+        if path:
+            write_shard_file(path, tensors)
         with self._lock:
             self._shards[shard_id] = tensors
+        return path
 
     def drop(self, shard_ids: list[int]) -> int:
-        """Forget shards (dynamic filter, end of run); returns how many existed."""
+        """Forget shards (dynamic filter, end of run) and delete their spool files, also those
+        a previous process of this worker left; returns how many were held in memory."""
         with self._lock:
-            return sum(self._shards.pop(i, None) is not None for i in shard_ids)
+            held = sum(self._shards.pop(i, None) is not None for i in shard_ids)
+        for i in shard_ids:
+            if self.spool_dir is not None:
+                Path(self.spool_path(i)).unlink(missing_ok=True)
+        return held
 
     def __len__(self) -> int:
         with self._lock:
@@ -240,7 +299,11 @@ class ShardStore:
             missing = [i for i in shard_ids if i not in self._shards]
             if missing:
                 return {"error": f"shard {missing[0]} is not held (already fetched or dropped)"}
-            return {i: self._shards.pop(i) for i in shard_ids}
+            taken = {i: self._shards.pop(i) for i in shard_ids}
+        for i in shard_ids:
+            if self.spool_dir is not None:
+                Path(self.spool_path(i)).unlink(missing_ok=True)
+        return taken
 
     def _serve(self) -> None:
         while not self._closed:
@@ -313,24 +376,36 @@ def fetch_shards(batch: DistributedBatch, authkey: bytes, timeout: float
         by_addr.setdefault(shard.node_addr, []).append(shard)
     fetched: dict[tuple[str, int], dict] = {}
     for addr, shards in by_addr.items():
-        node = shards[0].node_id
-        host, port = addr.rsplit(":", 1)
         try:
-            with _connect((host, int(port)), authkey, timeout, node) as conn:
-                _no_delay(conn)
-                conn.send_bytes(msgpack.packb({"fetch": [s.shard_id for s in shards]}))
-                if not conn.poll(timeout):
-                    raise TimeoutError(f"fetching {len(shards)} shards from worker {node!r} "
-                                       f"({addr}) took more than {timeout:g} s")
-                reply = recv_shards(conn, node)
-        except (TimeoutError, RuntimeError):
-            raise
-        except (OSError, EOFError) as exc:
-            raise RuntimeError(f"fetching shards from worker {node!r} ({addr}) failed: "
-                               f"{exc}") from exc
+            reply = _fetch_from_worker(addr, shards, authkey, timeout)
+        except (TimeoutError, RuntimeError) as exc:
+            if not all(s.path and Path(s.path).is_file() for s in shards):
+                raise
+            # the worker died (or was replaced): its shards are on disk
+            log.warning("%s; reading its %d shards from their spool files", exc, len(shards))
+            reply = {s.shard_id: read_shard_file(s.path, s.node_id) for s in shards}
         for shard in shards:
             fetched[(addr, shard.shard_id)] = reply[shard.shard_id]
     return [fetched[(s.node_addr, s.shard_id)] for s in batch.shards]
+
+
+def _fetch_from_worker(addr: str, shards: list[ShardMetadata], authkey: bytes,
+                       timeout: float) -> dict:
+    node = shards[0].node_id
+    host, port = addr.rsplit(":", 1)
+    try:
+        with _connect((host, int(port)), authkey, timeout, node) as conn:
+            _no_delay(conn)
+            conn.send_bytes(msgpack.packb({"fetch": [s.shard_id for s in shards]}))
+            if not conn.poll(timeout):
+                raise TimeoutError(f"fetching {len(shards)} shards from worker {node!r} "
+                                   f"({addr}) took more than {timeout:g} s")
+            return recv_shards(conn, node)
+    except (TimeoutError, RuntimeError):
+        raise
+    except (OSError, EOFError) as exc:
+        raise RuntimeError(f"fetching shards from worker {node!r} ({addr}) failed: "
+                           f"{exc}") from exc
 
 
 def assemble_packed_batch(shards: list[dict[str, torch.Tensor]], adv_mode: str) -> PackedBatch:

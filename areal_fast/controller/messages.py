@@ -77,6 +77,7 @@ class WorkerReady:
     name: str
     node_addr: str = ""
     weight_buffers: tuple = ()  # trainer: its two WeightBufferSpec slots
+    version: int = 0  # trainer: the policy version it starts at (> 0 after a resume)
 
 
 @dataclass
@@ -142,7 +143,23 @@ class SaveCheckpoint:
     path: str
 
 
+@dataclass
+class SaveState:
+    """Write the trainer state (weights, optimizer, LR schedule, RNG, version) into the
+    directory ``path``; every rank takes part; rank 0 answers with :class:`StateSaved`."""
+
+    path: str
+
+
 # trainer → controller
+@dataclass
+class StateSaved:
+    """The trainer state of policy ``version`` is complete in ``path``."""
+
+    path: str
+    version: int
+
+
 @dataclass
 class StepDone:
     """A finished training step: new version, the trainer's metrics and timings."""

@@ -25,6 +25,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -54,12 +55,19 @@ class RolloutWorkerSpec:
         torch CPU threads of this process.
     agent : AgentWorkloadSpec, optional
         Run training groups as agent sessions (see :mod:`areal_fast.agent.workload`).
+    spool_dir : str, optional
+        Also write each finished group's shard to ``<spool_dir>/<worker name>/``, so that a
+        trainer still gets it if this worker dies before the shard is fetched.
+    host : str
+        Address the shard server binds (127.0.0.1 unless a launcher configures another).
     """
 
     engine_factory: Callable
     reward_fn: Callable
     threads: Optional[int] = None
     agent: Optional[object] = None
+    spool_dir: Optional[str] = None
+    host: str = "127.0.0.1"
 
 
 @dataclass
@@ -90,7 +98,8 @@ class RolloutWorker:
     def __init__(self, name: str, conn, spec: RolloutWorkerSpec, authkey: bytes):
         self.name, self.conn, self.spec = name, conn, spec
         self.engine, self.decode = spec.engine_factory()
-        self.store = ShardStore(authkey)
+        spool = str(Path(spec.spool_dir) / name) if spec.spool_dir else None
+        self.store = ShardStore(authkey, spec.host, spool)
         self.inbox: queue.Queue = queue.Queue()
         self.groups: dict[int, _Group] = {}
         self.running: dict[int, _Sample] = {}
@@ -166,7 +175,7 @@ class RolloutWorker:
                 self.inbox.put(("control", self.conn.recv()))
         except (EOFError, OSError):  # the controller is gone
             self.inbox.put(("control", msg.Shutdown()))
-        except Exception as exc:  # noqa: BLE001 - e.g. a message that cannot be unpickled
+        except Exception as exc:  # noqa: BLE001 - e.g. an undecodable message
             self.inbox.put(("error", exc))
 
     def _pump_outputs(self) -> None:
@@ -276,9 +285,9 @@ class RolloutWorker:
     def _put_shard(self, group_id: int, trajectories: list[Trajectory]) -> ShardMetadata:
         """Keep a finished group's packed tensors in the shard store; returns its metadata."""
         tensors = shard_tensors(trajectories)
-        self.store.put(group_id, tensors)
+        path = self.store.put(group_id, tensors)
         return ShardMetadata(self.name, self.store.address, group_id, len(trajectories), 0,
-                             tensor_metadata(tensors))
+                             tensor_metadata(tensors), path)
 
     def _finish_agent_group(self, group) -> None:
         if group.group_id not in self.agent_groups:

@@ -1,4 +1,9 @@
-"""Trainer worker process: fetch a DistributedBatch, take one step, publish the weights."""
+"""Trainer worker process: fetch a DistributedBatch, take one step, publish the weights.
+
+With several ranks (FSDP2), every rank receives the same messages: each fetches its own part
+of the batch (:meth:`DistributedBatch.split`, token-balanced whole groups), all ranks train
+and gather the weights in lockstep, and rank 0 alone publishes them and answers.
+"""
 
 from __future__ import annotations
 
@@ -31,12 +36,19 @@ class TrainerWorkerSpec:
         Seconds allowed to fetch one batch's shards from the rollout workers.
     threads : int, optional
         torch CPU threads of this process.
+    rank, world_size : int
+        This trainer rank and the number of ranks.
+    resume_from : str
+        Checkpoint directory whose trainer state to load at start ("" for none).
     """
 
     trainer_factory: Callable
     adv_mode: str = "grpo"
     fetch_timeout: float = 300.0
     threads: Optional[int] = None
+    rank: int = 0
+    world_size: int = 1
+    resume_from: str = ""
 
 
 def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes) -> None:
@@ -48,28 +60,58 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
     if spec.threads:
         torch.set_num_threads(spec.threads)
     trainer = spec.trainer_factory()
-    buffers = [SharedWeightBuffer.create(trainer.named_weights()) for _ in range(2)]
+    if spec.resume_from:
+        from areal_fast.train.checkpoint import load_train_state
+
+        load_train_state(trainer, spec.resume_from)
+    leader = spec.rank == 0
+    buffers = [SharedWeightBuffer.create(trainer.named_weights()) for _ in range(2)] \
+        if leader else []
+    _publish(trainer, buffers, trainer.version % 2)  # the start weights (resumed or not)
     fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch")
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read, args=(conn, inbox, fetcher, spec, authkey),
                      daemon=True).start()
     try:
-        conn.send(msg.WorkerReady(name, weight_buffers=tuple(b.spec for b in buffers)))
+        conn.send(msg.WorkerReady(name, weight_buffers=tuple(b.spec for b in buffers),
+                                  version=int(trainer.version)))
         while True:
             message, fetched = inbox.get()
             if isinstance(message, Exception):
                 raise message
-            if isinstance(message, msg.TrainStep):
-                conn.send(_train_step(trainer, message, fetched, buffers))
-            elif isinstance(message, msg.SaveCheckpoint):
-                trainer.save(message.path)
-                conn.send(msg.Saved(message.path))
-            elif isinstance(message, msg.Shutdown):
+            reply = _handle(trainer, message, fetched, buffers, spec)
+            if reply is not None and leader:
+                conn.send(reply)
+            if isinstance(message, msg.Shutdown):
                 return
     finally:
         fetcher.shutdown(wait=False, cancel_futures=True)
         for buffer in buffers:
             buffer.close()
+
+
+def _handle(trainer, message, fetched, buffers, spec: TrainerWorkerSpec):
+    """Carry out one controller message on this rank; returns rank 0's reply (or None)."""
+    if isinstance(message, msg.TrainStep):
+        return _train_step(trainer, message, fetched, buffers)
+    if isinstance(message, msg.SaveCheckpoint):
+        trainer.save(message.path)
+        return msg.Saved(message.path)
+    if isinstance(message, msg.SaveState):
+        from areal_fast.train.checkpoint import save_train_state
+
+        save_train_state(trainer, message.path)
+        return msg.StateSaved(message.path, int(trainer.version))
+    return None
+
+
+def _publish(trainer, buffers, slot: int) -> None:
+    """Gather the full weights (a collective on every rank); rank 0 writes them to ``slot``."""
+    if buffers:
+        buffers[slot].write(trainer.named_weights())
+    else:
+        for _ in trainer.named_weights():
+            pass
 
 
 def _read(conn, inbox: queue.Queue, fetcher, spec: TrainerWorkerSpec, authkey: bytes) -> None:
@@ -80,7 +122,7 @@ def _read(conn, inbox: queue.Queue, fetcher, spec: TrainerWorkerSpec, authkey: b
         except (EOFError, OSError):  # the controller is gone
             inbox.put((msg.Shutdown(), None))
             return
-        except Exception as exc:  # noqa: BLE001 - e.g. a message that cannot be unpickled
+        except Exception as exc:  # noqa: BLE001 - e.g. an undecodable message
             inbox.put((exc, None))
             return
         fetched = None
@@ -91,6 +133,8 @@ def _read(conn, inbox: queue.Queue, fetcher, spec: TrainerWorkerSpec, authkey: b
 
 def _fetch(batch, authkey: bytes, spec: TrainerWorkerSpec):
     start = time.perf_counter()
+    if spec.world_size > 1:
+        batch = batch.split(spec.world_size)[spec.rank]
     packed = fetch_packed_batch(batch, authkey, spec.adv_mode, spec.fetch_timeout)
     return packed, time.perf_counter() - start
 
@@ -106,16 +150,27 @@ def _train_step(trainer, message: msg.TrainStep, fetched: Future, buffers) -> ms
                            f"a newer version {int(batch.versions.max())}")
     stats = trainer.train_step(batch)
     # staleness distribution: trained tokens per (trainer version − generating version)
-    stats["staleness_hist"] = torch.bincount(staleness).tolist()
-    if staleness.numel():  # trainers without decoupled PPO do not report mean and max
+    hist = torch.bincount(staleness, minlength=version + 1)
+    trained_tokens = torch.tensor([int(batch.loss_mask.sum())])
+    if _distributed():  # over every rank's part of the batch
+        torch.distributed.all_reduce(hist)
+        torch.distributed.all_reduce(trained_tokens)
+    nonzero = torch.nonzero(hist)
+    stats["staleness_hist"] = hist[:int(nonzero.max()) + 1].tolist() if len(nonzero) else []
+    if staleness.numel() and not _distributed():  # trainers without decoupled PPO
         for key, value in staleness_stats(batch.versions, batch.loss_mask, version).items():
             stats.setdefault(key, value)
     trained = time.perf_counter()
-    buffers[message.slot].write(trainer.named_weights())
+    _publish(trainer, buffers, message.slot)
     published = time.perf_counter()
     stats["fetch_wait_seconds"] = waited - start
     return msg.StepDone(
         version=int(trainer.version), stats=stats,
         group_ids=[s.shard_id for s in message.batch.shards],
-        trained_tokens=int(batch.loss_mask.sum()), fetch_seconds=fetch_seconds,
+        trained_tokens=int(trained_tokens), fetch_seconds=fetch_seconds,
         train_seconds=trained - waited, publish_seconds=published - trained)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized() and \
+        torch.distributed.get_world_size() > 1

@@ -1,16 +1,28 @@
-"""Local launcher processes: rollout workers and one trainer on this machine.
+"""The workers of one job: rollout workers and the trainer's ranks, started, watched, restarted.
 
-:class:`LocalCluster` spawns the worker processes, waits for each to report ready (within a
-timeout, naming any that fails) and always stops them on exit. A Ray launcher places the same
-worker entry points (:func:`rollout_worker_main`, :func:`trainer_worker_main`) elsewhere.
+:class:`Cluster` holds what every launcher shares: which workers to start (a
+:class:`ClusterSpec`), waiting for each to report ready (within a timeout, naming any that
+fails), restarting a dead rollout worker, and stopping everything on exit.
+:class:`LocalCluster` starts the workers as ``spawn`` processes on this machine; the Ray
+launcher (:mod:`areal_fast.launch.ray_cluster`) starts the same worker entry points
+(:func:`rollout_worker_main`, :func:`trainer_worker_main`) as Ray actors.
+
+Trainer rank 0 is named ``trainer`` and talks to the controller; ranks 1.. are
+``trainer-1``, ...: they receive the same messages, answer nothing but their readiness, and
+are watched so that the death of any rank stops the step.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import secrets
+import socket
 import time
-from pathlib import Path
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
 
 from areal_fast.controller import messages as msg
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec, rollout_worker_main
@@ -21,28 +33,87 @@ from areal_fast.sync.shared_memory import remove_orphaned_buffers
 
 @dataclass
 class ClusterSpec:
-    """Which workers to start: ``num_rollout_workers`` copies of ``rollout`` and one trainer."""
+    """Which workers to start: ``num_rollout_workers`` copies of ``rollout`` and
+    ``train_world_size`` trainer ranks built from ``trainer``.
+
+    Attributes
+    ----------
+    rollout : RolloutWorkerSpec
+    trainer : TrainerWorkerSpec
+        Rank 0's spec; the other ranks get copies with their rank (and the trainer
+        factory's ``rank`` / ``world_size`` / ``dist_init_method`` when it has them).
+    num_rollout_workers : int
+    startup_timeout : float
+        Seconds for every worker to report ready.
+    train_world_size : int
+        Trainer ranks (FSDP2 data parallel; 1: a single process).
+    host : str
+        Address that torch.distributed's rendezvous and the Ray workers' channels use
+        (127.0.0.1 unless configured otherwise).
+    workers_file : str, optional
+        JSON file that receives ``{worker name: pid}`` after every (re)start.
+    """
 
     rollout: RolloutWorkerSpec
     trainer: TrainerWorkerSpec
     num_rollout_workers: int = 1
     startup_timeout: float = 600.0
+    train_world_size: int = 1
+    host: str = "127.0.0.1"
+    workers_file: Optional[str] = None
 
     def __post_init__(self):
         if self.num_rollout_workers < 1:
             raise ValueError(f"num_rollout_workers = {self.num_rollout_workers} must be >= 1")
+        if self.train_world_size < 1:
+            raise ValueError(f"train_world_size = {self.train_world_size} must be >= 1")
+
+    def trainer_specs(self) -> list[TrainerWorkerSpec]:
+        """One spec per trainer rank, with a fresh rendezvous address when there are several."""
+        n = self.train_world_size
+        if n == 1:
+            return [self.trainer]
+        init_method = f"tcp://{self.host}:{free_port(self.host)}"
+        specs = []
+        for rank in range(n):
+            factory = self.trainer.trainer_factory
+            if dataclasses.is_dataclass(factory) and hasattr(factory, "world_size"):
+                factory = dataclasses.replace(factory, rank=rank, world_size=n,
+                                              dist_init_method=init_method)
+            specs.append(dataclasses.replace(self.trainer, trainer_factory=factory, rank=rank,
+                                             world_size=n))
+        return specs
 
 
-class LocalCluster:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free on ``host`` now."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def trainer_name(rank: int) -> str:
+    """Worker name of trainer rank ``rank``."""
+    return "trainer" if rank == 0 else f"trainer-{rank}"
+
+
+class Cluster:
     """Context manager: start every worker, hand out their handles, stop them on exit.
+
+    Subclasses implement :meth:`_start_worker` (and may extend :meth:`close`).
 
     Attributes (after ``__enter__``)
     --------------------------------
     rollout_workers : list[WorkerHandle]
     trainer : WorkerHandle
+        Trainer rank 0.
+    trainer_ranks : list[WorkerHandle]
+        Every trainer rank, rank 0 first.
     weight_buffers : tuple[WeightBufferSpec, WeightBufferSpec]
+    trainer_version : int
+        Policy version the trainer started at (> 0 when it resumed from a checkpoint).
     authkey : bytes
-        Random secret of this job; shard servers accept only peers that know it.
+        Random secret of this job; shard servers and channels accept only peers that know it.
 
     Raises
     ------
@@ -54,21 +125,30 @@ class LocalCluster:
         self.spec = spec
         self.authkey = secrets.token_bytes(32)
         self.rollout_workers: list[WorkerHandle] = []
-        self.trainer: WorkerHandle | None = None
+        self.trainer_ranks: list[WorkerHandle] = []
         self.weight_buffers: tuple = ()
+        self.trainer_version = 0
 
-    def __enter__(self) -> "LocalCluster":
+    @property
+    def trainer(self) -> Optional[WorkerHandle]:
+        return self.trainer_ranks[0] if self.trainer_ranks else None
+
+    def _start_worker(self, name: str, target, spec) -> WorkerHandle:
+        raise NotImplementedError
+
+    def __enter__(self) -> "Cluster":
         remove_orphaned_buffers()
         try:
-            self.trainer = spawn_worker("trainer", trainer_worker_main, self.spec.trainer,
-                                        self.authkey)
+            self.trainer_ranks = [self._start_worker(trainer_name(r), trainer_worker_main, s)
+                                  for r, s in enumerate(self.spec.trainer_specs())]
             self.rollout_workers = [
-                spawn_worker(f"rollout-{i}", rollout_worker_main, self.spec.rollout,
-                             self.authkey) for i in range(self.spec.num_rollout_workers)]
-            self._wait_ready([self.trainer, *self.rollout_workers])
+                self._start_worker(f"rollout-{i}", rollout_worker_main, self.spec.rollout)
+                for i in range(self.spec.num_rollout_workers)]
+            self._wait_ready([*self.trainer_ranks, *self.rollout_workers])
         except BaseException:
             self.close()
             raise
+        self._write_workers_file()
         return self
 
     def _wait_ready(self, handles: list[WorkerHandle]) -> None:
@@ -77,24 +157,61 @@ class LocalCluster:
         while waiting:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerError(f"worker {sorted(waiting)[0]!r} did not start within "
-                                  f"startup_timeout = {self.spec.startup_timeout:g} s")
+                name = sorted(waiting)[0]
+                raise WorkerError(f"worker {name!r} did not start within startup_timeout = "
+                                  f"{self.spec.startup_timeout:g} s", name)
             for handle, message in wait_messages(handles, left, "while starting up"):
                 if not isinstance(message, msg.WorkerReady):
                     raise WorkerError(f"worker {handle.name!r} sent "
-                                      f"{type(message).__name__} before it was ready")
+                                      f"{type(message).__name__} before it was ready",
+                                      handle.name)
                 waiting.discard(handle.name)
                 if handle is self.trainer:
                     self.weight_buffers = message.weight_buffers
+                    self.trainer_version = message.version
+
+    def restart_rollout(self, name: str) -> WorkerHandle:
+        """Replace the (dead) rollout worker ``name`` by a new one; returns its ready handle.
+
+        Raises
+        ------
+        WorkerError
+            The new worker failed or did not start within ``startup_timeout``.
+        """
+        old = next(h for h in self.rollout_workers if h.name == name)
+        old.stop(timeout=1.0)
+        new = self._start_worker(name, rollout_worker_main, self.spec.rollout)
+        self.rollout_workers[self.rollout_workers.index(old)] = new
+        self._wait_ready([new])
+        self._write_workers_file()
+        return new
+
+    def pids(self) -> dict[str, Optional[int]]:
+        """``{worker name: process id}`` of every worker."""
+        return {h.name: h.pid for h in [*self.trainer_ranks, *self.rollout_workers]}
+
+    def _write_workers_file(self) -> None:
+        if self.spec.workers_file:
+            path = Path(self.spec.workers_file)
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text(json.dumps(self.pids(), indent=1) + "\n")
+            os.replace(tmp, path)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         # after a failure, do not wait long for a busy worker to finish its current step
         self.close(grace_seconds=10.0 if exc_type is None else 2.0)
 
     def close(self, grace_seconds: float = 2.0) -> None:
-        """Stop every worker (Shutdown, then terminate after ``grace_seconds``) and delete the
+        """Stop every worker (Shutdown, then kill after ``grace_seconds``) and delete the
         trainer's shared-memory weight files, which a killed trainer cannot delete itself."""
-        for handle in [*self.rollout_workers, *([self.trainer] if self.trainer else [])]:
+        for handle in [*self.rollout_workers, *self.trainer_ranks]:
             handle.stop(grace_seconds)
         for spec in self.weight_buffers:
             Path(spec.path).unlink(missing_ok=True)
+
+
+class LocalCluster(Cluster):
+    """Every worker as a ``spawn`` process on this machine."""
+
+    def _start_worker(self, name: str, target, spec) -> WorkerHandle:
+        return spawn_worker(name, target, spec, self.authkey)

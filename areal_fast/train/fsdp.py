@@ -181,6 +181,25 @@ class FSDPTrainEngine(TorchTrainEngine):
             shard_model(ref_model.eval().requires_grad_(False), mesh)
         super().__init__(model, loss_config, optim, ref_model=ref_model, **kwargs)
 
+    def accumulate_gradients(self, batch: PackedBatch,
+                             prox_logprobs: Optional[torch.Tensor] = None) -> dict[str, float]:
+        stats = super().accumulate_gradients(batch, prox_logprobs)
+        if self.ref_model is not None:
+            self.ref_model.reshard()  # no backward reshards the no-grad root: free it here
+        return stats
+
+    accumulate_gradients.__doc__ = TorchTrainEngine.accumulate_gradients.__doc__
+
+    @torch.no_grad()
+    def recompute_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        out = super().recompute_logprobs(batch)
+        # FSDP2 keeps the root's parameters gathered after a forward (for the backward that
+        # usually follows); after a no-grad pass nothing would reshard them.
+        self.model.reshard()
+        return out
+
+    recompute_logprobs.__doc__ = TorchTrainEngine.recompute_logprobs.__doc__
+
     # ---------------------------------------------------------------- collectives
     def _all_reduce(self, values: list, dtype: torch.dtype,
                     op=dist.ReduceOp.SUM) -> torch.Tensor:

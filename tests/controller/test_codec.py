@@ -52,7 +52,8 @@ def _examples(rng: random.Random) -> list:
             msg.TrainStep(DistributedBatch(shards), slot=1),
             msg.StepDone(3, {"loss": rng.random(), "staleness_hist": [4, 0, 2]}, [1, 2], 77,
                          0.1, 0.2, 0.3),
-            msg.SaveCheckpoint("/tmp/ckpt"), msg.Saved("/tmp/ckpt")]
+            msg.SaveCheckpoint("/tmp/ckpt"), msg.Saved("/tmp/ckpt"),
+            msg.SaveState("/tmp/state"), msg.StateSaved("/tmp/state", 4)]
 
 
 def test_every_message_round_trips_exactly(fresh_seed):
