@@ -380,8 +380,14 @@ def _children_cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def paced_delay_ms(workers: int, rate: float) -> float:
+    """Generation delay at which the (η + 1) · B groups in flight finish ``rate`` groups/s."""
+    return 1e3 * (ETA + 1) * batch_size_for(workers) / rate
+
+
 def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
-             train_ms: float = 0.0, seed: int = 0, profile: bool = False) -> dict:
+             train_ms: float = 0.0, seed: int = 0, profile: bool = False,
+             load: str = "saturated") -> dict:
     """Run the controller for ``steps`` steps against ``workers`` stand-ins."""
     batch = batch_size_for(workers)
     settings = ControllerSettings(total_steps=steps, batch_size=batch,
@@ -396,7 +402,8 @@ def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
 
     setup0 = time.perf_counter()
     helper_cpu0 = _children_cpu()
-    profiler = cProfile.Profile() if profile else None
+    # CPU-time clock: a blocking pipe write counts for what it costs, not for how long
+    profiler = cProfile.Profile(time.process_time) if profile else None
     with StandInCluster(workers, helpers, delay_ms, train_ms, seed) as cluster:
         setup = time.perf_counter() - setup0
         controller = AsyncController(
@@ -417,7 +424,7 @@ def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
     per_step = [b - a for a, b in zip([cpu0] + step_cpu[:-1], step_cpu)]
     steady = per_step[ETA + 1:] or per_step  # the first steps also fill the pipeline
     result = {
-        "workers": workers, "delay_ms": delay_ms, "train_ms": train_ms, "helpers": helpers,
+        "workers": workers, "load": load, "delay_ms": delay_ms, "train_ms": train_ms, "helpers": helpers,
         "batch_size": batch, "eta": ETA, "steps": len(records),
         "groups_trained": counts.trained, "groups_finished": finished,
         "groups_submitted": counts.submitted, "counts": counts.as_dict(),
@@ -464,12 +471,12 @@ def profile_summary(profiler: cProfile.Profile, cpu: float, top: int = 25) -> di
 
 
 def table(cases: list[dict]) -> str:
-    rows = [[c["workers"], fmt(c["delay_ms"], "g"), c["batch_size"], c["steps"],
+    rows = [[c["workers"], c["load"], fmt(c["delay_ms"], ".4g"), c["batch_size"], c["steps"],
              fmt(c["groups_per_s"], ",.0f"), fmt(c["steps_per_s"], ".2f"),
              fmt(c["controller_cpu_ms_per_step"], ".2f"),
              fmt(c["controller_cpu_us_per_group"], ".1f"), fmt(c["controller_busy"], ".2f"),
              fmt(c["helper_busy"], ".2f"), fmt(c["wall_s"], ".2f")] for c in cases]
-    return markdown_table(["workers", "delay ms", "B", "steps", "groups/s", "steps/s",
+    return markdown_table(["workers", "load", "delay ms", "B", "steps", "groups/s", "steps/s",
                            "controller CPU ms/step", "controller CPU µs/group",
                            "controller busy", "helper busy", "wall s"], rows)
 
@@ -497,6 +504,11 @@ def main(argv=None) -> int:
                         help="training steps per case (default: about --groups groups)")
     parser.add_argument("--groups", type=int, default=8192,
                         help="trained groups per case when --steps is not given")
+    parser.add_argument("--paced-rate", type=float, default=1000.0,
+                        help="also run each size with the delay at which the stand-ins offer "
+                             "this many groups/s (0 = off)")
+    parser.add_argument("--paced-groups", type=int, default=3072,
+                        help="trained groups per paced case (at least 12 steps)")
     parser.add_argument("--train-ms", type=float, default=0.0, help="stand-in trainer step")
     parser.add_argument("--helpers", type=int, default=1,
                         help="helper processes hosting the stand-ins")
@@ -509,7 +521,7 @@ def main(argv=None) -> int:
                         help="write the result here ('' for none)")
     args = parser.parse_args(argv)
     if args.small:
-        args.workers, args.groups = [8, 64], 1024
+        args.workers, args.groups, args.paced_groups = [8, 64], 1024, 512
     if min(args.workers) < 1 or (args.steps is not None and args.steps < 1):
         parser.error("--workers and --steps must be >= 1")
     soft, _ = raise_fd_limit(3 * max(args.workers + args.profile) + 256)
@@ -525,6 +537,17 @@ def main(argv=None) -> int:
                    f"groups/s, {case['controller_cpu_us_per_group']:.1f} µs CPU/group, "
                    f"busy {case['controller_busy']:.2f}, helper {case['helper_busy']:.2f}")
             cases.append(case)
+    if args.paced_rate > 0:
+        for workers in args.workers:
+            delay = paced_delay_ms(workers, args.paced_rate)
+            case = run_case(workers, delay, default_steps(workers, args.paced_groups),
+                            helpers=args.helpers, train_ms=args.train_ms, seed=args.seed,
+                            load=f"paced {args.paced_rate:g}/s")
+            eprint(f"workers {workers:4d} paced, delay {delay:.4g} ms: "
+                   f"{case['groups_per_s']:,.0f} groups/s, "
+                   f"{case['controller_cpu_us_per_group']:.1f} µs CPU/group, "
+                   f"busy {case['controller_busy']:.2f}")
+            cases.append(case)
     profiles = []
     for workers in args.profile:
         steps = args.steps or default_steps(workers, args.groups // 2)
@@ -538,7 +561,8 @@ def main(argv=None) -> int:
                      "completion_tokens": f"lognormal median {COMPLETION_MEDIAN:g}, "
                                           f"sigma {COMPLETION_SIGMA}, cap {COMPLETION_CAP}",
                      "delay": f"lognormal median delay_ms, sigma {DELAY_SIGMA}",
-                     "train_ms": args.train_ms, "helpers": args.helpers,
+                     "paced_rate_groups_per_s": args.paced_rate,
+                     "paced_groups": args.paced_groups, "train_ms": args.train_ms, "helpers": args.helpers,
                      "groups_per_case": None if args.steps else args.groups,
                      "steps": args.steps, "seed": args.seed},
         "rlimit_nofile_soft": soft, "cases": cases, "profiles": profiles,

@@ -7,6 +7,13 @@ The controller holds no tensors. It starts rollouts on the rollout workers as th
 as shard metadata, hands every batch_size accepted groups (in acceptance order) to the trainer
 as a :class:`~areal_fast.controller.batch.DistributedBatch`, and after each step tells every
 rollout worker to load the new weights (they interrupt and resume their running samples).
+
+Faults: a rollout worker that dies is restarted (``restart_rollout``, at most
+``max_rollout_restarts`` times), loads the current weights, and its running groups are
+resubmitted (to it or to the others); groups it had finished are read by the trainer from
+their spool files, so no accepted rollout is lost. A trainer rank that dies ends
+:meth:`AsyncController.run` with a :class:`WorkerError` (the launcher resumes from the last
+checkpoint). Checkpoints (``checkpoints``) are taken between steps without stopping rollout.
 """
 
 from __future__ import annotations
@@ -81,6 +88,7 @@ class ControllerSettings:
     drop_stale: bool = True  # drop groups that would be trained more than η versions late
     max_seconds: Optional[float] = None  # stop sending batches after this much training time
     max_failed_agent_groups_in_a_row: int = 32  # agent groups with every session dropped
+    max_rollout_restarts: int = 0  # dead rollout workers replaced before the run fails
 
 
 @dataclass
@@ -92,13 +100,29 @@ class RunCounts:
     dropped: dict = field(default_factory=lambda: collections.Counter())
     interruptions: int = 0
     stale_dropped_tokens: int = 0  # completion tokens of the groups dropped as stale
+    resubmitted: int = 0  # running groups of a dead rollout worker started again elsewhere
+    rollout_restarts: int = 0
+    # per restart: seconds from noticing the death to the new worker serving current weights
+    recovery_seconds: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """The counts as plain JSON-able values (for summary.json)."""
         return {"rollouts_submitted": self.submitted, "rollouts_trained": self.trained,
                 "rollouts_dropped": dict(self.dropped),
                 "sample_interruptions": self.interruptions,
-                "stale_dropped_completion_tokens": self.stale_dropped_tokens}
+                "stale_dropped_completion_tokens": self.stale_dropped_tokens,
+                "rollouts_resubmitted": self.resubmitted,
+                "rollout_worker_restarts": self.rollout_restarts,
+                "rollout_recovery_seconds": list(self.recovery_seconds)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunCounts":
+        """Inverse of :meth:`as_dict` (a resumed run continues the counts)."""
+        return cls(data["rollouts_submitted"], data["rollouts_trained"],
+                   collections.Counter(data["rollouts_dropped"]), data["sample_interruptions"],
+                   data["stale_dropped_completion_tokens"], data.get("rollouts_resubmitted", 0),
+                   data.get("rollout_worker_restarts", 0),
+                   list(data.get("rollout_recovery_seconds", [])))
 
 
 def _drop_hint(error: str) -> str:
@@ -126,12 +150,26 @@ class AsyncController:
     settings : ControllerSettings
     on_step : callable (dict) -> None
         Receives each step's metrics record.
+    trainer_ranks : list[WorkerHandle], optional
+        Every trainer rank, ``trainer`` (rank 0) first; each gets the trainer messages.
+    restart_rollout : callable (name) -> WorkerHandle, optional
+        Replaces a dead rollout worker by a ready new one (None: a death fails the run).
+    checkpoints : CheckpointManager, optional
+        When and where to save recoverable checkpoints (None: never).
+    resume : dict, optional
+        ``controller.json`` of the checkpoint this run resumes from; the trainer must have
+        loaded its trainer state (its version is the checkpoint's).
     """
 
     def __init__(self, rollout_workers: list[WorkerHandle], trainer: WorkerHandle,
                  weight_buffers, next_request: Callable[[int], msg.GroupRequest],
-                 settings: ControllerSettings, on_step: Callable[[dict], None]):
+                 settings: ControllerSettings, on_step: Callable[[dict], None],
+                 trainer_ranks: Optional[list[WorkerHandle]] = None,
+                 restart_rollout: Optional[Callable[[str], WorkerHandle]] = None,
+                 checkpoints=None, resume: Optional[dict] = None):
         self.workers, self.trainer, self.buffers = rollout_workers, trainer, weight_buffers
+        self.trainer_ranks = trainer_ranks or [trainer]
+        self.restart_rollout, self.checkpoints = restart_rollout, checkpoints
         self.next_request, self.s, self.on_step = next_request, settings, on_step
         self.staleness = StalenessManager(settings.batch_size, settings.max_head_offpolicyness,
                                           settings.max_concurrent_rollouts)
@@ -153,6 +191,17 @@ class AsyncController:
         self.trained_tokens = 0
         self.generated_tokens = 0
         self.agent_stats: dict[str, dict] = {}  # per worker: its agent running totals
+        self.assigned: dict[int, str] = {}  # running group id -> rollout worker name
+        self.requests: dict[int, msg.GroupRequest] = {}  # running groups' requests
+        self.resubmit: collections.deque[msg.GroupRequest] = collections.deque()
+        self.warming: dict[str, tuple[int, float]] = {}  # restarted: (version, death time)
+        self.eval_assignment: dict[str, list[msg.GroupRequest]] = {}
+        self.snapshots: dict[int, dict] = {}  # version -> controller state at that step
+        self.saving: dict[str, tuple[int, float]] = {}  # temp dir -> (version, asked at)
+        self.elapsed_before = 0.0  # training seconds of the run before a resume
+        self.winding_down = False
+        if resume is not None:
+            self._restore(resume)
 
     # ---- the loop -------------------------------------------------------------------
     def run(self) -> RunCounts:
@@ -172,12 +221,22 @@ class AsyncController:
                                                          not self.training):
             self._submit_rollouts()
             self._train_if_ready()
-            for worker, message in wait_messages(self._all(), self._wait_seconds(),
-                                                 self._doing()):
+            for worker, message in self._wait(self._wait_seconds(), self._doing()):
                 self._on_message(worker, message)
             self._check_deadlines()
         self._wind_down()
         return self.counts
+
+    def _wait(self, timeout: float, doing: str) -> list:
+        """:func:`wait_messages` on every worker; a dead rollout worker is replaced (and
+        nothing returned this time) while restarts are left."""
+        try:
+            return wait_messages(self._all(), timeout, doing)
+        except WorkerError as exc:
+            if not self._can_restart(exc):
+                raise
+            self._replace_rollout_worker(exc)
+            return []
 
     def _out_of_time(self) -> bool:
         return self.s.max_seconds is not None and \
@@ -186,25 +245,36 @@ class AsyncController:
     def _submit_rollouts(self) -> None:
         if self._out_of_time():
             return
+        ready = [w for w in self.workers if w.name not in self.warming]
+        if not ready:
+            return
+        per_worker: dict[str, list[msg.GroupRequest]] = {}
+        while self.resubmit:  # running groups of a dead worker, already counted as running
+            self._assign(self.resubmit.popleft(), ready, per_worker)
         c = self.staleness.counts
         still_needed = self.s.total_steps * self.s.batch_size - (c.accepted + c.running)
         capacity = min(self.staleness.capacity(self.version), still_needed)
-        if capacity <= 0:
-            return
-        per_worker: dict[str, list[msg.GroupRequest]] = {}
-        for _ in range(capacity):
-            worker = min(self.workers, key=lambda w: self.in_flight[w.name])
-            if self.in_flight[worker.name] == 0:
-                self.progress[worker.name] = time.monotonic()
-            self.in_flight[worker.name] += 1
+        for _ in range(max(capacity, 0)):
             group_id = self.counts.submitted
-            per_worker.setdefault(worker.name, []).append(self.next_request(group_id))
-            self.submitted_at[group_id] = self.version
+            self._assign(self.next_request(group_id), ready, per_worker)
             self.counts.submitted += 1
-        self.staleness.on_submit(capacity)
-        for worker in self.workers:
+        if capacity > 0:
+            self.staleness.on_submit(capacity)
+        for worker in ready:
             if worker.name in per_worker:
                 worker.send(msg.SubmitGroups(per_worker[worker.name]))
+
+    def _assign(self, request: msg.GroupRequest, ready: list[WorkerHandle],
+                per_worker: dict) -> None:
+        """Give ``request`` to the least busy ready worker (sent by the caller)."""
+        worker = min(ready, key=lambda w: self.in_flight[w.name])
+        if self.in_flight[worker.name] == 0:
+            self.progress[worker.name] = time.monotonic()
+        self.in_flight[worker.name] += 1
+        per_worker.setdefault(worker.name, []).append(request)
+        self.submitted_at[request.group_id] = self.version
+        self.assigned[request.group_id] = worker.name
+        self.requests[request.group_id] = request
 
     def _train_if_ready(self) -> None:
         while len(self.training) < TRAIN_PIPELINE and len(self.ready) >= self.s.batch_size \
@@ -219,8 +289,13 @@ class AsyncController:
             if batch is None:
                 return
             self.training.append((batch, time.monotonic()))
-            self.trainer.send(msg.TrainStep(DistributedBatch([g.shard for g in batch]),
-                                            slot=new_version % 2))
+            self._send_trainer(msg.TrainStep(DistributedBatch([g.shard for g in batch]),
+                                             slot=new_version % 2))
+
+    def _send_trainer(self, message) -> None:
+        """Send ``message`` to every trainer rank (rank 0 answers)."""
+        for rank in self.trainer_ranks:
+            rank.send(message)
 
     def _take_batch(self, train_version: int) -> list[msg.GroupDone] | None:
         """The next batch_size ready groups in acceptance order (sorted by group id), or
@@ -264,6 +339,9 @@ class AsyncController:
             self._on_step_done(message)
         elif isinstance(message, msg.WeightsUpdated):
             self.acked[worker.name] = max(self.acked[worker.name], message.version)
+            self._end_warm_up(worker.name)
+        elif isinstance(message, msg.StateSaved):
+            self._commit_checkpoint(message)
         elif isinstance(message, msg.EvalDone):
             self.eval_records[worker.name] = message.records
         else:
@@ -271,6 +349,8 @@ class AsyncController:
                               f"{type(message).__name__}")
 
     def _on_group_done(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
+        self.assigned.pop(done.group_id, None)
+        self.requests.pop(done.group_id, None)
         self.in_flight[worker.name] -= 1
         self.progress[worker.name] = time.monotonic()
         self.counts.interruptions += done.interruptions
@@ -327,7 +407,9 @@ class AsyncController:
         self.counts.trained += len(batch)
         for worker in self.workers:
             worker.send(msg.UpdateWeights(self.version, self.buffers[self.version % 2]))
-        self.on_step(self._step_record(batch, sent, done))
+        record = self._step_record(batch, sent, done)
+        self.on_step(record)
+        self._maybe_checkpoint(record)
 
     # ---- metrics ----------------------------------------------------------------------
     def _step_record(self, batch: list[msg.GroupDone], sent: float, done: msg.StepDone) -> dict:
@@ -355,7 +437,8 @@ class AsyncController:
             "fetch_seconds": done.fetch_seconds, "train_seconds": done.train_seconds,
             "publish_seconds": done.publish_seconds,
             "trainer_wait_seconds": max(0.0, sent - self.last_step),
-            "step_seconds": now - self.last_step, "elapsed_seconds": now - self.start,
+            "step_seconds": now - self.last_step,
+            "elapsed_seconds": now - self.start + self.elapsed_before,
             "rollouts_running": self.staleness.counts.running, "rollouts_ready": len(self.ready),
             "rollouts_dropped_total": sum(self.counts.dropped.values()),
             **self._agent_totals(),
@@ -375,9 +458,96 @@ class AsyncController:
                 totals.get("trajectory/raw_bytes", 0) / stored if stored else 0.0
         return dict(totals)
 
+    # ---- faults and checkpoints -------------------------------------------------------
+    def _can_restart(self, exc: WorkerError) -> bool:
+        return (exc.died and self.restart_rollout is not None
+                and any(w.name == exc.worker for w in self.workers)
+                and self.counts.rollout_restarts < self.s.max_rollout_restarts)
+
+    def _replace_rollout_worker(self, exc: WorkerError) -> None:
+        """Start a new worker in place of the dead one; its running groups start again."""
+        name, died_at = exc.worker, time.monotonic()
+        self.counts.rollout_restarts += 1
+        log.warning("%s; restarting it (restart %d of at most %d)", exc,
+                    self.counts.rollout_restarts, self.s.max_rollout_restarts)
+        new = self.restart_rollout(name)
+        self.workers = [new if w.name == name else w for w in self.workers]
+        lost = sorted(gid for gid, owner in self.assigned.items() if owner == name)
+        for gid in lost:
+            del self.assigned[gid]
+            if self.winding_down:  # cancelled anyway
+                self.counts.dropped["in_flight_at_end"] += 1
+            else:
+                self.resubmit.append(self.requests[gid])
+        if not self.winding_down:
+            self.counts.resubmitted += len(lost)
+        self.in_flight[name], self.progress[name], self.acked[name] = 0, died_at, 0
+        # slot version % 2 is being overwritten while version + 2 trains: then the new worker
+        # gets the next version with everyone else
+        if self.version > 0 and len(self.training) < 2:
+            new.send(msg.UpdateWeights(self.version, self.buffers[self.version % 2]))
+        self.warming[name] = (self.version, died_at)
+        self._end_warm_up(name)
+        if self.winding_down:
+            new.send(msg.CancelAll())
+        if name in self.eval_assignment and name not in self.eval_records:
+            new.send(msg.Evaluate(self.eval_assignment[name]))
+
+    def _end_warm_up(self, name: str) -> None:
+        """A restarted worker takes rollouts once it serves the version current at its
+        restart; the time since the death is recorded."""
+        if name in self.warming and self.acked[name] >= self.warming[name][0]:
+            seconds = time.monotonic() - self.warming.pop(name)[1]
+            self.counts.recovery_seconds.append(seconds)
+            log.warning("rollout worker %r is back, serving weights version %d, %.1f s after "
+                        "its death", name, self.acked[name], seconds)
+
+    def _maybe_checkpoint(self, record: dict) -> None:
+        """Remember the controller state of this version; ask the trainer for its state when
+        a checkpoint is due (committed when :class:`StateSaved` arrives)."""
+        if self.checkpoints is None:
+            return
+        self.snapshots[self.version] = self._state(record)
+        if self.checkpoints.due(self.version):
+            tmp = self.checkpoints.begin(self.version)
+            self.saving[str(tmp)] = (self.version, time.monotonic())
+            self._send_trainer(msg.SaveState(str(tmp)))
+        oldest = min((v for v, _ in self.saving.values()), default=self.version)
+        for version in [v for v in self.snapshots if v < oldest]:
+            del self.snapshots[version]
+
+    def _commit_checkpoint(self, saved: msg.StateSaved) -> None:
+        from pathlib import Path
+
+        if self.saving.pop(saved.path, None) is None:
+            raise WorkerError(f"trainer {self.trainer.name!r} saved state into {saved.path}, "
+                              f"which was not asked for", self.trainer.name)
+        path = self.checkpoints.commit(Path(saved.path), saved.version,
+                                       self.snapshots[saved.version])
+        log.info("checkpoint of policy version %d written to %s", saved.version, path)
+
+    def _state(self, record: dict) -> dict:
+        """What a resumed run needs of the controller at the current version."""
+        pending = len(self.submitted_at) + sum(len(batch) for batch, _ in self.training)
+        return {"version": self.version, "counts": self.counts.as_dict(),
+                "pending_groups": pending, "elapsed_seconds": record["elapsed_seconds"]}
+
+    def _restore(self, state: dict) -> None:
+        """Continue from a checkpoint's controller state: counts, version; the groups that
+        were pending then are counted as dropped; every rollout worker loads the weights."""
+        self.version = int(state["version"])
+        self.counts = RunCounts.from_dict(state["counts"])
+        if state["pending_groups"]:
+            self.counts.dropped["pending_at_checkpoint"] += int(state["pending_groups"])
+        self.staleness.counts.accepted = self.counts.trained
+        self.elapsed_before = float(state["elapsed_seconds"])
+        for worker in self.workers:
+            self.acked[worker.name] = 0
+            worker.send(msg.UpdateWeights(self.version, self.buffers[self.version % 2]))
+
     # ---- deadlines and shutdown -----------------------------------------------------
     def _all(self) -> list[WorkerHandle]:
-        return [*self.workers, self.trainer]
+        return [*self.workers, *self.trainer_ranks]
 
     def _doing(self) -> str:
         return f"at policy version {self.version} (step {self.version + 1})"
@@ -395,6 +565,11 @@ class AsyncController:
             raise WorkerError(f"rollout worker {late[0]!r} did not load weights version "
                               f"{self.version} within timeouts.weight_update = "
                               f"{t.weight_update:g} s")
+        slow_saves = [p for p, (_, asked) in self.saving.items() if now - asked > t.train_step]
+        if slow_saves:
+            raise WorkerError(f"trainer {self.trainer.name!r} did not save its state into "
+                              f"{slow_saves[0]} within timeouts.train_step = {t.train_step:g} s",
+                              self.trainer.name)
         stalled = [w.name for w in self.workers if self.in_flight[w.name] > 0
                    and now - self.progress[w.name] > t.rollout_stall]
         if stalled:
@@ -405,6 +580,8 @@ class AsyncController:
     def _wind_down(self) -> None:
         """Cancel running rollouts, drop unused ones, wait until every worker serves the
         final weights; each discarded rollout is counted with its reason."""
+        self.winding_down = True
+        self.resubmit.clear()
         for worker in self.workers:
             worker.send(msg.CancelAll())
         unused = list(self.ready)
@@ -418,14 +595,14 @@ class AsyncController:
                 worker.send(msg.DropShards(by_worker[worker.name]))
         cancelled = {w.name for w in self.workers}
         deadline = time.monotonic() + self.s.timeouts.weight_update
-        while cancelled or min(self.acked.values()) < self.version:
+        while cancelled or min(self.acked.values()) < self.version or self.saving:
             if time.monotonic() > deadline:
                 late = sorted(cancelled) or [w.name for w in self.workers
                                              if self.acked[w.name] < self.version]
                 raise WorkerError(f"rollout worker {late[0]!r} did not cancel its rollouts and "
                                   f"load weights version {self.version} within "
                                   f"timeouts.weight_update = {self.s.timeouts.weight_update:g} s")
-            for worker, message in wait_messages(self._all(), 1.0, "while winding down"):
+            for worker, message in self._wait(1.0, "while winding down"):
                 if isinstance(message, msg.Cancelled):
                     cancelled.discard(worker.name)
                     self.counts.dropped["in_flight_at_end"] += message.groups
@@ -441,6 +618,9 @@ class AsyncController:
         self.in_flight = {w.name: 0 for w in self.workers}
         self.staleness.counts.running = 0
         self.submitted_at.clear()
+        self.assigned.clear()
+        self.requests.clear()
+        self.winding_down = False
 
     def evaluate(self, requests: list[msg.GroupRequest]) -> list[dict]:
         """Run evaluation groups (greedy, n=1) spread over the rollout workers; returns one
@@ -454,16 +634,19 @@ class AsyncController:
         if self.training or any(self.in_flight.values()):
             raise RuntimeError("evaluate() runs only before run() or after it has returned")
         self.eval_records = {}
-        for i, worker in enumerate(self.workers):
-            worker.send(msg.Evaluate(requests[i::len(self.workers)]))
+        self.eval_assignment = {w.name: requests[i::len(self.workers)]
+                                for i, w in enumerate(self.workers)}
+        for worker in self.workers:
+            worker.send(msg.Evaluate(self.eval_assignment[worker.name]))
         deadline = time.monotonic() + self.s.timeouts.evaluate
         while len(self.eval_records) < len(self.workers):
             if time.monotonic() > deadline:
                 missing = [w.name for w in self.workers if w.name not in self.eval_records]
                 raise WorkerError(f"rollout worker {missing[0]!r} did not finish evaluation "
                                   f"within timeouts.evaluate = {self.s.timeouts.evaluate:g} s")
-            for worker, message in wait_messages(self._all(), 1.0, "during evaluation"):
+            for worker, message in self._wait(1.0, "during evaluation"):
                 self._on_message(worker, message)
+        self.eval_assignment = {}
         order = {r.uid: i for i, r in enumerate(requests)}
         records = [r for recs in self.eval_records.values() for r in recs]
         return sorted(records, key=lambda r: order.get(r["uid"], 0))

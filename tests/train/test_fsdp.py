@@ -52,12 +52,15 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, name):
     assert counts[0][1] > counts[0][0], counts  # micro-batch counts differ before agreeing
     assert reports[0]["sharded"] == "DTensor"
     assert reports[0]["stats"] == reports[1]["stats"], "ranks disagree on the stats"
+    worst_stat = 0.0
     for step, (got, want) in enumerate(zip(reports[0]["stats"], expected)):
         assert set(got) == set(want)
         for key in sorted(want):
             if key != "num_micro_batches":
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), \
                     (f"seed {seed} step {step} {key}", got[key], want[key])
+                worst_stat = max(worst_stat, abs(got[key] - want[key]) / max(abs(want[key]),
+                                                                             1e-3))
     worst = 0.0
     for rank in (0, 1):
         for pname, want in expected_weights.items():
@@ -65,13 +68,12 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, name):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
                                        err_msg=f"seed {seed} {pname}")
             worst = max(worst, float(np.abs(got - want).max()))
-    print(f"{name}: max |weight diff| {worst:.2e}")
+    print(f"{name}: max stat diff (relative) {worst_stat:.1e}, max |weight diff| {worst:.1e}")
 
 
 def _single_process(kwargs: dict, seed: int):
     """The reference: one TorchTrainEngine (same factory, world_size 1) on whole batches."""
     engine = TorchTrainerFactory(**kwargs)()
-    torch.set_num_threads(1)
     stats, counts = [], []
     for step in range(STEPS):
         batch = global_batch(engine.model.config.vocab_size, seed + step, engine.version)

@@ -1,0 +1,187 @@
+"""Recoverable checkpoints of a run: trainer state plus controller state, written atomically.
+
+A checkpoint is the directory ``<root>/step-<version>/`` holding the trainer's state (written
+by the trainer ranks: weights, optimizer, LR schedule, RNG states, version; its
+``train_state.json`` lists every file with its size and is written last) and
+``controller.json`` (policy version, how many prompt groups were drawn, the run's counters).
+Both are first written under a temporary name in ``root``; the rename to ``step-<version>``
+is the commit, so a directory of that name is complete unless its files were damaged later.
+:meth:`CheckpointManager.latest` returns the newest complete one and names each it skips.
+
+Pending rollouts are not saved: groups that were running or finished but not yet trained at
+the checkpoint are dropped on resume (``controller.json`` says how many) and their problems
+are not redrawn. In synchronous mode (η = 0) there are none, so a resumed run continues
+exactly as the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+log = logging.getLogger("areal_fast.checkpoints")
+CONTROLLER_FILE = "controller.json"
+TRAIN_STATE_FILE = "train_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass
+class Checkpoint:
+    """A complete checkpoint: its directory, policy version and controller state."""
+
+    path: Path
+    version: int
+    controller: dict
+
+
+class CheckpointManager:
+    """Where and when checkpoints are written, and which one a resume uses.
+
+    Parameters
+    ----------
+    root : str or Path
+        Folder of the run's checkpoints (``<run dir>/checkpoints``).
+    every_steps : int
+        Save after every this many policy versions (0: never, except ``final``).
+    keep : int
+        Complete checkpoints kept; older ones are deleted after a new one is committed.
+    total_steps : int
+        The last version is always saved when checkpoints are on.
+    """
+
+    def __init__(self, root, every_steps: int, keep: int = 2, total_steps: int = 0):
+        if every_steps < 0 or keep < 1:
+            raise ValueError(f"checkpoint.every_steps = {every_steps} must be >= 0 and "
+                             f"checkpoint.keep = {keep} >= 1")
+        self.root = Path(root)
+        self.every_steps, self.keep, self.total_steps = every_steps, keep, total_steps
+        self.skipped: list[str] = []  # why each incomplete checkpoint was ignored
+
+    def due(self, version: int) -> bool:
+        """Whether to save at ``version``."""
+        if self.every_steps == 0 or version == 0:
+            return False
+        return version % self.every_steps == 0 or version == self.total_steps
+
+    def begin(self, version: int) -> Path:
+        """A fresh temporary directory for the checkpoint of ``version``."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-step-{version:08d}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+        return tmp
+
+    def commit(self, tmp: Path, version: int, controller_state: dict) -> Path:
+        """Add ``controller.json`` to the trainer's files in ``tmp`` and rename it to
+        ``step-<version>`` (replacing an older one of that version); prune old ones.
+
+        Raises
+        ------
+        ValueError
+            ``tmp`` lacks the trainer's ``train_state.json`` (the trainer did not finish).
+        """
+        if not (tmp / TRAIN_STATE_FILE).is_file():
+            raise ValueError(f"checkpoint {tmp}: the trainer wrote no {TRAIN_STATE_FILE}")
+        _write_json(tmp / CONTROLLER_FILE, {**controller_state, "version": version})
+        final = self.root / f"step-{version:08d}"
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        self._prune()
+        return final
+
+    def _prune(self) -> None:
+        complete = sorted(self._step_dirs(), reverse=True)
+        for _, path in complete[self.keep:]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _step_dirs(self) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        out = []
+        for path in self.root.iterdir():
+            match = _STEP_DIR.match(path.name)
+            if match and path.is_dir():
+                out.append((int(match.group(1)), path))
+        return out
+
+    def latest(self) -> Optional[Checkpoint]:
+        """The newest complete checkpoint, or None. Each damaged or partial one on the way is
+        skipped with a warning naming it and the reason (also kept in :attr:`skipped`)."""
+        for version, path in sorted(self._step_dirs(), reverse=True):
+            try:
+                controller = check_checkpoint(path)
+            except ValueError as exc:
+                reason = f"checkpoint {path} ignored: {exc}"
+                log.warning(reason)
+                self.skipped.append(reason)
+                continue
+            return Checkpoint(path, version, controller)
+        return None
+
+    def remove_temporaries(self) -> None:
+        """Delete temporary directories left by saves that never committed (a crash)."""
+        for tmp in self.root.glob(".tmp-step-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_checkpoint(path: Path) -> dict:
+    """Validate a checkpoint directory; returns its controller state.
+
+    Raises
+    ------
+    ValueError
+        One line naming the missing, unreadable or truncated file.
+    """
+    controller = _read_json(path / CONTROLLER_FILE)
+    train = _read_json(path / TRAIN_STATE_FILE)
+    if "version" not in controller or not isinstance(controller["version"], int):
+        raise ValueError(f"{path / CONTROLLER_FILE} has no integer 'version'")
+    if train.get("version") != controller["version"]:
+        raise ValueError(f"{path / TRAIN_STATE_FILE} is for version {train.get('version')}, "
+                         f"{CONTROLLER_FILE} for {controller['version']}")
+    files = train.get("files")
+    if not isinstance(files, dict):
+        raise ValueError(f"{path / TRAIN_STATE_FILE} lists no files")
+    for name, size in files.items():
+        file = path / name
+        if not file.is_file():
+            raise ValueError(f"{file} is missing")
+        if file.stat().st_size != size:
+            raise ValueError(f"{file} has {file.stat().st_size} bytes, {TRAIN_STATE_FILE} "
+                             f"says {size} (truncated or overwritten)")
+    return controller
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{path} is missing (partial write)") from None
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path} is not valid JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _write_json(path: Path, data: dict) -> None:
+    with open(path, "w") as fh:
+        fh.write(json.dumps(data, indent=1) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
