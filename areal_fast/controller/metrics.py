@@ -41,6 +41,25 @@ class MetricsLog:
         self.path = Path(path)
         self.records: list[dict] = []
 
+    @classmethod
+    def resume(cls, path: Path, up_to_step: int) -> "MetricsLog":
+        """Continue ``path`` after a resume: keep its records of steps ``<= up_to_step``
+        (later ones were trained after the checkpoint and are trained again), drop the rest
+        and a torn last line."""
+        log = cls(path)
+        if log.path.is_file():
+            for line in log.path.read_text().splitlines():
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if record.get("step", up_to_step + 1) <= up_to_step:
+                    log.records.append(record)
+        tmp = log.path.with_name(log.path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in log.records))
+        tmp.replace(log.path)
+        return log
+
     def append(self, record: dict) -> None:
         """Write ``record`` as one JSON line (flushed at once, so a crash keeps earlier steps)."""
         self.records.append(record)

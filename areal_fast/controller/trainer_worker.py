@@ -65,9 +65,11 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
 
         load_train_state(trainer, spec.resume_from)
     leader = spec.rank == 0
-    buffers = [SharedWeightBuffer.create(trainer.named_weights()) for _ in range(2)] \
-        if leader else []
-    _publish(trainer, buffers, trainer.version % 2)  # the start weights (resumed or not)
+    weights = list(trainer.named_weights())  # a collective: every rank gathers
+    buffers = [SharedWeightBuffer.create(iter(weights)) for _ in range(2)] if leader else []
+    if buffers:  # the start weights (resumed or not)
+        buffers[trainer.version % 2].write(iter(weights))
+    del weights
     fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch")
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read, args=(conn, inbox, fetcher, spec, authkey),

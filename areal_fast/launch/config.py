@@ -171,6 +171,70 @@ class LauncherConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    """Where the workers run: ``local`` processes or ``ray`` actors; the same config for both.
+
+    Resources apply to the Ray launcher's placement group (one bundle per worker); the local
+    launcher uses ``train_world_size`` and ``host`` only.
+    """
+
+    type: str = "local"  # "local" | "ray"
+    train_world_size: int = 1  # trainer ranks (FSDP2 data parallel: gloo on CPU, NCCL on GPU)
+    # address of the controller's channels, shard servers and the trainers' rendezvous;
+    # the loopback default keeps everything on this machine
+    host: str = "127.0.0.1"
+    ray_address: Optional[str] = None  # None: start a local Ray instance; "auto": join one
+    cpus_per_rollout_worker: float = 1.0
+    gpus_per_rollout_worker: float = 0.0
+    cpus_per_trainer_rank: float = 1.0
+    gpus_per_trainer_rank: float = 0.0
+    placement_strategy: str = "PACK"  # Ray placement group strategy
+    dist_timeout: float = 600.0  # seconds a trainer collective may wait before failing
+
+    def __post_init__(self):
+        if self.type not in ("local", "ray"):
+            raise ValueError(f"type = {self.type!r} is not 'local' or 'ray'")
+        _at_least("train_world_size", self.train_world_size, 1)
+        for name in ("cpus_per_rollout_worker", "cpus_per_trainer_rank"):
+            _positive_finite(name, getattr(self, name))
+        for name in ("gpus_per_rollout_worker", "gpus_per_trainer_rank"):
+            if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
+                raise ValueError(f"{name} = {getattr(self, name)} must be a finite number >= 0")
+        if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+            raise ValueError(f"placement_strategy = {self.placement_strategy!r} is not one of "
+                             f"PACK, SPREAD, STRICT_PACK, STRICT_SPREAD")
+        _positive_finite("dist_timeout", self.dist_timeout)
+
+
+@dataclass
+class CheckpointConfig:
+    """Recoverable checkpoints (trainer + controller state) under ``<run dir>/checkpoints``."""
+
+    every_steps: int = 0  # save after every this many steps (0: off); the last step too
+    keep: int = 2  # complete checkpoints kept
+
+    def __post_init__(self):
+        _at_least("every_steps", self.every_steps, 0)
+        _at_least("keep", self.keep, 1)
+
+
+@dataclass
+class RecoveryConfig:
+    """What the job survives without a person."""
+
+    max_rollout_restarts: int = 3  # dead rollout workers replaced before the run fails
+    # a dead or failed trainer rank: the job restarts from the last checkpoint this often
+    max_trainer_restarts: int = 2
+    # keep every finished group also on disk (<run dir>/shards) until trained, so a rollout
+    # worker's death loses no accepted rollout
+    spool_shards: bool = True
+
+    def __post_init__(self):
+        _at_least("max_rollout_restarts", self.max_rollout_restarts, 0)
+        _at_least("max_trainer_restarts", self.max_trainer_restarts, 0)
+
+
+@dataclass
 class EvalConfig:
     """Greedy evaluation on the held-out set, before and after training."""
 
@@ -190,6 +254,8 @@ class ExperimentConfig:
     trial_name: str = "trial0"
     fileroot: str = "runs"  # run directory = fileroot/experiment_name/trial_name
     overwrite: bool = False  # replace an existing run directory
+    # continue the run in the existing run directory from its last complete checkpoint
+    resume: bool = False
     seed: int = 1
     total_steps: int = 20
     # training-time budget in seconds: no batch is sent after it (None: run total_steps)
@@ -204,6 +270,9 @@ class ExperimentConfig:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)  # rollout by a user agent
     trajectory: TrajectoryConfig = field(default_factory=TrajectoryConfig)  # session store
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     tags: List[str] = field(default_factory=list)
 
     def __post_init__(self):
@@ -218,6 +287,12 @@ class ExperimentConfig:
                              f"than the {units} {what} of a batch")
         if self.threads is not None:
             _at_least("threads", self.threads, 1)
+        if self.scheduler.train_world_size > self.batch_size:
+            raise ValueError(f"scheduler.train_world_size = {self.scheduler.train_world_size} "
+                             f"is more than batch_size = {self.batch_size}: every trainer rank "
+                             f"needs at least one prompt group per step")
+        if self.resume and self.overwrite:
+            raise ValueError("resume=true and overwrite=true contradict each other")
         if self.agent.path:
             self._check_agent_lengths()
         for key in ("experiment_name", "trial_name"):

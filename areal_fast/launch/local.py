@@ -1,4 +1,5 @@
-"""Local launcher: check the inputs, start rollout and trainer processes, run the controller."""
+"""Run one experiment: check the inputs, start the workers (local processes or Ray actors),
+run the controller; resume from checkpoints and restart after a trainer fault."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from areal_fast.controller.async_loop import AsyncController, ControllerSettings
+from areal_fast.controller.checkpoints import Checkpoint, CheckpointManager
 from areal_fast.controller.messages import Saved, SaveCheckpoint
 from areal_fast.controller.metrics import MetricsLog, plot_progress
 from areal_fast.controller.rollout import ChatPrompts, MathRequests, ProblemStream, eval_requests
@@ -27,7 +29,7 @@ from areal_fast.data.rewards import math_reward
 from areal_fast.data.tasks import drop_eval_overlap, load_problems
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
 from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
-from areal_fast.launch.processes import ClusterSpec, LocalCluster
+from areal_fast.launch.processes import Cluster, ClusterSpec, LocalCluster
 from areal_fast.models.loading import load_model_config, load_tokenizer
 from areal_fast.rollout.engine import SamplingParams
 
@@ -87,6 +89,11 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
         if parent.exists() and not parent.is_dir():
             raise ConfigError(f"fileroot: {parent} is a file, so run directory {run_dir} "
                               f"cannot be created")
+    if cfg.resume:
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(f"resume=true: {run_dir} is not an areal-fast run directory "
+                              f"(no config.yaml)")
+        return
     if not run_dir.exists():
         return
     if not cfg.overwrite:
@@ -98,9 +105,15 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
 
 
 def prepare_run_dir(cfg: ExperimentConfig) -> Path:
-    """Create the run directory (replacing an old run's when allowed) with ``config.yaml``."""
+    """Create the run directory (replacing an old run's when allowed) with ``config.yaml``;
+    with ``resume`` keep it, only removing the marks of the ended attempt."""
     check_run_dir(cfg)
     run_dir = cfg.run_dir
+    if cfg.resume:
+        for name in ("FAILED", "summary.json"):
+            (run_dir / name).unlink(missing_ok=True)
+        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        return run_dir
     if run_dir.exists():
         shutil.rmtree(run_dir)
     try:
@@ -184,9 +197,9 @@ def agent_spec(cfg: ExperimentConfig):
     return AgentWorkloadSpec(cfg.agent, cfg.model.path, store)
 
 
-def cluster_spec(cfg: ExperimentConfig) -> ClusterSpec:
-    """Worker specs of one experiment: HF engines, the torch trainer, math rewards (or the
-    configured agent)."""
+def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
+    """Worker specs of one experiment: HF engines, the torch trainer (its ranks), math
+    rewards (or the configured agent); ``resume_from`` is a checkpoint to load."""
     m, a = cfg.model, cfg.actor
     trainer_threads, rollout_threads = worker_threads(cfg)
     engine = HFEngineFactory(m.path, m.dtype, m.attn_implementation, m.device,
@@ -196,13 +209,28 @@ def cluster_spec(cfg: ExperimentConfig) -> ClusterSpec:
         temperature=cfg.rollout.temperature, max_tokens_per_mb=a.max_tokens_per_mb,
         pack_method=a.pack_method, keep_groups=a.keep_groups,
         use_decoupled_loss=a.use_decoupled_loss, prox_logp_method=a.prox_logp_method,
-        ppo_n_minibatches=a.ppo_n_minibatches, seed=cfg.seed)
+        ppo_n_minibatches=a.ppo_n_minibatches, seed=cfg.seed, total_steps=cfg.total_steps,
+        dist_timeout=cfg.scheduler.dist_timeout)
+    spool = str(cfg.run_dir / "shards") if cfg.recovery.spool_shards else None
     return ClusterSpec(
         rollout=RolloutWorkerSpec(engine, math_reward, threads=rollout_threads,
-                                  agent=agent_spec(cfg)),
-        trainer=TrainerWorkerSpec(trainer, adv_mode=a.adv_mode, threads=trainer_threads),
+                                  agent=agent_spec(cfg), spool_dir=spool,
+                                  host=cfg.scheduler.host),
+        trainer=TrainerWorkerSpec(trainer, adv_mode=a.adv_mode, threads=trainer_threads,
+                                  resume_from=resume_from),
         num_rollout_workers=cfg.rollout.num_workers,
-        startup_timeout=cfg.launcher.startup_timeout)
+        startup_timeout=cfg.launcher.startup_timeout,
+        train_world_size=cfg.scheduler.train_world_size, host=cfg.scheduler.host,
+        workers_file=str(cfg.run_dir / "workers.json"))
+
+
+def make_cluster(cfg: ExperimentConfig, spec: ClusterSpec) -> Cluster:
+    """The launcher ``scheduler.type`` names: local processes or Ray actors."""
+    if cfg.scheduler.type == "ray":
+        from areal_fast.launch.ray_cluster import RayCluster
+
+        return RayCluster(spec, cfg.scheduler)
+    return LocalCluster(spec)
 
 
 def controller_settings(cfg: ExperimentConfig) -> ControllerSettings:
@@ -211,7 +239,8 @@ def controller_settings(cfg: ExperimentConfig) -> ControllerSettings:
     concurrent = r.max_concurrent_rollouts or (r.max_head_offpolicyness + 1) * cfg.batch_size
     return ControllerSettings(cfg.total_steps, cfg.batch_size, r.max_head_offpolicyness,
                               concurrent, r.dynamic_filter, cfg.launcher.timeouts,
-                              drop_stale=r.drop_stale, max_seconds=cfg.max_seconds)
+                              drop_stale=r.drop_stale, max_seconds=cfg.max_seconds,
+                              max_rollout_restarts=cfg.recovery.max_rollout_restarts)
 
 
 def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
@@ -222,7 +251,11 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
     ``config.yaml``, ``metrics.jsonl`` (one line per step), ``eval_before.jsonl`` /
     ``eval_after.jsonl``, ``progress.png``, ``checkpoint/`` and, last of all,
     ``summary.json``: a run directory without ``summary.json`` did not finish (a failed run
-    also gets ``FAILED`` with the error).
+    also gets ``FAILED`` with the error). With ``checkpoint.every_steps``, recoverable
+    checkpoints go to ``checkpoints/step-<version>``; ``resume=true`` continues from the last
+    complete one. A dead or failed trainer rank restarts the job from there (at most
+    ``recovery.max_trainer_restarts`` times); a dead rollout worker is replaced
+    (``recovery.max_rollout_restarts``). ``workers.json`` maps worker names to process ids.
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -241,21 +274,59 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
     check_lengths(cfg, prompts, train_set + eval_set,
                   getattr(model_config, "max_position_embeddings", None))
     run_dir = prepare_run_dir(cfg)
-    try:
-        with LocalCluster(cluster_spec(cfg)) as cluster:
-            summary = _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set,
-                           removed, show_progress)
-    except BaseException as exc:
-        (run_dir / "FAILED").write_text(f"{type(exc).__name__}: {exc}\n")
-        raise
+    data = (prompts, tokenizer, train_set, eval_set, removed)
+    resume, restarts = cfg.resume, 0
+    while True:
+        try:
+            return _attempt(cfg, run_dir, data, resume, restarts, show_progress)
+        except WorkerError as exc:
+            if not _trainer_fault(exc) or restarts >= cfg.recovery.max_trainer_restarts:
+                _mark_failed(run_dir, exc)
+                raise
+            restarts += 1
+            log.warning("%s; restarting the job from its last checkpoint (trainer restart %d "
+                        "of at most %d, recovery.max_trainer_restarts)", exc, restarts,
+                        cfg.recovery.max_trainer_restarts)
+            resume = True
+        except BaseException as exc:
+            _mark_failed(run_dir, exc)
+            raise
+
+
+def _trainer_fault(exc: WorkerError) -> bool:
+    """Whether a trainer rank died or failed (a restart from a checkpoint may help)."""
+    return bool(exc.worker) and exc.worker.startswith("trainer")
+
+
+def _mark_failed(run_dir: Path, exc: BaseException) -> None:
+    (run_dir / "FAILED").write_text(f"{type(exc).__name__}: {exc}\n")
+
+
+def _attempt(cfg: ExperimentConfig, run_dir: Path, data, resume: bool, restarts: int,
+             show_progress: bool) -> dict:
+    """Start the workers (from the last complete checkpoint when ``resume``) and run."""
+    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.every_steps,
+                                    cfg.checkpoint.keep, cfg.total_steps)
+    latest = None
+    if resume:
+        latest = checkpoints.latest()
+        checkpoints.remove_temporaries()
+        if latest is None:
+            log.warning("no complete checkpoint in %s: the run starts again from step 0",
+                        checkpoints.root)
+    shutil.rmtree(run_dir / "shards", ignore_errors=True)  # pending groups are not resumed
+    spec = cluster_spec(cfg, resume_from=str(latest.path) if latest else "")
+    with make_cluster(cfg, spec) as cluster:
+        summary = _run(cfg, run_dir, cluster, *data, show_progress, checkpoints, latest,
+                       resume, restarts)
     warn_failed_exits(cluster)
     return summary
 
 
-def warn_failed_exits(cluster: LocalCluster) -> None:
+def warn_failed_exits(cluster: Cluster) -> None:
     """Log each worker that exited non-zero after the run itself succeeded (an error while
     shutting down, e.g. closing its agent sessions; its traceback precedes on stderr)."""
-    for handle in [*cluster.rollout_workers, *([cluster.trainer] if cluster.trainer else [])]:
+    for handle in [*cluster.rollout_workers, *cluster.trainer_ranks]:
         code = getattr(getattr(handle, "process", None), "exitcode", None)
         if code:
             how = "was killed (it did not exit in time)" if code < 0 else f"exited with code {code}"
@@ -263,28 +334,52 @@ def warn_failed_exits(cluster: LocalCluster) -> None:
 
 
 def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed,
-         show_progress):
+         show_progress, checkpoints: CheckpointManager, latest: Checkpoint | None,
+         resume: bool, restarts: int):
     start = time.perf_counter()
     summary: dict = {"train_problems": len(train_set), "eval_problems": len(eval_set),
-                     "train_removed_overlap": removed, "seed": cfg.seed}
+                     "train_removed_overlap": removed, "seed": cfg.seed,
+                     "scheduler": cfg.scheduler.type,
+                     "train_world_size": cfg.scheduler.train_world_size,
+                     "trainer_restarts": restarts}
+    if resume:
+        summary.update(resumed_from_version=latest.version if latest else 0,
+                       skipped_checkpoints=checkpoints.skipped)
     params = SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
                             top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens)
-    log = MetricsLog(run_dir / "metrics.jsonl")
-    bar = tqdm(total=cfg.total_steps, desc="train", disable=not show_progress)
+    version = latest.version if latest else 0
+    if cluster.trainer_version != version:
+        raise WorkerError(f"trainer {cluster.trainer.name!r} started at version "
+                          f"{cluster.trainer_version}, the checkpoint is of version {version}",
+                          cluster.trainer.name)
+    log = MetricsLog.resume(run_dir / "metrics.jsonl", version) if resume else \
+        MetricsLog(run_dir / "metrics.jsonl")
+    bar = tqdm(total=cfg.total_steps, initial=version, desc="train",
+               disable=not show_progress)
 
     def on_step(record: dict) -> None:
         log.append(record)
         bar.update(1)
         bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
 
+    stream = ProblemStream(train_set, cfg.seed)
+    if latest:  # the problems drawn before the checkpoint are not drawn again
+        stream.next_batch(latest.controller["counts"]["rollouts_submitted"])
     controller = AsyncController(
         cluster.rollout_workers, cluster.trainer, cluster.weight_buffers,
-        MathRequests(ProblemStream(train_set, cfg.seed), prompts, params, cfg.seed),
-        controller_settings(cfg), on_step)
+        MathRequests(stream, prompts, params, cfg.seed), controller_settings(cfg), on_step,
+        trainer_ranks=cluster.trainer_ranks, restart_rollout=cluster.restart_rollout,
+        checkpoints=checkpoints if cfg.checkpoint.every_steps else None,
+        resume=latest.controller if latest else None)
     eval_points = {}
     held_out = eval_requests(eval_set, prompts, cfg.eval.max_new_tokens)
-    if cfg.eval.before:
-        summary["eval_before"] = _evaluate(controller, held_out, run_dir / "eval_before.jsonl")
+    before_file = run_dir / "eval_before.jsonl"
+    if cfg.eval.before and latest and before_file.is_file():  # measured by the first attempt
+        records = [json.loads(line) for line in before_file.read_text().splitlines()]
+        summary["eval_before"] = sum(r["correct"] for r in records) / max(len(records), 1)
+        eval_points["before"] = (0, summary["eval_before"])
+    elif cfg.eval.before:
+        summary["eval_before"] = _evaluate(controller, held_out, before_file)
         eval_points["before"] = (0, summary["eval_before"])
     counts = controller.run()
     bar.close()
@@ -294,6 +389,7 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
     if log.records:
         plot_progress(log.records, eval_points, run_dir / "progress.png")
     save_checkpoint(cluster, str(run_dir / "checkpoint"), cfg.launcher.timeouts.train_step)
+    shutil.rmtree(run_dir / "shards", ignore_errors=True)
     tokenizer.save_pretrained(str(run_dir / "checkpoint"))
     summary.update(steps=controller.version, wall_seconds=time.perf_counter() - start,
                    max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
@@ -306,16 +402,18 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
     return summary
 
 
-def save_checkpoint(cluster: LocalCluster, path: str, timeout: float) -> None:
-    """Ask the trainer to write a HF checkpoint directory at ``path`` and wait for it."""
-    cluster.trainer.send(SaveCheckpoint(path))
+def save_checkpoint(cluster: Cluster, path: str, timeout: float) -> None:
+    """Ask the trainer (every rank) to write a HF checkpoint directory at ``path`` and wait
+    for rank 0's answer."""
+    for rank in cluster.trainer_ranks:
+        rank.send(SaveCheckpoint(path))
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
             raise WorkerError(f"trainer {cluster.trainer.name!r} did not save {path} within "
                               f"launcher.timeouts.train_step = {timeout:g} s")
-        for handle, message in wait_messages([cluster.trainer], left, "while saving"):
+        for handle, message in wait_messages(cluster.trainer_ranks, left, "while saving"):
             if isinstance(message, Saved):
                 return
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import json
 import os
 import random
-from typing import Optional
 
 import numpy as np
 import torch
@@ -96,15 +95,13 @@ def load_train_state(engine, directory: str) -> None:
     """
     rank, _, distributed = _rank_info(engine)
     meta = _read_meta(directory)
-    model_path = os.path.join(directory, MODEL_FILE)
-    _check_model_file(model_path, engine.model)
-    rng_path = os.path.join(directory, f"rng_rank{rank}.json")
-    has_rng = rank < meta["world_size"]
+    _check_model_file(os.path.join(directory, MODEL_FILE), engine.model)
+    rng = _read_json(os.path.join(directory, f"rng_rank{rank}.json")) \
+        if rank < meta["world_size"] else None
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
     model_state, optim_state, error = {}, {}, ""
-    if rank == 0:
-        model_state = _with_aliases(load_file(model_path), engine.model)
-        optim_state, error = _read_optimizer(os.path.join(directory, OPTIM_FILE), engine.model)
+    if rank == 0:  # the others receive both by broadcast
+        model_state, optim_state, error = _read_states(directory, engine.model)
     if distributed:
         error = _broadcast_text(error, engine)
     if error:
@@ -113,8 +110,8 @@ def load_train_state(engine, directory: str) -> None:
     set_optimizer_state_dict(engine.model, engine.optimizer, optim_state, options=options)
     engine.scheduler.load_state_dict(meta["scheduler"])
     engine.version = int(meta["version"])
-    if has_rng:
-        _set_rng_state(_read_json(rng_path))
+    if rng is not None:
+        _set_rng_state(rng)
     _barrier(engine, distributed)
 
 
@@ -127,6 +124,10 @@ def _read_meta(directory: str) -> dict:
     meta = _read_json(path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path}: format is not {FORMAT!r}")
+    for key, kind in (("version", int), ("world_size", int), ("scheduler", dict),
+                      ("files", dict)):
+        if not isinstance(meta.get(key), kind):
+            raise ValueError(f"{path}: {key!r} is missing or not a {kind.__name__}")
     for name, size in meta["files"].items():
         file = os.path.join(directory, name)
         if not os.path.isfile(file):
@@ -146,6 +147,17 @@ def _check_model_file(path: str, model) -> None:
     except Exception as exc:
         raise ValueError(f"{path} is not a readable safetensors file: {_one_line(exc)}") from exc
     _compare_shapes(path, expected, found, "weight")
+
+
+def _read_states(directory: str, model) -> tuple[dict, dict, str]:
+    """Model and optimizer state dicts, and an error line ("" when both are good)."""
+    path = os.path.join(directory, MODEL_FILE)
+    try:
+        model_state = _with_aliases(load_file(path), model)
+    except Exception as exc:
+        return {}, {}, f"{path} is not a readable safetensors file: {_one_line(exc)}"
+    optim_state, error = _read_optimizer(os.path.join(directory, OPTIM_FILE), model)
+    return model_state, optim_state, error
 
 
 def _read_optimizer(path: str, model) -> tuple[dict, str]:
@@ -271,7 +283,7 @@ def _barrier(engine, distributed: bool) -> None:
 
 def _broadcast_text(text: str, engine) -> str:
     """Rank 0's ``text`` on every rank (as bytes in tensors: nothing is unpickled)."""
-    device = engine._comm_device
+    device = engine.comm_device
     data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     dist.broadcast(size, src=dist.get_global_rank(engine.group, 0), group=engine.group)

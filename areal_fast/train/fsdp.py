@@ -142,8 +142,9 @@ class FSDPTrainEngine(TorchTrainEngine):
     Shards ``model`` (and ``ref_model``) with :func:`shard_model`. :meth:`train_step` takes
     THIS rank's part of the global batch; the step's gradients, optimizer update and
     statistics equal those of one single-process step on the whole batch, for every loss
-    aggregation (up to float rounding), given the same micro-batch split is irrelevant to
-    the result (it is: micro-batch weights use global totals).
+    aggregation, up to float rounding (micro-batch weights divide by global totals, so how
+    the batch is cut into micro-batches does not matter). ``num_micro_batches`` in the stats
+    is the per-rank count (the same on every rank).
 
     With ``ppo_n_minibatches > 1`` each rank splits its own part into that many minibatches,
     and minibatch i of the step is the union of the ranks' i-th parts: a different split
@@ -164,6 +165,13 @@ class FSDPTrainEngine(TorchTrainEngine):
         Sharded too (its forward is a collective as well).
     **kwargs
         The other keyword arguments of TorchTrainEngine.
+
+    Attributes
+    ----------
+    mesh, group, rank, world_size
+        The data-parallel mesh, its process group, this rank and the number of ranks.
+    comm_device : torch.device
+        Where small collectives (counts, statistics) run: CPU for gloo, this GPU for nccl.
     """
 
     def __init__(self, model, loss_config, optim, *, mesh: DeviceMesh, ref_model=None,
@@ -174,7 +182,7 @@ class FSDPTrainEngine(TorchTrainEngine):
         self.group = mesh.get_group()
         self.rank = dist.get_rank(self.group)
         self.world_size = mesh.size()
-        self._comm_device = torch.device("cpu") if mesh.device_type == "cpu" else \
+        self.comm_device = torch.device("cpu") if mesh.device_type == "cpu" else \
             torch.device(mesh.device_type, torch.cuda.current_device())
         shard_model(model, mesh)
         if ref_model is not None:
@@ -203,7 +211,7 @@ class FSDPTrainEngine(TorchTrainEngine):
     # ---------------------------------------------------------------- collectives
     def _all_reduce(self, values: list, dtype: torch.dtype,
                     op=dist.ReduceOp.SUM) -> torch.Tensor:
-        tensor = torch.tensor(values, dtype=dtype, device=self._comm_device)
+        tensor = torch.tensor(values, dtype=dtype, device=self.comm_device)
         dist.all_reduce(tensor, op=op, group=self.group)
         return tensor.cpu()
 

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import random
-import shutil
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from areal_fast.rl.batch import select_sequences
 from areal_fast.rl.config import LossConfig
 from areal_fast.train.checkpoint import load_train_state, save_train_state
 from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine, lr_factor
-from fsdp_procs import checkpoint_ranks, global_batch, rank_parts, run_ranks
+from fsdp_procs import checkpoint_ranks, global_batch, run_ranks
 
 OPTIM = OptimizerConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=1)
 
@@ -64,13 +63,15 @@ def test_resume_is_bit_exact(tiny_model_dir, tmp_path, seed, extra):
 
 def test_directory_layout(tiny_model_dir, tmp_path):
     engine = _engine(tiny_model_dir)
-    save_train_state(engine, str(tmp_path))
-    meta = json.loads((tmp_path / "train_state.json").read_text())
+    directory = tmp_path / "new" / "ckpt"  # created, and nothing but these files written
+    save_train_state(engine, str(directory))
+    meta = json.loads((directory / "train_state.json").read_text())
     assert meta["version"] == 0 and meta["world_size"] == 1
     assert sorted(meta["files"]) == ["model.safetensors", "optimizer.pt", "rng_rank0.json"]
+    assert sorted(os.listdir(directory)) == sorted(meta["files"]) + ["train_state.json"]
     for name, size in meta["files"].items():
-        assert (tmp_path / name).stat().st_size == size
-    weights = load_file(str(tmp_path / "model.safetensors"))
+        assert (directory / name).stat().st_size == size
+    weights = load_file(str(directory / "model.safetensors"))
     assert "lm_head.weight" not in weights  # tied to the embedding: stored once
     assert weights["model.embed_tokens.weight"].shape == (engine.model.config.vocab_size, 48)
 
@@ -137,7 +138,6 @@ def test_optimizer_of_another_model_is_rejected(tiny_model_dir, saved, tmp_path)
         load_train_state(other, str(saved))
 
 
-@pytest.mark.slow
 def test_two_fsdp_ranks_resume_and_load_into_one_process(tiny_model_dir, tmp_path, seed):
     directory = tmp_path / "fsdp"
     reports = run_ranks(checkpoint_ranks, 2, (str(tiny_model_dir), str(directory), seed,
@@ -157,13 +157,6 @@ def test_two_fsdp_ranks_resume_and_load_into_one_process(tiny_model_dir, tmp_pat
     for key, value in reports[0]["stats_a"].items():
         if key != "num_micro_batches":
             assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
-
-
-def test_rank_parts_cover_the_batch():
-    for step in range(3):
-        first, rest = rank_parts(step)
-        assert sorted(first + rest) == list(range(12))
-        assert all(i // 2 * 2 in first for i in first)  # whole groups
 
 
 # ---------------------------------------------------------------------------- LR schedule
@@ -186,7 +179,7 @@ def test_lr_follows_the_schedule(tiny_model_dir, schedule, warmup, total, miniba
     updates = None if total is None else total * minibatches
     vocab = engine.model.config.vocab_size
     for step in range(5):
-        batch = select_sequences(global_batch(vocab, step, 0), [0, 1, 2, 3])
+        batch = select_sequences(global_batch(vocab, step, 0), [0, 1])
         got = engine.train_step(batch)["lr"]
         want = np.mean([1e-3 * _expected_factor(step * minibatches + i, schedule, warmup,
                                                 updates) for i in range(minibatches)])
@@ -218,12 +211,3 @@ def test_total_steps_is_validated(tiny_model_dir):
     with pytest.raises(ValueError, match="total_steps = 0"):
         TorchTrainEngine(load_causal_lm(str(tiny_model_dir)), LossConfig(), OptimizerConfig(),
                          total_steps=0)
-
-
-def test_save_into_fresh_directory_leaves_nothing_else(tiny_model_dir, tmp_path):
-    engine = _engine(tiny_model_dir)
-    target = tmp_path / "new" / "ckpt"
-    save_train_state(engine, str(target))
-    assert sorted(os.listdir(target)) == ["model.safetensors", "optimizer.pt",
-                                          "rng_rank0.json", "train_state.json"]
-    shutil.rmtree(target)

@@ -1,0 +1,225 @@
+"""The Ray launcher's workers: each rollout worker and trainer rank is a Ray actor.
+
+Ray does placement and process management: one placement group with a bundle per worker
+(``scheduler.cpus_per_*`` / ``gpus_per_*``, strategy ``scheduler.placement_strategy``), each
+actor pinned to its bundle. The controller stays the driver. Each actor connects back to the
+controller over an authenticated socket (``multiprocessing.connection`` with the job's random
+key: an HMAC challenge before any data) and then runs the same worker entry point as a local
+process, speaking the same msgpack messages (:mod:`areal_fast.controller.codec`). Rollout
+data still moves worker to worker (shard servers), weights through the trainer's
+shared-memory slots, so every actor must run on the controller's node for now (a multi-node
+run needs a network weight transport; see README).
+
+A dead actor shows as the end of its socket, so the controller notices a death at once,
+exactly as with a local process.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+from typing import Optional
+
+import msgpack
+
+from areal_fast.controller.codec import MessageChannel
+from areal_fast.controller.workers import WorkerError, WorkerHandle, _worker_entry
+from areal_fast.launch.processes import Cluster, ClusterSpec, trainer_name
+
+
+class _WorkerActor:
+    """Body of every worker actor: connect to the controller, then serve like a process."""
+
+    def run(self, name: str, target, spec, address, authkey: bytes) -> None:
+        conn = Client(tuple(address), authkey=authkey)
+        conn.send_bytes(msgpack.packb({"name": name, "pid": os.getpid()}))
+        _worker_entry(target, conn, name, spec, authkey)
+
+
+_REMOTE_ACTOR = None
+
+
+def _remote_actor():
+    global _REMOTE_ACTOR
+    if _REMOTE_ACTOR is None:
+        import ray
+
+        _REMOTE_ACTOR = ray.remote(max_restarts=0)(_WorkerActor)
+    return _REMOTE_ACTOR
+
+
+class RayHandle(WorkerHandle):
+    """A worker running in a Ray actor (its ``run`` call lasts as long as the worker)."""
+
+    def __init__(self, name: str, conn: MessageChannel, actor, run_ref, pid: int):
+        self.name, self.conn, self.actor, self.run_ref, self._pid = name, conn, actor, run_ref, pid
+
+    @property
+    def pid(self) -> Optional[int]:
+        return self._pid
+
+    def exit_status(self) -> str:
+        import ray
+
+        done, _ = ray.wait([self.run_ref], timeout=0)
+        if not done:
+            return "still running"
+        try:
+            ray.get(self.run_ref)
+        except Exception as exc:  # noqa: BLE001 - RayActorError, the worker's own error
+            return f"actor ended: {type(exc).__name__}"
+        return "exit code 0"
+
+    def reap(self, timeout: float) -> None:
+        import ray
+
+        ray.wait([self.run_ref], timeout=timeout)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        import ray
+
+        from areal_fast.controller.messages import Shutdown
+
+        try:
+            self.conn.send(Shutdown())
+            ray.wait([self.run_ref], timeout=timeout)
+        except (OSError, ValueError):
+            pass
+        ray.kill(self.actor, no_restart=True)
+        self.conn.close()
+
+
+class RayCluster(Cluster):
+    """Every worker as a Ray actor in one placement group (see the module docstring).
+
+    Parameters
+    ----------
+    spec : ClusterSpec
+    scheduler : SchedulerConfig
+        ``ray_address`` (None starts a local Ray instance unless one is already
+        initialised in this process), resources per worker, placement strategy.
+
+    Raises
+    ------
+    WorkerError
+        The placement group cannot be placed within ``startup_timeout`` (the resources are
+        named), or a worker did not connect or start in time.
+    """
+
+    def __init__(self, spec: ClusterSpec, scheduler):
+        super().__init__(spec)
+        self.scheduler = scheduler
+        self.pg = None
+        self.listener: Optional[Listener] = None
+        self._started_ray = False
+        self._bundles: dict[str, int] = {}
+        self._pending: dict[str, tuple] = {}  # connected, not yet claimed: name -> (conn, pid)
+        self._arrivals: queue.Queue = queue.Queue()
+
+    def __enter__(self) -> "RayCluster":
+        import ray
+        from ray.util.placement_group import placement_group
+
+        if not ray.is_initialized():
+            ray.init(address=self.scheduler.ray_address, include_dashboard=False,
+                     log_to_driver=True)
+            self._started_ray = True
+        try:
+            bundles = self._bundle_specs()
+            self.pg = placement_group(bundles, strategy=self.scheduler.placement_strategy)
+            ready, _ = ray.wait([self.pg.ready()], timeout=self.spec.startup_timeout)
+            if not ready:
+                raise WorkerError(f"Ray cannot place {len(bundles)} workers ({bundles[0]} per "
+                                  f"trainer rank, {bundles[-1]} per rollout worker) within "
+                                  f"startup_timeout = {self.spec.startup_timeout:g} s; cluster "
+                                  f"resources: {ray.cluster_resources()}")
+            self.listener = Listener((self.spec.host, 0), authkey=self.authkey)
+            threading.Thread(target=self._accept_loop, daemon=True, name="ray-accept").start()
+        except BaseException:
+            self.close()
+            raise
+        return super().__enter__()
+
+    def _bundle_specs(self) -> list[dict]:
+        s, n = self.scheduler, self.spec.train_world_size
+        names = [trainer_name(r) for r in range(n)] + \
+            [f"rollout-{i}" for i in range(self.spec.num_rollout_workers)]
+        self._bundles = {name: i for i, name in enumerate(names)}
+        trainer = {"CPU": s.cpus_per_trainer_rank, "GPU": s.gpus_per_trainer_rank}
+        rollout = {"CPU": s.cpus_per_rollout_worker, "GPU": s.gpus_per_rollout_worker}
+        return [{k: v for k, v in (trainer if i < n else rollout).items() if v > 0}
+                for i in range(len(names))]
+
+    def _start_worker(self, name: str, target, spec) -> WorkerHandle:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = self._bundles[name]
+        resources = self._bundle_specs()[bundle]
+        actor = _remote_actor().options(
+            num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=bundle)).remote()
+        run_ref = actor.run.remote(name, target, spec, self.listener.address, self.authkey)
+        conn, pid = self._accept(name, run_ref)
+        return RayHandle(name, MessageChannel(conn), actor, run_ref, pid)
+
+    def _accept(self, name: str, run_ref) -> tuple:
+        """The connection of worker ``name`` (others that arrive first are kept)."""
+        import ray
+
+        deadline = time.monotonic() + self.spec.startup_timeout
+        while name not in self._pending:
+            done, _ = ray.wait([run_ref], timeout=0)
+            if done:  # the actor ended before connecting: report its error
+                try:
+                    ray.get(run_ref)
+                except Exception as exc:  # noqa: BLE001 - named in the message
+                    raise WorkerError(f"worker {name!r} failed to start in Ray: "
+                                      f"{str(exc).splitlines()[0]}", name, died=True) from None
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerError(f"worker {name!r} did not connect within startup_timeout = "
+                                  f"{self.spec.startup_timeout:g} s", name)
+            try:
+                peer, conn, pid = self._arrivals.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            self._pending[peer] = (conn, pid)
+        return self._pending.pop(name)
+
+    def _accept_loop(self) -> None:
+        """Accept worker connections until the listener closes; each sends its name first."""
+        while True:
+            try:
+                conn = self.listener.accept()
+            except OSError:
+                return  # closed
+            except Exception:  # noqa: BLE001 - a peer without the key, a broken handshake
+                continue
+            try:
+                if not conn.poll(30.0):
+                    raise TimeoutError("no hello")
+                hello = msgpack.unpackb(conn.recv_bytes(), raw=False)
+                self._arrivals.put((str(hello["name"]), conn, int(hello["pid"])))
+            except Exception:  # noqa: BLE001 - not a worker of this job: drop it
+                conn.close()
+
+    def close(self, grace_seconds: float = 2.0) -> None:
+        """Stop the workers, remove the placement group, shut down a Ray instance this
+        cluster started."""
+        import ray
+
+        try:
+            super().close(grace_seconds)
+        finally:
+            if self.listener is not None:
+                self.listener.close()
+            if self.pg is not None:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.pg)
+            if self._started_ray:
+                ray.shutdown()
