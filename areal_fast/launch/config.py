@@ -184,6 +184,7 @@ class SchedulerConfig:
     # the loopback default keeps everything on this machine
     host: str = "127.0.0.1"
     ray_address: Optional[str] = None  # None: start a local Ray instance; "auto": join one
+    ray_num_cpus: Optional[int] = None  # CPUs of a local Ray instance (None: all cores)
     cpus_per_rollout_worker: float = 1.0
     gpus_per_rollout_worker: float = 0.0
     cpus_per_trainer_rank: float = 1.0

@@ -124,8 +124,10 @@ class RayCluster(Cluster):
         from ray.util.placement_group import placement_group
 
         if not ray.is_initialized():
+            local = self.scheduler.ray_address is None
             ray.init(address=self.scheduler.ray_address, include_dashboard=False,
-                     log_to_driver=True)
+                     log_to_driver=True,
+                     num_cpus=self.scheduler.ray_num_cpus if local else None)
             self._started_ray = True
         try:
             bundles = self._bundle_specs()

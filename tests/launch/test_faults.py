@@ -1,0 +1,215 @@
+"""Checkpoints, resume and recovery end to end, on the tiny model: the job is a real
+``areal-fast train`` (or ``python -m areal_fast.launch.ray train``) process, and workers are
+killed with SIGKILL by their process ids from ``workers.json``.
+
+Rewards of the tiny random model are all 0, so an entropy bonus (``entropy_coef``) makes the
+losses and updates non-trivial: every step then changes the weights and the samples, and
+equal losses after a resume mean equal weights, optimizer state, data position and seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_fast.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 6
+
+
+def _args(model_dir, root, trial, *extra):
+    return ["train", "--config", str(REPO / "examples" / "arith.yaml"), "--no-progress",
+            f"model.path={model_dir}", f"fileroot={root}", f"trial_name={trial}",
+            f"total_steps={STEPS}", "batch_size=4", "rollout.group_size=2",
+            "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.eval_size=4",
+            "data.train_size=60", "rollout.max_head_offpolicyness=0", "threads=1",
+            "actor.loss.entropy_coef=0.5", "actor.optim.lr=1e-2", "checkpoint.every_steps=2",
+            "launcher.startup_timeout=120", "launcher.timeouts.train_step=120", *extra]
+
+
+def _losses(run_dir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in
+            map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+
+
+def _start(args, module: str = "areal_fast.cli") -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
+
+
+def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended first:\n{proc.stdout.read()[-3000:]}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("timed out waiting for the job")
+        time.sleep(0.05)
+
+
+def _steps_done(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.is_file() else 0
+
+
+def _kill(run_dir: Path, worker: str) -> int:
+    pid = json.loads((run_dir / "workers.json").read_text())[worker]
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 300.0) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-4000:]
+    return out
+
+
+def _run_with_kill(args, run_dir: Path, worker: str, after_steps: int,
+                   module: str = "areal_fast.cli", need_checkpoint: bool = False) -> str:
+    proc = _start(args, module)
+    ckpt = run_dir / "checkpoints" / "step-00000002"
+    _wait_for(lambda: _steps_done(run_dir) >= after_steps and (run_dir / "workers.json").is_file()
+              and (ckpt.is_dir() or not need_checkpoint), proc)
+    _kill(run_dir, worker)
+    return _finish(proc)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir, tmp_path_factory):
+    """An uninterrupted run (local launcher, one trainer rank)."""
+    root = tmp_path_factory.mktemp("runs")
+    assert main(_args(tiny_model_dir, root, "ref")) == 0
+    run_dir = root / "grpo-arith" / "ref"
+    return run_dir, _losses(run_dir)
+
+
+@pytest.mark.slow
+def test_trainer_killed_resumes_with_equal_losses(tiny_model_dir, tmp_path, reference):
+    run_dir = tmp_path / "grpo-arith" / "kill"
+    out = _run_with_kill(_args(tiny_model_dir, tmp_path, "kill"), run_dir, "trainer",
+                         after_steps=3, need_checkpoint=True)
+    assert "restarting the job from its last checkpoint" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer_restarts"] == 1 and summary["resumed_from_version"] in (2, 4)
+    assert summary["rollouts_trained"] == STEPS * 4
+    got, want = _losses(run_dir), reference[1]
+    assert [s for s, _ in got] == list(range(1, STEPS + 1))
+    for (step, loss), (_, ref) in zip(got, want):
+        assert loss == pytest.approx(ref, rel=1e-6, abs=1e-7), step
+
+
+@pytest.mark.slow
+def test_rollout_worker_killed_loses_nothing(tiny_model_dir, tmp_path, reference):
+    """Synchronous mode: the running groups start again on the new worker with the same
+    seeds and the current weights, so even the losses equal the uninterrupted run's."""
+    run_dir = tmp_path / "grpo-arith" / "kill"
+    out = _run_with_kill(_args(tiny_model_dir, tmp_path, "kill"), run_dir, "rollout-0",
+                         after_steps=2)
+    assert "restarting it (restart 1 of at most 3)" in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rollout_worker_restarts"] == 1
+    assert summary["rollouts_trained"] == STEPS * 4
+    assert summary["rollouts_submitted"] == STEPS * 4  # resubmitted, not redrawn
+    assert set(summary["rollouts_dropped"]) <= {"unused_at_end", "in_flight_at_end"}
+    assert sum(summary["rollouts_dropped"].values()) == 0
+    assert 0 < summary["rollout_recovery_seconds"][0] < 30
+    got = _losses(run_dir)
+    for (step, loss), (_, ref) in zip(got, reference[1]):
+        assert loss == pytest.approx(ref, rel=1e-6, abs=1e-7), step
+
+
+@pytest.mark.slow
+def test_rollout_worker_killed_while_running_ahead(tiny_model_dir, tmp_path):
+    """Asynchronous mode with two workers: finished groups of the dead worker are read from
+    its spool files; every accepted group is trained, none is dropped as lost."""
+    run_dir = tmp_path / "grpo-arith" / "async"
+    args = _args(tiny_model_dir, tmp_path, "async", "rollout.max_head_offpolicyness=2",
+                 "rollout.num_workers=2", "rollout.drop_stale=false")
+    _run_with_kill(args, run_dir, "rollout-1", after_steps=2)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rollout_worker_restarts"] == 1 and summary["rollouts_trained"] == STEPS * 4
+    dropped = summary["rollouts_dropped"]
+    assert set(dropped) <= {"unused_at_end", "in_flight_at_end"}
+    # every submitted group was trained, resubmitted-and-trained, or dropped at the end
+    assert summary["rollouts_submitted"] == STEPS * 4 + sum(dropped.values())
+    assert not (run_dir / "shards").exists()  # spool files are consumed or cleaned up
+
+
+def test_damaged_checkpoint_is_skipped_with_a_message(tiny_model_dir, tmp_path, reference,
+                                                      caplog):
+    import shutil
+
+    run_dir = tmp_path / "grpo-arith" / "ref"
+    shutil.copytree(reference[0], run_dir)
+    ckpts = sorted((run_dir / "checkpoints").iterdir())
+    assert [p.name for p in ckpts] == ["step-00000004", "step-00000006"]
+    model = ckpts[-1] / "model.safetensors"
+    model.write_bytes(model.read_bytes()[:100])  # truncated by a crash or a full disk
+    (ckpts[0] / "train_state.json").unlink()  # a partial write
+    assert main(_args(tiny_model_dir, tmp_path, "ref", "resume=true")) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_version"] == 0  # no complete checkpoint left
+    assert any("step-00000006" in s and "truncated" in s for s in summary["skipped_checkpoints"])
+    assert any("step-00000004" in s and "train_state.json is missing" in s
+               for s in summary["skipped_checkpoints"])
+    assert _losses(run_dir) == reference[1]
+
+
+def test_resume_from_middle_checkpoint_equals_uninterrupted(tiny_model_dir, tmp_path,
+                                                            reference):
+    import shutil
+
+    run_dir = tmp_path / "grpo-arith" / "ref"
+    shutil.copytree(reference[0], run_dir)
+    shutil.rmtree(run_dir / "checkpoints" / "step-00000006")
+    assert main(_args(tiny_model_dir, tmp_path, "ref", "resume=true")) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_version"] == 4
+    assert _losses(run_dir) == reference[1]  # bit-identical on CPU
+
+
+def test_resume_needs_a_run_dir(tiny_model_dir, tmp_path, capsys):
+    assert main(_args(tiny_model_dir, tmp_path, "none", "resume=true")) == 2
+    err = capsys.readouterr().err
+    assert "resume=true" in err and "not an areal-fast run directory" in err
+
+
+@pytest.mark.slow
+def test_ray_two_ranks_survive_rollout_and_trainer_deaths(tiny_model_dir, tmp_path, reference):
+    """The Ray launcher on a local Ray instance with 2 CPUs: 1 rollout worker and 2 FSDP2
+    trainer ranks (gloo). Uninterrupted, the losses equal the 1-rank local run's to fp32
+    tolerance; a killed rollout worker is replaced with nothing lost; a killed trainer rank
+    restarts the job from its checkpoint with equal losses."""
+    ray_args = ["scheduler.train_world_size=2", "scheduler.cpus_per_rollout_worker=0.5",
+                "scheduler.cpus_per_trainer_rank=0.5", "scheduler.ray_num_cpus=2"]
+    env_args = lambda trial: _args(tiny_model_dir, tmp_path, trial, *ray_args)  # noqa: E731
+    module = "areal_fast.launch.ray"
+    first = _start(["train", *env_args("plain")[1:]], module)
+    _finish(first)
+    plain = _losses(tmp_path / "grpo-arith" / "plain")
+    for (step, loss), (_, ref) in zip(plain, reference[1]):
+        assert loss == pytest.approx(ref, rel=1e-5, abs=1e-6), step
+
+    run_dir = tmp_path / "grpo-arith" / "rollout"
+    _run_with_kill(["train", *env_args("rollout")[1:]], run_dir, "rollout-0", after_steps=2,
+                   module=module)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["scheduler"] == "ray" and summary["rollout_worker_restarts"] == 1
+    assert summary["rollouts_trained"] == STEPS * 4
+    assert sum(summary["rollouts_dropped"].values()) == 0
+
+    run_dir = tmp_path / "grpo-arith" / "trainer"
+    _run_with_kill(["train", *env_args("trainer")[1:]], run_dir, "trainer-1", after_steps=3,
+                   module=module, need_checkpoint=True)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["trainer_restarts"] == 1
+    assert _losses(run_dir) == pytest.approx(plain, rel=1e-6)
