@@ -15,7 +15,7 @@ plain msgpack map that :func:`~areal_fast.controller.codec.encode_message` write
 keeps the helper at a fraction of the controller's CPU.
 
 - Rollout worker: ``WorkerReady`` first; ``SubmitGroups`` → one ``GroupDone`` per group after
-  a generation delay (lognormal, median ``--delay-ms``, σ = 0.5, seeded per worker; 0 = at
+  a generation delay (lognormal, median ``--delay-ms``, σ = 0.25, seeded per worker; 0 = at
   once), with a realistic ``ShardMetadata`` (8 ``TensorMetadata`` fields, group of 4,
   ~100-token prompt + lognormal completions of median 200 tokens, varied rewards);
   ``UpdateWeights`` → ``WeightsUpdated``; ``DropShards`` silently; ``CancelAll`` →
@@ -24,19 +24,30 @@ keeps the helper at a fraction of the controller's CPU.
   ``StepDone(version + 1, group_ids = the batch's shard ids)`` after ``--train-ms``.
 
 Settings per size W: B = max(16, W) groups per step (every worker has work), η = 2,
-max_concurrent_rollouts = (η + 1) · B (the staleness bound is the only limit). Wall time and
-``time.process_time()`` of the controller process are taken around ``controller.run()``
-(wind-down included); the helper's CPU comes from ``getrusage(RUSAGE_CHILDREN)``.
+max_concurrent_rollouts = (η + 1) · B (the staleness bound is the only limit). Two loads:
 
-    python benches/bench_controller.py                      # 8 64 512 workers, delay 2 and 0 ms
-    python benches/bench_controller.py --profile 512        # + cProfile of the controller
+- saturated (``--delay-ms``, default 1 and 0 ms): the stand-ins answer far faster than the
+  controller can go, so groups/s is the controller's own limit;
+- paced (``--paced-rate``, default 1000 groups/s): the delay is (η + 1) · B / rate, so the
+  stand-ins' latency sets the pace and messages arrive a few at a time, as in real runs;
+  this shows the controller's cost per loop turn rather than per message.
+
+Wall time and ``time.process_time()`` of the controller process are taken around
+``controller.run()`` (wind-down included); "waiting for a CPU" is the time the controller
+was runnable but not running (``/proc/thread-self/schedstat``: other load on the machine);
+the helper's CPU comes from ``getrusage(RUSAGE_CHILDREN)``. ``--profile W`` also runs W
+workers under cProfile (CPU clock) and sums the controller's own time by category.
+
+    python benches/bench_controller.py --profile 512   # 8 64 512 workers, ~1.5 min on 2 cores
     python benches/bench_controller.py --small --json /tmp/c.json    # CI, < 20 s
+    pytest benches/bench_controller.py                  # pytest-benchmark, 8 and 64 workers
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import heapq
 import io
 import math
 import multiprocessing as mp
@@ -68,7 +79,7 @@ ETA = 2
 GROUP_SIZE = 4
 PROMPT_LEN = 100  # tokens, ± 10
 COMPLETION_MEDIAN, COMPLETION_SIGMA, COMPLETION_CAP = 200.0, 0.5, 512
-DELAY_SIGMA = 0.5
+DELAY_SIGMA = 0.25
 TOKEN_FIELDS = (("input_ids", "int64"), ("labels", "int64"), ("loss_mask", "bool"),
                 ("behav_logprobs", "float32"), ("versions", "int32"))
 SEQ_FIELDS = (("seq_lens", "int64"), ("rewards", "float32"), ("group_ids", "int64"))
@@ -79,8 +90,13 @@ SEQ_FIELDS = (("seq_lens", "int64"), ("rewards", "float32"), ("group_ids", "int6
 # ---------------------------------------------------------------------------
 
 
+def _unpack(data: bytes) -> dict:
+    """A message as the plain map it travels as (no dataclasses built)."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
+
+
 def _as_map(message) -> dict:
-    return msgpack.unpackb(encode_message(message), raw=False, strict_map_key=False)
+    return _unpack(encode_message(message))
 
 
 def _pack(data: dict) -> bytes:
@@ -145,7 +161,7 @@ def dummy_weight_buffers() -> tuple[WeightBufferSpec, WeightBufferSpec]:
 class _StandIn:
     """State of one stand-in endpoint inside the helper."""
 
-    def __init__(self, name: str, conn, kind: str, seed: int):
+    def __init__(self, name: str, conn: MessageChannel, kind: str, seed: int):
         self.name, self.conn, self.kind = name, conn, kind
         self.rng = random.Random(seed)
         self.pending: set[int] = set()  # rollout: groups not yet reported
@@ -153,6 +169,7 @@ class _StandIn:
         self.ack_map = _as_map(msg.WeightsUpdated(0, 0.0))
         self.version = 0  # trainer: last version reported
         self.busy_until = 0.0  # trainer: end of the step in progress
+        self.step_map: dict | None = None
 
 
 def _group_reply(w: _StandIn, group_id: int, prompt_len: int) -> bytes:
@@ -173,18 +190,15 @@ def _helper_main(own: list[tuple[str, object, str]], close: list, delay_s: float
     selector = selectors.DefaultSelector()  # epoll: registered once, O(ready) per call
     heap: list[tuple[float, int, str, int, object]] = []  # (due, seq, kind, id, endpoint)
     seq = 0
-    import heapq
-
-    for i, (name, conn, kind) in enumerate(own):
-        w = _StandIn(name, conn, kind, seed * 1_000_003 + i)
+    for i, (name, raw, kind) in enumerate(own):
+        w = _StandIn(name, MessageChannel(raw), kind, seed * 1_000_003 + i)
         if kind == "rollout":
             w.done_map = _as_map(_sample_group_done(name, 0, 1, [1], [0.5]))
-            conn.send_bytes(encode_message(msg.WorkerReady(name, "127.0.0.1:40000")))
+            w.conn.send(msg.WorkerReady(name, "127.0.0.1:40000"))
         else:
             w.step_map = _as_map(msg.StepDone(1, {"loss": 0.0}, [0], 0))
-            conn.send_bytes(encode_message(msg.WorkerReady(
-                name, weight_buffers=dummy_weight_buffers())))
-        selector.register(conn.fileno(), selectors.EVENT_READ, w)
+            w.conn.send(msg.WorkerReady(name, weight_buffers=dummy_weight_buffers()))
+        selector.register(w.conn.fileno(), selectors.EVENT_READ, w)
     live = len(own)
 
     def schedule(due: float, kind: str, ident: int, w: _StandIn, payload=None) -> None:
@@ -196,14 +210,14 @@ def _helper_main(own: list[tuple[str, object, str]], close: list, delay_s: float
         w.version += 1
         w.step_map.update(version=w.version, stats={"loss": 1.0 / w.version},
                           group_ids=batch_ids, trained_tokens=tokens)
-        w.conn.send_bytes(_pack(w.step_map))
+        w.conn.conn.send_bytes(_pack(w.step_map))
 
     while live:
         timeout = None if not heap else max(0.0, heap[0][0] - time.monotonic())
         for key, _ in selector.select(timeout):
             w = key.data
             try:
-                data = msgpack.unpackb(w.conn.recv_bytes(), raw=False, strict_map_key=False)
+                data = _unpack(w.conn.conn.recv_bytes())
             except (EOFError, OSError):
                 data = {"__t": "Shutdown"}
             kind = data["__t"]
@@ -216,15 +230,15 @@ def _helper_main(own: list[tuple[str, object, str]], close: list, delay_s: float
                                                                       DELAY_SIGMA)
                         schedule(due, "group", gid, w, plen)
                     else:
-                        w.conn.send_bytes(_group_reply(w, gid, plen))
+                        w.conn.conn.send_bytes(_group_reply(w, gid, plen))
             elif kind == "UpdateWeights":
                 w.ack_map["version"] = data["version"]
-                w.conn.send_bytes(_pack(w.ack_map))
+                w.conn.conn.send_bytes(_pack(w.ack_map))
             elif kind == "DropShards":
                 pass
             elif kind == "CancelAll":
                 n, w.pending = len(w.pending), set()
-                w.conn.send_bytes(encode_message(msg.Cancelled(n)))
+                w.conn.send(msg.Cancelled(n))
             elif kind == "TrainStep":
                 shards = data["batch"]["shards"]
                 ids = [s["shard_id"] for s in shards]
@@ -247,7 +261,7 @@ def _helper_main(own: list[tuple[str, object, str]], close: list, delay_s: float
                 continue
             if kind == "group" and ident in w.pending:
                 w.pending.discard(ident)
-                w.conn.send_bytes(_group_reply(w, ident, payload))
+                w.conn.conn.send_bytes(_group_reply(w, ident, payload))
             elif kind == "step":
                 step_done(w, *payload)
 
@@ -333,6 +347,7 @@ class StandInCluster:
             if proc.is_alive():
                 proc.terminate()
                 proc.join(5.0)
+            proc.close()
 
     def __enter__(self):
         return self
@@ -362,9 +377,9 @@ def batch_size_for(workers: int) -> int:
     return max(16, workers)
 
 
-def default_steps(workers: int, groups: int) -> int:
-    """Steps so that about ``groups`` groups are trained (at least 12 steps)."""
-    return max(12, math.ceil(groups / batch_size_for(workers)))
+def default_steps(workers: int, groups: int, least: int = 12) -> int:
+    """Steps so that about ``groups`` groups are trained (at least ``least`` steps)."""
+    return max(least, math.ceil(groups / batch_size_for(workers)))
 
 
 def _run_delay() -> float | None:
@@ -424,7 +439,8 @@ def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
     per_step = [b - a for a, b in zip([cpu0] + step_cpu[:-1], step_cpu)]
     steady = per_step[ETA + 1:] or per_step  # the first steps also fill the pipeline
     result = {
-        "workers": workers, "load": load, "delay_ms": delay_ms, "train_ms": train_ms, "helpers": helpers,
+        "workers": workers, "load": load, "delay_ms": delay_ms, "train_ms": train_ms,
+        "helpers": helpers,
         "batch_size": batch, "eta": ETA, "steps": len(records),
         "groups_trained": counts.trained, "groups_finished": finished,
         "groups_submitted": counts.submitted, "counts": counts.as_dict(),
@@ -446,8 +462,39 @@ def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
     return result
 
 
+# Where a function's own time goes, first matching rule wins: (category, filename or
+# function-name fragments). Rough by nature: e.g. getattr counts as codec (its callers are
+# the encoder's dataclass walks).
+PROFILE_CATEGORIES = (
+    ("waiting: connection.wait / selectors / poll",
+     ("connection.py:wait", "connection.py:poll", "connection.py:_poll", "selectors.py",
+      "select.poll", "fileno", "_fileobj_to_fd", "<string>:<lambda>", "sentinel",
+      "workers.py:wait_messages", "workers.py:<dictcomp>")),
+    ("worker choice: min(workers, key=in_flight) per group",
+     ("builtins.min", "async_loop.py:<lambda>")),
+    ("pipe I/O: send/recv system calls",
+     ("posix.write", "posix.read", "connection.py:")),
+    ("codec: msgpack + dataclass encode/decode",
+     ("codec.py", "msgpack", "dataclasses.py", "getattr", "<string>:__init__",
+      "'keys' of 'dict'")),
+    ("controller bookkeeping: async_loop, batch, staleness, metrics",
+     ("async_loop.py", "batch.py", "staleness.py", "statistics.py", "workers.py")),
+)
+
+
+def _category(filename: str, function: str) -> str:
+    path = Path(filename)
+    name = f"{path.parent.name}/{path.name}:{function}"
+    for category, fragments in PROFILE_CATEGORIES:
+        if any(fragment in name for fragment in fragments):
+            return category
+    return "other"
+
+
 def profile_summary(profiler: cProfile.Profile, cpu: float, top: int = 25) -> dict:
-    """Top functions by own time and by cumulative time (cProfile's clock, overhead in)."""
+    """Top functions by own and by cumulative time, and own time per category. The clock is
+    process CPU time; cProfile's overhead per call inflates small, often-called functions
+    (e.g. the 3 million key-lambda calls of min() at 512 workers)."""
     stats = pstats.Stats(profiler)
     total = stats.total_tt
 
@@ -458,11 +505,17 @@ def profile_summary(profiler: cProfile.Profile, cpu: float, top: int = 25) -> di
                  "tottime_pct": round(100 * tt / total, 1),
                  "cumtime_pct": round(100 * ct / total, 1)}
                 for (f, line, fn), (_, nc, tt, ct, _) in entries]
+    categories: dict[str, float] = {}
+    for (f, _, fn), (_, _, tt, _, _) in stats.stats.items():
+        key = _category(f, fn)
+        categories[key] = categories.get(key, 0.0) + tt
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     eprint(text.getvalue())
+    by_category = [{"category": k, "tottime_s": round(v, 4), "pct": round(100 * v / total, 1)}
+                   for k, v in sorted(categories.items(), key=lambda kv: -kv[1])]
     return {"profiled_total_s": total, "controller_cpu_s_with_profiler": cpu,
-            "by_tottime": rows(2), "by_cumtime": rows(3)}
+            "by_category": by_category, "by_tottime": rows(2), "by_cumtime": rows(3)}
 
 
 # ---------------------------------------------------------------------------
@@ -475,10 +528,13 @@ def table(cases: list[dict]) -> str:
              fmt(c["groups_per_s"], ",.0f"), fmt(c["steps_per_s"], ".2f"),
              fmt(c["controller_cpu_ms_per_step"], ".2f"),
              fmt(c["controller_cpu_us_per_group"], ".1f"), fmt(c["controller_busy"], ".2f"),
+             fmt(None if c["controller_runqueue_wait_s"] is None
+                 else c["controller_runqueue_wait_s"] / c["wall_s"], ".2f"),
              fmt(c["helper_busy"], ".2f"), fmt(c["wall_s"], ".2f")] for c in cases]
     return markdown_table(["workers", "load", "delay ms", "B", "steps", "groups/s", "steps/s",
                            "controller CPU ms/step", "controller CPU µs/group",
-                           "controller busy", "helper busy", "wall s"], rows)
+                           "controller busy", "waiting for a CPU", "helper busy", "wall s"],
+                          rows)
 
 
 def raise_fd_limit(needed: int) -> tuple[int, int]:
@@ -493,11 +549,33 @@ def raise_fd_limit(needed: int) -> tuple[int, int]:
     return soft, hard
 
 
+# ---------------------------------------------------------------------------
+# pytest-benchmark (small sizes, no delay)
+# ---------------------------------------------------------------------------
+
+try:
+    import pytest
+except ImportError:  # script mode without pytest installed
+    pytest = None
+
+if pytest is not None:
+
+    @pytest.mark.parametrize("workers", [8, 64])
+    def test_controller_scaling(benchmark, workers):
+        check_templates()
+        case = benchmark.pedantic(run_case, args=(workers, 0.0, default_steps(workers, 512)),
+                                  rounds=1, iterations=1, warmup_rounds=0)
+        assert case["groups_trained"] == case["steps"] * case["batch_size"]
+        benchmark.extra_info.update(
+            groups_per_s=case["groups_per_s"],
+            controller_cpu_us_per_group=case["controller_cpu_us_per_group"])
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 64, 512])
-    parser.add_argument("--delay-ms", type=float, nargs="+", default=[2.0, 0.0],
+    parser.add_argument("--delay-ms", type=float, nargs="+", default=[1.0, 0.0],
                         help="median generation delay per group (one case each; 0 = reply "
                              "at once)")
     parser.add_argument("--steps", type=int, default=None,
@@ -526,6 +604,7 @@ def main(argv=None) -> int:
         parser.error("--workers and --steps must be >= 1")
     soft, _ = raise_fd_limit(3 * max(args.workers + args.profile) + 256)
     check_templates()
+    run_case(8, 0.0, 12, helpers=args.helpers, seed=args.seed + 1)  # warm-up, not reported
 
     cases = []
     for delay in args.delay_ms:
@@ -549,12 +628,19 @@ def main(argv=None) -> int:
                    f"busy {case['controller_busy']:.2f}")
             cases.append(case)
     profiles = []
-    for workers in args.profile:
-        steps = args.steps or default_steps(workers, args.groups // 2)
-        profiles.append(run_case(workers, args.delay_ms[0], steps, helpers=args.helpers,
-                                 train_ms=args.train_ms, seed=args.seed, profile=True))
+    for workers in args.profile:  # shorter runs: the profiler slows the controller 2-5x
+        loads = [("saturated", args.delay_ms[0])]
+        if args.paced_rate > 0:
+            loads.append((f"paced {args.paced_rate:g}/s",
+                          paced_delay_ms(workers, args.paced_rate)))
+        for load, delay in loads:
+            steps = args.steps or default_steps(workers, args.groups // 4, least=6)
+            profiles.append(run_case(workers, delay, steps, helpers=args.helpers,
+                                     train_ms=args.train_ms, seed=args.seed, profile=True,
+                                     load=load))
     result = {
         "benchmark": "controller_scaling",
+        "command": " ".join(["python", "benches/bench_controller.py", *(argv or sys.argv[1:])]),
         "workload": {"eta": ETA, "batch_size": "max(16, workers)",
                      "max_concurrent_rollouts": "(eta + 1) * batch_size",
                      "group_size": GROUP_SIZE, "prompt_tokens": f"{PROMPT_LEN} ± 10",
@@ -562,7 +648,8 @@ def main(argv=None) -> int:
                                           f"sigma {COMPLETION_SIGMA}, cap {COMPLETION_CAP}",
                      "delay": f"lognormal median delay_ms, sigma {DELAY_SIGMA}",
                      "paced_rate_groups_per_s": args.paced_rate,
-                     "paced_groups": args.paced_groups, "train_ms": args.train_ms, "helpers": args.helpers,
+                     "paced_groups": args.paced_groups, "train_ms": args.train_ms,
+                     "helpers": args.helpers,
                      "groups_per_case": None if args.steps else args.groups,
                      "steps": args.steps, "seed": args.seed},
         "rlimit_nofile_soft": soft, "cases": cases, "profiles": profiles,
@@ -570,10 +657,15 @@ def main(argv=None) -> int:
     write_json(args.json, result)
     print(table(cases))
     for p in profiles:
-        print(f"\ncProfile, {p['workers']} workers, delay {p['delay_ms']:g} ms, top by own time:")
+        prof = p["profile"]
+        print(f"\ncProfile of the controller, {p['workers']} workers, {p['load']} (delay "
+              f"{p['delay_ms']:.4g} ms), {prof['profiled_total_s']:.2f} s profiled:")
+        print(markdown_table(["own time in", "s", "%"], [[r["category"], r["tottime_s"],
+                                                         r["pct"]] for r in prof["by_category"]]))
+        print()
         print(markdown_table(["function", "calls", "own s", "own %", "cum %"],
                              [[r["function"], r["calls"], r["tottime_s"], r["tottime_pct"],
-                               r["cumtime_pct"]] for r in p["profile"]["by_tottime"][:12]]))
+                               r["cumtime_pct"]] for r in prof["by_tottime"][:12]]))
     return 0
 
 
