@@ -19,6 +19,7 @@ checkpoint). Checkpoints (``checkpoints``) are taken between steps without stopp
 from __future__ import annotations
 
 import collections
+import heapq
 import logging
 import math
 import statistics
@@ -28,10 +29,12 @@ from typing import Callable, Optional
 
 from areal_fast.controller import messages as msg
 from areal_fast.controller.batch import DistributedBatch
+from areal_fast.controller.codec import Encoded, encode_message
 from areal_fast.controller.staleness import StalenessManager
-from areal_fast.controller.workers import WorkerError, WorkerHandle, wait_messages
+from areal_fast.controller.workers import MessageWaiter, WorkerError, WorkerHandle
 
 TRAIN_PIPELINE = 2  # batches handed to the trainer ahead of completion (prefetch depth)
+DEADLINE_CHECK_SECONDS = 0.1  # deadlines are checked at most this often (O(workers) each)
 log = logging.getLogger("areal_fast.controller")
 
 
@@ -200,6 +203,8 @@ class AsyncController:
         self.saving: dict[str, tuple[int, float]] = {}  # temp dir -> (version, asked at)
         self.elapsed_before = 0.0  # training seconds of the run before a resume
         self.winding_down = False
+        self._waiter: Optional[MessageWaiter] = None  # over _all(); rebuilt when it changes
+        self._deadlines_checked = 0.0  # time.monotonic() of the last _check_deadlines scan
         if resume is not None:
             self._restore(resume)
 
@@ -228,10 +233,12 @@ class AsyncController:
         return self.counts
 
     def _wait(self, timeout: float, doing: str) -> list:
-        """:func:`wait_messages` on every worker; a dead rollout worker is replaced (and
-        nothing returned this time) while restarts are left."""
+        """Messages from every worker (:class:`MessageWaiter`); a dead rollout worker is
+        replaced (and nothing returned this time) while restarts are left."""
         try:
-            return wait_messages(self._all(), timeout, doing)
+            if self._waiter is None:
+                self._waiter = MessageWaiter(self._all())
+            return self._waiter.wait(timeout, doing)
         except WorkerError as exc:
             if not self._can_restart(exc):
                 raise
@@ -245,18 +252,24 @@ class AsyncController:
     def _submit_rollouts(self) -> None:
         if self._out_of_time():
             return
+        c = self.staleness.counts
+        still_needed = self.s.total_steps * self.s.batch_size - (c.accepted + c.running)
+        capacity = max(0, min(self.staleness.capacity(self.version), still_needed))
+        if capacity == 0 and not self.resubmit:
+            return
         ready = [w for w in self.workers if w.name not in self.warming]
         if not ready:
             return
+        # (in flight, index, worker), least busy first, ties to the earlier worker: the
+        # choice of min(ready, key=in_flight) per group at O(log workers) instead of O(workers)
+        loads = [(self.in_flight[w.name], i, w) for i, w in enumerate(ready)]
+        heapq.heapify(loads)
         per_worker: dict[str, list[msg.GroupRequest]] = {}
         while self.resubmit:  # running groups of a dead worker, already counted as running
-            self._assign(self.resubmit.popleft(), ready, per_worker)
-        c = self.staleness.counts
-        still_needed = self.s.total_steps * self.s.batch_size - (c.accepted + c.running)
-        capacity = min(self.staleness.capacity(self.version), still_needed)
-        for _ in range(max(capacity, 0)):
+            self._assign(self.resubmit.popleft(), loads, per_worker)
+        for _ in range(capacity):
             group_id = self.counts.submitted
-            self._assign(self.next_request(group_id), ready, per_worker)
+            self._assign(self.next_request(group_id), loads, per_worker)
             self.counts.submitted += 1
         if capacity > 0:
             self.staleness.on_submit(capacity)
@@ -264,13 +277,14 @@ class AsyncController:
             if worker.name in per_worker:
                 worker.send(msg.SubmitGroups(per_worker[worker.name]))
 
-    def _assign(self, request: msg.GroupRequest, ready: list[WorkerHandle],
-                per_worker: dict) -> None:
-        """Give ``request`` to the least busy ready worker (sent by the caller)."""
-        worker = min(ready, key=lambda w: self.in_flight[w.name])
-        if self.in_flight[worker.name] == 0:
+    def _assign(self, request: msg.GroupRequest, loads: list, per_worker: dict) -> None:
+        """Give ``request`` to the least busy ready worker (``loads``: the heap of
+        :meth:`_submit_rollouts`; sent by the caller)."""
+        n, i, worker = heapq.heappop(loads)
+        if n == 0:
             self.progress[worker.name] = time.monotonic()
-        self.in_flight[worker.name] += 1
+        self.in_flight[worker.name] = n + 1
+        heapq.heappush(loads, (n + 1, i, worker))
         per_worker.setdefault(worker.name, []).append(request)
         self.submitted_at[request.group_id] = self.version
         self.assigned[request.group_id] = worker.name
@@ -405,8 +419,10 @@ class AsyncController:
         batch, sent = self.training.popleft()
         self.version = done.version
         self.counts.trained += len(batch)
-        for worker in self.workers:
-            worker.send(msg.UpdateWeights(self.version, self.buffers[self.version % 2]))
+        update = Encoded(encode_message(msg.UpdateWeights(self.version,
+                                                          self.buffers[self.version % 2])))
+        for worker in self.workers:  # encoded once for all
+            worker.send(update)
         record = self._step_record(batch, sent, done)
         self.on_step(record)
         self._maybe_checkpoint(record)
@@ -472,6 +488,9 @@ class AsyncController:
                     self.counts.rollout_restarts, self.s.max_rollout_restarts)
         new = self.restart_rollout(name)
         self.workers = [new if w.name == name else w for w in self.workers]
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
         lost = sorted(gid for gid, owner in self.assigned.items() if owner == name)
         for gid in lost:
             del self.assigned[gid]
@@ -557,6 +576,9 @@ class AsyncController:
 
     def _check_deadlines(self) -> None:
         now, t = time.monotonic(), self.s.timeouts
+        if now - self._deadlines_checked < DEADLINE_CHECK_SECONDS:
+            return
+        self._deadlines_checked = now
         if self.training and now - max(self.training[0][1], self.last_step) > t.train_step:
             raise WorkerError(f"trainer {self.trainer.name!r} did not finish step "
                               f"{self.version + 1} within timeouts.train_step = {t.train_step:g} s")

@@ -101,6 +101,11 @@ def decode_message(data: bytes) -> Any:
         raise CodecError(f"undecodable message ({type(exc).__name__}: {exc})") from exc
 
 
+class Encoded(bytes):
+    """A message already encoded by :func:`encode_message`; :meth:`MessageChannel.send` sends
+    it as is (one encoding for a message sent to many workers)."""
+
+
 class MessageChannel:
     """A :class:`multiprocessing.connection.Connection` that carries msgpack messages.
 
@@ -112,8 +117,9 @@ class MessageChannel:
         self.conn = conn
 
     def send(self, message: Any) -> None:
-        """Encode and send one message."""
-        self.conn.send_bytes(encode_message(message))
+        """Encode and send one message (an :class:`Encoded` one as it is)."""
+        self.conn.send_bytes(message if isinstance(message, Encoded) else
+                             encode_message(message))
 
     def recv(self) -> Any:
         """Receive and decode one message (blocks)."""
