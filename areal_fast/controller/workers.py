@@ -11,7 +11,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import selectors
-import time
 import traceback
 from typing import Optional
 from multiprocessing.connection import wait
