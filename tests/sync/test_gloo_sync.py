@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,10 +204,14 @@ def test_disk_truncated_bucket_names_the_file(tmp_path):
     real_write = sender_tp._write_atomic
 
     def truncating_write(path, write):
-        real_write(path, write)
-        if path.name == "bucket-1.safetensors":
-            data = path.read_bytes()
-            path.write_bytes(data[:len(data) // 2])
+        if path.name != "bucket-1.safetensors":
+            return real_write(path, write)
+
+        def write_then_truncate(tmp):  # before the rename: a reader never sees it whole
+            write(tmp)
+            data = Path(tmp).read_bytes()
+            Path(tmp).write_bytes(data[:len(data) // 2])
+        real_write(path, write_then_truncate)
     sender_tp._write_atomic = truncating_write
     seed = _seed()
     errors = {}
