@@ -197,7 +197,9 @@ class AsyncController:
         self.assigned: dict[int, str] = {}  # running group id -> rollout worker name
         self.requests: dict[int, msg.GroupRequest] = {}  # running groups' requests
         self.resubmit: collections.deque[msg.GroupRequest] = collections.deque()
-        self.warming: dict[str, tuple[int, float]] = {}  # restarted: (version, death time)
+        # restarted workers: (version to serve, death time, restart time)
+        self.warming: dict[str, tuple[int, float, float]] = {}
+        self.restarts_left = settings.max_rollout_restarts  # in this attempt
         self.eval_assignment: dict[str, list[msg.GroupRequest]] = {}
         self.snapshots: dict[int, dict] = {}  # version -> controller state at that step
         self.saving: dict[str, tuple[int, float]] = {}  # temp dir -> (version, asked at)
@@ -247,7 +249,7 @@ class AsyncController:
 
     def _out_of_time(self) -> bool:
         return self.s.max_seconds is not None and \
-            time.monotonic() - self.start > self.s.max_seconds
+            time.monotonic() - self.start + self.elapsed_before > self.s.max_seconds
 
     def _submit_rollouts(self) -> None:
         if self._out_of_time():
@@ -275,7 +277,7 @@ class AsyncController:
             self.staleness.on_submit(capacity)
         for worker in ready:
             if worker.name in per_worker:
-                worker.send(msg.SubmitGroups(per_worker[worker.name]))
+                self._send_rollout(worker, msg.SubmitGroups(per_worker[worker.name]))
 
     def _assign(self, request: msg.GroupRequest, loads: list, per_worker: dict) -> None:
         """Give ``request`` to the least busy ready worker (``loads``: the heap of
@@ -305,6 +307,16 @@ class AsyncController:
             self.training.append((batch, time.monotonic()))
             self._send_trainer(msg.TrainStep(DistributedBatch([g.shard for g in batch]),
                                              slot=new_version % 2))
+
+    def _send_rollout(self, worker: WorkerHandle, message) -> None:
+        """Send to a rollout worker; if it has died, the next wait notices (by its sentinel
+        or the end of its channel) and replaces it, so the send is only logged here."""
+        try:
+            worker.send(message)
+        except WorkerError as exc:
+            if not exc.died:
+                raise
+            log.warning("%s (while sending %s)", exc, type(message).__name__)
 
     def _send_trainer(self, message) -> None:
         """Send ``message`` to every trainer rank (rank 0 answers)."""
@@ -400,7 +412,7 @@ class AsyncController:
         if group.shard is None:
             return
         worker = worker or next(w for w in self.workers if w.name == group.shard.node_id)
-        worker.send(msg.DropShards([group.group_id]))
+        self._send_rollout(worker, msg.DropShards([group.group_id]))
 
     def _on_unknown_group(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
         """A group that is not running (it was cancelled at the end of training, or reported
@@ -422,7 +434,12 @@ class AsyncController:
         update = Encoded(encode_message(msg.UpdateWeights(self.version,
                                                           self.buffers[self.version % 2])))
         for worker in self.workers:  # encoded once for all
-            worker.send(update)
+            self._send_rollout(worker, update)
+        # the trained groups' spool files are deleted only now that the step is done
+        for worker in self.workers:
+            trained = [g.group_id for g in batch if g.shard.node_id == worker.name]
+            if trained and batch[0].shard.path:
+                self._send_rollout(worker, msg.DropShards(trained))
         record = self._step_record(batch, sent, done)
         self.on_step(record)
         self._maybe_checkpoint(record)
@@ -478,39 +495,64 @@ class AsyncController:
     def _can_restart(self, exc: WorkerError) -> bool:
         return (exc.died and self.restart_rollout is not None
                 and any(w.name == exc.worker for w in self.workers)
-                and self.counts.rollout_restarts < self.s.max_rollout_restarts)
+                and self.restarts_left > 0)
 
     def _replace_rollout_worker(self, exc: WorkerError) -> None:
-        """Start a new worker in place of the dead one; its running groups start again."""
+        """Start a new worker in place of the dead one (retried while restarts are left);
+        its running groups start again, its finished ones stay (spooled) or are dropped."""
         name, died_at = exc.worker, time.monotonic()
-        self.counts.rollout_restarts += 1
-        log.warning("%s; restarting it (restart %d of at most %d)", exc,
-                    self.counts.rollout_restarts, self.s.max_rollout_restarts)
-        new = self.restart_rollout(name)
+        while True:
+            self.restarts_left -= 1
+            self.counts.rollout_restarts += 1
+            log.warning("%s; restarting it (%d restarts left after this one)", exc,
+                        self.restarts_left)
+            try:
+                new = self.restart_rollout(name)
+                break
+            except WorkerError as failed:
+                if self.restarts_left <= 0:
+                    raise
+                exc = failed
         self.workers = [new if w.name == name else w for w in self.workers]
         if self._waiter is not None:
             self._waiter.close()
             self._waiter = None
+        self._requeue_running(name)
+        self._drop_unspooled(name)
+        self.in_flight[name], self.progress[name], self.acked[name] = 0, died_at, 0
+        # slot version % 2 is being overwritten while version + 2 trains: then the new worker
+        # gets the next version with everyone else
+        if self.version > 0 and len(self.training) < 2:
+            self._send_rollout(new, msg.UpdateWeights(self.version,
+                                                      self.buffers[self.version % 2]))
+        self.warming[name] = (self.version, died_at, time.monotonic())
+        self._end_warm_up(name)
+        if self.winding_down:
+            self._send_rollout(new, msg.CancelAll())
+        if name in self.eval_assignment and name not in self.eval_records:
+            self._send_rollout(new, msg.Evaluate(self.eval_assignment[name]))
+
+    def _requeue_running(self, name: str) -> None:
+        """The dead worker's running groups start again (counted dropped when winding down)."""
         lost = sorted(gid for gid, owner in self.assigned.items() if owner == name)
         for gid in lost:
             del self.assigned[gid]
             if self.winding_down:  # cancelled anyway
                 self.counts.dropped["in_flight_at_end"] += 1
+                self.requests.pop(gid, None)
             else:
                 self.resubmit.append(self.requests[gid])
         if not self.winding_down:
             self.counts.resubmitted += len(lost)
-        self.in_flight[name], self.progress[name], self.acked[name] = 0, died_at, 0
-        # slot version % 2 is being overwritten while version + 2 trains: then the new worker
-        # gets the next version with everyone else
-        if self.version > 0 and len(self.training) < 2:
-            new.send(msg.UpdateWeights(self.version, self.buffers[self.version % 2]))
-        self.warming[name] = (self.version, died_at)
-        self._end_warm_up(name)
-        if self.winding_down:
-            new.send(msg.CancelAll())
-        if name in self.eval_assignment and name not in self.eval_records:
-            new.send(msg.Evaluate(self.eval_assignment[name]))
+
+    def _drop_unspooled(self, name: str) -> None:
+        """Finished groups of the dead worker that have no spool file are gone with it."""
+        gone = [g for g in self.ready if g.shard.node_id == name and not g.shard.path]
+        for group in gone:
+            self.ready.remove(group)
+            self.submitted_at.pop(group.group_id, None)
+            self.counts.dropped["rollout_worker_died"] += 1
+            self.staleness.on_discard()
 
     def _end_warm_up(self, name: str) -> None:
         """A restarted worker takes rollouts once it serves the version current at its
@@ -562,7 +604,8 @@ class AsyncController:
         self.elapsed_before = float(state["elapsed_seconds"])
         for worker in self.workers:
             self.acked[worker.name] = 0
-            worker.send(msg.UpdateWeights(self.version, self.buffers[self.version % 2]))
+            self._send_rollout(worker, msg.UpdateWeights(self.version,
+                                                         self.buffers[self.version % 2]))
 
     # ---- deadlines and shutdown -----------------------------------------------------
     def _all(self) -> list[WorkerHandle]:
@@ -581,8 +624,16 @@ class AsyncController:
         self._deadlines_checked = now
         if self.training and now - max(self.training[0][1], self.last_step) > t.train_step:
             raise WorkerError(f"trainer {self.trainer.name!r} did not finish step "
-                              f"{self.version + 1} within timeouts.train_step = {t.train_step:g} s")
-        late = [w.name for w in self.workers if self.acked[w.name] < self.version]
+                              f"{self.version + 1} within timeouts.train_step = {t.train_step:g} s",
+                              self.trainer.name)
+        late = [w.name for w in self.workers
+                if self.acked[w.name] < self.version and w.name not in self.warming]
+        warming = [name for name, (_, _, started) in self.warming.items()
+                   if now - started > t.weight_update]
+        if warming:
+            raise WorkerError(f"restarted rollout worker {warming[0]!r} did not load weights "
+                              f"within timeouts.weight_update = {t.weight_update:g} s",
+                              warming[0])
         if late and now - self.last_step > t.weight_update:
             raise WorkerError(f"rollout worker {late[0]!r} did not load weights version "
                               f"{self.version} within timeouts.weight_update = "
@@ -603,9 +654,12 @@ class AsyncController:
         """Cancel running rollouts, drop unused ones, wait until every worker serves the
         final weights; each discarded rollout is counted with its reason."""
         self.winding_down = True
+        self.counts.dropped["in_flight_at_end"] += len(self.resubmit)  # never restarted
+        for request in self.resubmit:
+            self.requests.pop(request.group_id, None)
         self.resubmit.clear()
         for worker in self.workers:
-            worker.send(msg.CancelAll())
+            self._send_rollout(worker, msg.CancelAll())
         unused = list(self.ready)
         self.ready.clear()
         self.counts.dropped["unused_at_end"] += len(unused)
@@ -614,25 +668,31 @@ class AsyncController:
             by_worker.setdefault(group.shard.node_id, []).append(group.group_id)
         for worker in self.workers:
             if worker.name in by_worker:
-                worker.send(msg.DropShards(by_worker[worker.name]))
+                self._send_rollout(worker, msg.DropShards(by_worker[worker.name]))
         cancelled = {w.name for w in self.workers}
         deadline = time.monotonic() + self.s.timeouts.weight_update
         while cancelled or min(self.acked.values()) < self.version or self.saving:
-            if time.monotonic() > deadline:
-                late = sorted(cancelled) or [w.name for w in self.workers
-                                             if self.acked[w.name] < self.version]
+            late = sorted(cancelled) or [w.name for w in self.workers
+                                         if self.acked[w.name] < self.version]
+            if late and time.monotonic() > deadline:
                 raise WorkerError(f"rollout worker {late[0]!r} did not cancel its rollouts and "
                                   f"load weights version {self.version} within "
-                                  f"timeouts.weight_update = {self.s.timeouts.weight_update:g} s")
+                                  f"timeouts.weight_update = {self.s.timeouts.weight_update:g} s",
+                                  late[0])
+            self._check_deadlines()  # a final checkpoint has its own deadline
             for worker, message in self._wait(1.0, "while winding down"):
                 if isinstance(message, msg.Cancelled):
                     cancelled.discard(worker.name)
                     self.counts.dropped["in_flight_at_end"] += message.groups
+                    for gid in [g for g, w in self.assigned.items() if w == worker.name]:
+                        del self.assigned[gid]  # counted just now
                 elif isinstance(message, msg.GroupDone) and \
                         message.group_id not in self.submitted_at:
                     self._on_unknown_group(worker, message)
                 elif isinstance(message, msg.GroupDone):  # finished before the cancel
                     self.submitted_at.pop(message.group_id)
+                    self.assigned.pop(message.group_id, None)
+                    self.requests.pop(message.group_id, None)
                     self.counts.dropped["unused_at_end"] += 1
                     self._free_shard(message, worker)
                 else:
@@ -659,7 +719,7 @@ class AsyncController:
         self.eval_assignment = {w.name: requests[i::len(self.workers)]
                                 for i, w in enumerate(self.workers)}
         for worker in self.workers:
-            worker.send(msg.Evaluate(self.eval_assignment[worker.name]))
+            self._send_rollout(worker, msg.Evaluate(self.eval_assignment[worker.name]))
         deadline = time.monotonic() + self.s.timeouts.evaluate
         while len(self.eval_records) < len(self.workers):
             if time.monotonic() > deadline:

@@ -11,6 +11,7 @@ group is trained on at most once.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import threading
@@ -210,7 +211,7 @@ WIRE_DTYPES = {name: getattr(torch, name) for name in
                ("int64", "int32", "float32", "float64", "bfloat16", "float16", "bool", "uint8")}
 
 
-def recv_shards(conn, node: str) -> dict:
+def recv_shards(conn, node: str, timeout: float = 300.0) -> dict:
     """Receive what :func:`send_shards` sent: ``{shard_id: {field: tensor}}``.
 
     Raises
@@ -229,6 +230,14 @@ def recv_shards(conn, node: str) -> dict:
             if dtype not in WIRE_DTYPES:
                 raise RuntimeError(f"worker {node!r} sent shard {shard_id} field {name!r} with "
                                    f"unsupported dtype {dtype!r}")
+            expected = math.prod(shape) * torch.empty(0, dtype=WIRE_DTYPES[dtype]).element_size()
+            if nbytes != expected:
+                raise RuntimeError(f"worker {node!r} announced {nbytes} bytes for shard "
+                                   f"{shard_id} field {name!r} of shape {shape} {dtype} "
+                                   f"({expected} expected)")
+            if nbytes and not conn.poll(timeout):
+                raise TimeoutError(f"worker {node!r} stopped sending shard {shard_id} field "
+                                   f"{name!r} for more than {timeout:g} s")
             buffer = bytearray(nbytes)
             got = conn.recv_bytes_into(buffer) if nbytes else 0
             if got != nbytes:
@@ -281,8 +290,9 @@ class ShardStore:
         return path
 
     def drop(self, shard_ids: list[int]) -> int:
-        """Forget shards (dynamic filter, end of run) and delete their spool files, also those
-        a previous process of this worker left; returns how many were held in memory."""
+        """Forget shards (trained, filtered, unused at the end) and delete their spool files,
+        also those a previous process of this worker left; returns how many were held in
+        memory."""
         with self._lock:
             held = sum(self._shards.pop(i, None) is not None for i in shard_ids)
         for i in shard_ids:
@@ -299,11 +309,9 @@ class ShardStore:
             missing = [i for i in shard_ids if i not in self._shards]
             if missing:
                 return {"error": f"shard {missing[0]} is not held (already fetched or dropped)"}
-            taken = {i: self._shards.pop(i) for i in shard_ids}
-        for i in shard_ids:
-            if self.spool_dir is not None:
-                Path(self.spool_path(i)).unlink(missing_ok=True)
-        return taken
+            # spool files stay until the controller drops the trained groups: a transfer
+            # cut short by this worker's death still leaves the trainer the files
+            return {i: self._shards.pop(i) for i in shard_ids}
 
     def _serve(self) -> None:
         while not self._closed:
@@ -400,7 +408,7 @@ def _fetch_from_worker(addr: str, shards: list[ShardMetadata], authkey: bytes,
             if not conn.poll(timeout):
                 raise TimeoutError(f"fetching {len(shards)} shards from worker {node!r} "
                                    f"({addr}) took more than {timeout:g} s")
-            return recv_shards(conn, node)
+            return recv_shards(conn, node, timeout)
     except (TimeoutError, RuntimeError):
         raise
     except (OSError, EOFError) as exc:

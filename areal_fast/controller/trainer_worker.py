@@ -64,12 +64,8 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
         from areal_fast.train.checkpoint import load_train_state
 
         load_train_state(trainer, spec.resume_from)
+    buffers = _start_buffers(trainer, leader=spec.rank == 0)
     leader = spec.rank == 0
-    weights = list(trainer.named_weights())  # a collective: every rank gathers
-    buffers = [SharedWeightBuffer.create(iter(weights)) for _ in range(2)] if leader else []
-    if buffers:  # the start weights (resumed or not)
-        buffers[trainer.version % 2].write(iter(weights))
-    del weights
     fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch")
     inbox: queue.Queue = queue.Queue()
     threading.Thread(target=_read, args=(conn, inbox, fetcher, spec, authkey),
@@ -90,6 +86,20 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
         fetcher.shutdown(wait=False, cancel_futures=True)
         for buffer in buffers:
             buffer.close()
+
+
+def _start_buffers(trainer, leader: bool) -> list:
+    """Rank 0: the two shared-memory weight slots, the start weights (resumed or not) in
+    slot ``version % 2``. Gathering is a collective, so the other ranks take part in it
+    (one pass, nothing kept) and get no slots."""
+    if not leader:
+        for _ in trainer.named_weights():
+            pass
+        return []
+    weights = list(trainer.named_weights())
+    buffers = [SharedWeightBuffer.create(iter(weights)) for _ in range(2)]
+    buffers[trainer.version % 2].write(iter(weights))
+    return buffers
 
 
 def _handle(trainer, message, fetched, buffers, spec: TrainerWorkerSpec):
@@ -154,9 +164,12 @@ def _train_step(trainer, message: msg.TrainStep, fetched: Future, buffers) -> ms
     # staleness distribution: trained tokens per (trainer version − generating version)
     hist = torch.bincount(staleness, minlength=version + 1)
     trained_tokens = torch.tensor([int(batch.loss_mask.sum())])
-    if _distributed():  # over every rank's part of the batch
+    if _distributed():  # over every rank's part of the batch (on NCCL's device on GPU)
+        device = getattr(trainer, "comm_device", torch.device("cpu"))
+        hist, trained_tokens = hist.to(device), trained_tokens.to(device)
         torch.distributed.all_reduce(hist)
         torch.distributed.all_reduce(trained_tokens)
+        hist, trained_tokens = hist.cpu(), trained_tokens.cpu()
     nonzero = torch.nonzero(hist)
     stats["staleness_hist"] = hist[:int(nonzero.max()) + 1].tolist() if len(nonzero) else []
     if staleness.numel() and not _distributed():  # trainers without decoupled PPO

@@ -217,6 +217,7 @@ class MessageWaiter:
 
     def __init__(self, handles: list[WorkerHandle]):
         self._selector = selectors.DefaultSelector()
+        self._failure: Optional[WorkerError] = None  # raised by the next call
         for handle in handles:
             self._selector.register(handle.conn.fileno(), selectors.EVENT_READ, (handle, False))
             if handle.sentinel is not None:
@@ -227,19 +228,34 @@ class MessageWaiter:
                     pass
 
     def wait(self, timeout: float, doing: str) -> list[tuple[WorkerHandle, object]]:
-        """As :func:`wait_messages` (same errors), at most one message per channel."""
+        """As :func:`wait_messages` (same errors), at most one message per channel.
+
+        A worker's death or failure never discards messages already read from the others
+        in the same call: they are returned, and the error is raised by the next call.
+        """
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         out, exited = [], []
         for key, _ in self._selector.select(timeout):
             handle, is_sentinel = key.data
             if is_sentinel:
                 exited.append(handle)
-            else:
+                continue
+            try:
                 out.append((handle, _receive(handle, doing)))
+            except WorkerError as exc:
+                self._failure = self._failure or exc
         for handle in exited:
-            if not handle.conn.poll():  # its last messages are read first
+            if self._failure is None and not handle.conn.poll():  # last messages first
                 handle.reap(1.0)
-                raise WorkerError(handle.died_message(doing), handle.name, died=True)
+                self._failure = WorkerError(handle.died_message(doing), handle.name,
+                                            died=True)
+        if self._failure is not None and not out:
+            failure, self._failure = self._failure, None
+            raise failure
         return out
 
     def close(self) -> None:
+        """Unregister every descriptor."""
         self._selector.close()

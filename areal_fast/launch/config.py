@@ -288,6 +288,12 @@ class ExperimentConfig:
                              f"than the {units} {what} of a batch")
         if self.threads is not None:
             _at_least("threads", self.threads, 1)
+        ranks = self.scheduler.train_world_size
+        if self.actor.ppo_n_minibatches > 1 and ranks * self.actor.ppo_n_minibatches > units:
+            raise ValueError(f"actor.ppo_n_minibatches = {self.actor.ppo_n_minibatches} with "
+                             f"scheduler.train_world_size = {ranks}: each rank splits its part "
+                             f"of the batch ({units} {'prompt groups' if self.actor.keep_groups else 'sequences'} "
+                             f"in all) into that many minibatches, so it needs more")
         if self.scheduler.train_world_size > self.batch_size:
             raise ValueError(f"scheduler.train_world_size = {self.scheduler.train_world_size} "
                              f"is more than batch_size = {self.batch_size}: every trainer rank "

@@ -131,6 +131,7 @@ class Cluster:
 
     @property
     def trainer(self) -> Optional[WorkerHandle]:
+        """Trainer rank 0 (None before start)."""
         return self.trainer_ranks[0] if self.trainer_ranks else None
 
     def _start_worker(self, name: str, target, spec) -> WorkerHandle:
@@ -138,12 +139,13 @@ class Cluster:
 
     def __enter__(self) -> "Cluster":
         remove_orphaned_buffers()
-        try:
-            self.trainer_ranks = [self._start_worker(trainer_name(r), trainer_worker_main, s)
-                                  for r, s in enumerate(self.spec.trainer_specs())]
-            self.rollout_workers = [
-                self._start_worker(f"rollout-{i}", rollout_worker_main, self.spec.rollout)
-                for i in range(self.spec.num_rollout_workers)]
+        try:  # each handle is kept at once, so a failure part-way stops the started ones
+            for rank, spec in enumerate(self.spec.trainer_specs()):
+                self.trainer_ranks.append(
+                    self._start_worker(trainer_name(rank), trainer_worker_main, spec))
+            for i in range(self.spec.num_rollout_workers):
+                self.rollout_workers.append(
+                    self._start_worker(f"rollout-{i}", rollout_worker_main, self.spec.rollout))
             self._wait_ready([*self.trainer_ranks, *self.rollout_workers])
         except BaseException:
             self.close()

@@ -34,6 +34,7 @@ class _WorkerActor:
     """Body of every worker actor: connect to the controller, then serve like a process."""
 
     def run(self, name: str, target, spec, address, authkey: bytes) -> None:
+        """Connect to the controller at ``address``, say who this is, serve until shutdown."""
         conn = Client(tuple(address), authkey=authkey)
         conn.send_bytes(msgpack.packb({"name": name, "pid": os.getpid()}))
         _worker_entry(target, conn, name, spec, authkey)
@@ -118,6 +119,7 @@ class RayCluster(Cluster):
         self._bundles: dict[str, int] = {}
         self._pending: dict[str, tuple] = {}  # connected, not yet claimed: name -> (conn, pid)
         self._arrivals: queue.Queue = queue.Queue()
+        self._closing = False
 
     def __enter__(self) -> "RayCluster":
         import ray
@@ -197,9 +199,9 @@ class RayCluster(Cluster):
         while True:
             try:
                 conn = self.listener.accept()
-            except OSError:
-                return  # closed
-            except Exception:  # noqa: BLE001 - a peer without the key, a broken handshake
+            except Exception:  # noqa: BLE001 - a peer without the key, a reset handshake
+                if self._closing:
+                    return
                 continue
             try:
                 if not conn.poll(30.0):
@@ -218,6 +220,7 @@ class RayCluster(Cluster):
             super().close(grace_seconds)
         finally:
             if self.listener is not None:
+                self._closing = True
                 self.listener.close()
             if self.pg is not None:
                 from ray.util.placement_group import remove_placement_group

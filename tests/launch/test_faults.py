@@ -114,7 +114,7 @@ def test_rollout_worker_killed_loses_nothing(tiny_model_dir, tmp_path, reference
     run_dir = tmp_path / "grpo-arith" / "kill"
     out = _run_with_kill(_args(tiny_model_dir, tmp_path, "kill"), run_dir, "rollout-0",
                          after_steps=2)
-    assert "restarting it (restart 1 of at most 3)" in out
+    assert "restarting it (2 restarts left after this one)" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rollout_worker_restarts"] == 1
     assert summary["rollouts_trained"] == STEPS * 4
@@ -216,3 +216,27 @@ def test_ray_two_ranks_survive_rollout_and_trainer_deaths(tiny_model_dir, tmp_pa
     assert [s for s, _ in got] == [s for s, _ in plain]
     for (step, loss), (_, ref) in zip(got, plain):
         assert loss == pytest.approx(ref, rel=1e-6), step
+
+
+@pytest.mark.parametrize("override, key", [
+    ("scheduler.type=slurm", "scheduler.type"),
+    ("scheduler.train_world_size=32", "scheduler.train_world_size = 32"),
+    ("scheduler.cpus_per_trainer_rank=0", "scheduler.cpus_per_trainer_rank"),
+    ("scheduler.placement_strategy=RANDOM", "scheduler.placement_strategy"),
+    ("checkpoint.every_steps=-1", "checkpoint.every_steps"),
+    ("checkpoint.keep=0", "checkpoint.keep"),
+    ("recovery.max_rollout_restarts=-1", "recovery.max_rollout_restarts"),
+])
+def test_scale_out_config_errors_name_the_key(override, key):
+    from areal_fast.launch.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(str(REPO / "examples" / "arith.yaml"), [override])
+    assert key in str(info.value) and "\n" not in str(info.value)
+
+
+def test_ray_entry_must_be_known(capsys):
+    from areal_fast.launch.ray import main as ray_main
+
+    assert ray_main(["serve", "--config", "x.yaml"]) == 2
+    assert "the entry must be one of ('train',), got 'serve'" in capsys.readouterr().err
