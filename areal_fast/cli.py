@@ -28,7 +28,12 @@ def main(argv: list[str] | None = None) -> int:
 
     Set ``AREAL_FAST_DEBUG=1`` to get the full traceback of such an error instead.
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)  # options may come between key=value items
+    unknown = [item for item in extra if "=" not in item or item.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
     from areal_fast.launch.config import load_config
     from areal_fast.launch.local import run_experiment
 

@@ -242,6 +242,10 @@ class AsyncController:
                 self._waiter = MessageWaiter(self._all())
             return self._waiter.wait(timeout, doing)
         except WorkerError as exc:
+            if exc.died and self.restart_rollout is not None and self.restarts_left <= 0 and \
+                    any(w.name == exc.worker for w in self.workers):
+                raise WorkerError(f"{exc} (no restart left: recovery.max_rollout_restarts = "
+                                  f"{self.s.max_rollout_restarts})", exc.worker, True) from exc
             if not self._can_restart(exc):
                 raise
             self._replace_rollout_worker(exc)

@@ -28,6 +28,7 @@ from typing import Optional
 
 log = logging.getLogger("areal_fast.checkpoints")
 CONTROLLER_FILE = "controller.json"
+DAMAGED_FILE = "DAMAGED"  # written when the trainer could not load the checkpoint
 TRAIN_STATE_FILE = "train_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
@@ -126,6 +127,12 @@ class CheckpointManager:
             return Checkpoint(path, version, controller)
         return None
 
+    @staticmethod
+    def mark_damaged(path: Path, reason: str) -> None:
+        """Mark checkpoint ``path`` as unusable (the trainer failed to load it), so that
+        :meth:`latest` skips it from now on; nothing is deleted."""
+        (Path(path) / DAMAGED_FILE).write_text(reason + "\n")
+
     def remove_temporaries(self) -> None:
         """Delete temporary directories left by saves that never committed (a crash)."""
         for tmp in self.root.glob(".tmp-step-*"):
@@ -140,6 +147,9 @@ def check_checkpoint(path: Path) -> dict:
     ValueError
         One line naming the missing, unreadable or truncated file.
     """
+    if (path / DAMAGED_FILE).is_file():
+        reason = (path / DAMAGED_FILE).read_text().strip()
+        raise ValueError(f"the trainer could not load it before ({reason})")
     controller = _read_json(path / CONTROLLER_FILE)
     train = _read_json(path / TRAIN_STATE_FILE)
     if "version" not in controller or not isinstance(controller["version"], int):

@@ -205,6 +205,8 @@ class SchedulerConfig:
             raise ValueError(f"placement_strategy = {self.placement_strategy!r} is not one of "
                              f"PACK, SPREAD, STRICT_PACK, STRICT_SPREAD")
         _positive_finite("dist_timeout", self.dist_timeout)
+        if self.ray_num_cpus is not None:
+            _at_least("ray_num_cpus", self.ray_num_cpus, 1)
 
 
 @dataclass

@@ -93,6 +93,7 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(f"resume=true: {run_dir} is not an areal-fast run directory "
                               f"(no config.yaml)")
+        _check_same_model(cfg, run_dir / "config.yaml")
         return
     if not run_dir.exists():
         return
@@ -104,6 +105,24 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
                           f"run directory (no config.yaml)")
 
 
+def _check_same_model(cfg: ExperimentConfig, saved_path: Path) -> None:
+    """A resumed run must train the model its checkpoints hold.
+
+    Raises
+    ------
+    ConfigError
+        Naming the first ``model.*`` key that differs from the run's ``config.yaml``.
+    """
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(OmegaConf.load(saved_path)).get("model", {})
+    now = OmegaConf.to_container(OmegaConf.structured(cfg.model))
+    for key, value in now.items():
+        if saved.get(key, value) != value:
+            raise ConfigError(f"resume=true: model.{key} = {value!r} differs from the run's "
+                              f"{saved_path} ({saved[key]!r})")
+
+
 def prepare_run_dir(cfg: ExperimentConfig) -> Path:
     """Create the run directory (replacing an old run's when allowed) with ``config.yaml``;
     with ``resume`` keep it, only removing the marks of the ended attempt."""
@@ -112,7 +131,7 @@ def prepare_run_dir(cfg: ExperimentConfig) -> Path:
     if cfg.resume:
         for name in ("FAILED", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
-        (run_dir / "config.yaml").write_text(to_yaml(cfg))
+        (run_dir / "config.resumed.yaml").write_text(to_yaml(cfg))  # the original stays
         return run_dir
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -280,13 +299,20 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
         try:
             return _attempt(cfg, run_dir, data, resume, restarts, show_progress)
         except WorkerError as exc:
-            if not _trainer_fault(exc) or restarts >= cfg.recovery.max_trainer_restarts:
+            if not _trainer_fault(exc):
                 _mark_failed(run_dir, exc)
                 raise
+            if restarts >= cfg.recovery.max_trainer_restarts:
+                failure = WorkerError(f"{str(exc).splitlines()[0]} (no trainer restart left: "
+                                      f"recovery.max_trainer_restarts = "
+                                      f"{cfg.recovery.max_trainer_restarts})", exc.worker,
+                                      exc.died)
+                _mark_failed(run_dir, failure)
+                raise failure from exc
             restarts += 1
-            log.warning("%s; restarting the job from its last checkpoint (trainer restart %d "
-                        "of at most %d, recovery.max_trainer_restarts)", exc, restarts,
-                        cfg.recovery.max_trainer_restarts)
+            log.warning("%s; restarting the job from its last checkpoint, if any (trainer "
+                        "restart %d of at most %d, recovery.max_trainer_restarts)", exc,
+                        restarts, cfg.recovery.max_trainer_restarts)
             resume = True
         except BaseException as exc:
             _mark_failed(run_dir, exc)
@@ -315,10 +341,24 @@ def _attempt(cfg: ExperimentConfig, run_dir: Path, data, resume: bool, restarts:
             log.warning("no complete checkpoint in %s: the run starts again from step 0",
                         checkpoints.root)
     shutil.rmtree(run_dir / "shards", ignore_errors=True)  # pending groups are not resumed
+    if latest is not None and latest.version >= cfg.total_steps:
+        log.warning("the checkpoint is of version %d, total_steps = %d: nothing to train",
+                    latest.version, cfg.total_steps)
     spec = cluster_spec(cfg, resume_from=str(latest.path) if latest else "")
-    with make_cluster(cfg, spec) as cluster:
+    cluster = make_cluster(cfg, spec)
+    try:
+        cluster.__enter__()
+    except WorkerError as exc:
+        if latest is not None and _trainer_fault(exc):  # e.g. a file damaged in place
+            checkpoints.mark_damaged(latest.path, str(exc).splitlines()[0])
+        raise
+    try:
         summary = _run(cfg, run_dir, cluster, *data, show_progress, checkpoints, latest,
                        resume, restarts)
+    except BaseException as exc:
+        cluster.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    cluster.__exit__(None, None, None)
     warn_failed_exits(cluster)
     return summary
 

@@ -25,6 +25,9 @@ def main(argv: list[str] | None = None) -> int:
     from areal_fast.cli import main as cli_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
     if not argv or argv[0] not in ENTRIES:
         given = repr(argv[0]) if argv else "nothing"
         print(f"usage: python -m areal_fast.launch.ray {{{','.join(ENTRIES)}}} --config FILE "

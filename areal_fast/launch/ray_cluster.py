@@ -93,6 +93,23 @@ class RayHandle(WorkerHandle):
         self.conn.close()
 
 
+def _check_resources(bundles: list[dict], available: dict) -> None:
+    """Fail at once when the workers need more CPUs/GPUs than the whole Ray cluster has.
+
+    Raises
+    ------
+    WorkerError
+        Naming the resource, what the workers need and the ``scheduler.*`` keys.
+    """
+    for resource, keys in (("CPU", "cpus"), ("GPU", "gpus")):
+        need = sum(b.get(resource, 0) for b in bundles)
+        have = available.get(resource, 0)
+        if need > have:
+            raise WorkerError(f"the {len(bundles)} workers need {need:g} {resource}s "
+                              f"(scheduler.{keys}_per_trainer_rank, scheduler.{keys}_per_rollout_"
+                              f"worker), the Ray cluster has {have:g}")
+
+
 class RayCluster(Cluster):
     """Every worker as a Ray actor in one placement group (see the module docstring).
 
@@ -133,6 +150,7 @@ class RayCluster(Cluster):
             self._started_ray = True
         try:
             bundles = self._bundle_specs()
+            _check_resources(bundles, ray.cluster_resources())
             self.pg = placement_group(bundles, strategy=self.scheduler.placement_strategy)
             ready, _ = ray.wait([self.pg.ready()], timeout=self.spec.startup_timeout)
             if not ready:

@@ -240,3 +240,48 @@ def test_ray_entry_must_be_known(capsys):
 
     assert ray_main(["serve", "--config", "x.yaml"]) == 2
     assert "the entry must be one of ('train',), got 'serve'" in capsys.readouterr().err
+
+
+def test_checkpoint_damaged_in_place_is_marked_and_skipped(tiny_model_dir, tmp_path, reference):
+    """Same size, garbage content: the size check passes, the trainer fails to load it; the
+    checkpoint is marked DAMAGED and the job restarts from the previous one."""
+    import shutil
+
+    run_dir = tmp_path / "grpo-arith" / "ref"
+    shutil.copytree(reference[0], run_dir)
+    newest = run_dir / "checkpoints" / "step-00000006"
+    model = newest / "model.safetensors"
+    model.write_bytes(b"\xff" * model.stat().st_size)
+    assert main(_args(tiny_model_dir, tmp_path, "ref", "resume=true")) == 0
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_version"] == 4 and summary["trainer_restarts"] == 1
+    assert any("step-00000006" in s and "could not load it" in s and "model.safetensors" in s
+               for s in summary["skipped_checkpoints"])
+    assert not (newest / "DAMAGED").exists()  # replaced by the resumed run's own step 6
+    assert _losses(run_dir) == reference[1]
+
+
+def test_resume_refuses_another_model(tiny_model_dir, tiny_qwen_dir, tmp_path, reference,
+                                      capsys):
+    import shutil
+
+    run_dir = tmp_path / "grpo-arith" / "ref"
+    shutil.copytree(reference[0], run_dir)
+    before = (run_dir / "config.yaml").read_text()
+    args = _args(tiny_model_dir, tmp_path, "ref", "resume=true")
+    args[args.index(f"model.path={tiny_model_dir}")] = f"model.path={tiny_qwen_dir}"
+    assert main(args) == 2
+    assert "resume=true: model.path" in capsys.readouterr().err
+    assert (run_dir / "config.yaml").read_text() == before
+
+
+def test_ray_resources_checked_before_placing():
+    from areal_fast.controller.workers import WorkerError
+    from areal_fast.launch.ray_cluster import _check_resources
+
+    bundles = [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 0.5, "GPU": 1.0}]
+    _check_resources(bundles, {"CPU": 2.5, "GPU": 1.0})
+    with pytest.raises(WorkerError, match=r"need 2.5 CPUs .*has 2$"):
+        _check_resources(bundles, {"CPU": 2.0, "GPU": 1.0})
+    with pytest.raises(WorkerError, match=r"need 1 GPUs .*gpus_per_trainer_rank.*has 0"):
+        _check_resources(bundles, {"CPU": 8.0})
