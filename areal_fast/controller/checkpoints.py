@@ -26,10 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from areal_fast.train.checkpoint import STATE_FILE, read_train_state, write_json_durably
+
 log = logging.getLogger("areal_fast.checkpoints")
 CONTROLLER_FILE = "controller.json"
 DAMAGED_FILE = "DAMAGED"  # written when the trainer could not load the checkpoint
-TRAIN_STATE_FILE = "train_state.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -87,9 +88,10 @@ class CheckpointManager:
         ValueError
             ``tmp`` lacks the trainer's ``train_state.json`` (the trainer did not finish).
         """
-        if not (tmp / TRAIN_STATE_FILE).is_file():
-            raise ValueError(f"checkpoint {tmp}: the trainer wrote no {TRAIN_STATE_FILE}")
-        _write_json(tmp / CONTROLLER_FILE, {**controller_state, "version": version})
+        if not (tmp / STATE_FILE).is_file():
+            raise ValueError(f"checkpoint {tmp}: the trainer wrote no {STATE_FILE}")
+        write_json_durably(tmp / CONTROLLER_FILE, {**controller_state, "version": version},
+                           indent=1)
         final = self.root / f"step-{version:08d}"
         if final.exists():
             shutil.rmtree(final)
@@ -151,22 +153,12 @@ def check_checkpoint(path: Path) -> dict:
         reason = (path / DAMAGED_FILE).read_text().strip()
         raise ValueError(f"the trainer could not load it before ({reason})")
     controller = _read_json(path / CONTROLLER_FILE)
-    train = _read_json(path / TRAIN_STATE_FILE)
+    train = read_train_state(path)  # the trainer's own check: every listed file by size
     if "version" not in controller or not isinstance(controller["version"], int):
         raise ValueError(f"{path / CONTROLLER_FILE} has no integer 'version'")
-    if train.get("version") != controller["version"]:
-        raise ValueError(f"{path / TRAIN_STATE_FILE} is for version {train.get('version')}, "
+    if train["version"] != controller["version"]:
+        raise ValueError(f"{path / STATE_FILE} is for version {train['version']}, "
                          f"{CONTROLLER_FILE} for {controller['version']}")
-    files = train.get("files")
-    if not isinstance(files, dict):
-        raise ValueError(f"{path / TRAIN_STATE_FILE} lists no files")
-    for name, size in files.items():
-        file = path / name
-        if not file.is_file():
-            raise ValueError(f"{file} is missing")
-        if file.stat().st_size != size:
-            raise ValueError(f"{file} has {file.stat().st_size} bytes, {TRAIN_STATE_FILE} "
-                             f"says {size} (truncated or overwritten)")
     return controller
 
 
@@ -180,13 +172,6 @@ def _read_json(path: Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{path} does not hold a JSON object")
     return data
-
-
-def _write_json(path: Path, data: dict) -> None:
-    with open(path, "w") as fh:
-        fh.write(json.dumps(data, indent=1) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
 
 
 def _fsync_dir(path: Path) -> None:

@@ -62,11 +62,11 @@ def save_train_state(engine, directory: str) -> None:
         save_file({k: v.contiguous() for k, v in model_state.items() if k not in aliases},
                   os.path.join(directory, MODEL_FILE))
         torch.save(optim_state, os.path.join(directory, OPTIM_FILE))
-    _write_json(os.path.join(directory, f"rng_rank{rank}.json"), _rng_state())
+    write_json_durably(os.path.join(directory, f"rng_rank{rank}.json"), _rng_state())
     _barrier(engine, distributed)
     if rank == 0:
         names = [MODEL_FILE, OPTIM_FILE] + [f"rng_rank{r}.json" for r in range(world_size)]
-        _write_json(os.path.join(directory, STATE_FILE), {
+        write_json_durably(os.path.join(directory, STATE_FILE), {
             "format": FORMAT, "version": engine.version, "world_size": world_size,
             "scheduler": engine.scheduler.state_dict(),
             "files": {n: os.path.getsize(os.path.join(directory, n)) for n in names}})
@@ -94,7 +94,7 @@ def load_train_state(engine, directory: str) -> None:
         optimizer entry missing, unexpected or of another shape than the model's.
     """
     rank, _, distributed = _rank_info(engine)
-    meta = _read_meta(directory)
+    meta = read_train_state(directory)
     _check_model_file(os.path.join(directory, MODEL_FILE), engine.model)
     rng = _read_json(os.path.join(directory, f"rng_rank{rank}.json")) \
         if rank < meta["world_size"] else None
@@ -116,8 +116,16 @@ def load_train_state(engine, directory: str) -> None:
 
 
 # ---------------------------------------------------------------------------- validation
-def _read_meta(directory: str) -> dict:
-    """``train_state.json``, checked, after checking every file it lists by size."""
+def read_train_state(directory) -> dict:
+    """``train_state.json`` of ``directory``, checked, after checking every file it lists
+    by size (cheap: no weights are read).
+
+    Raises
+    ------
+    ValueError
+        One line naming the missing, unreadable or truncated file.
+    """
+    directory = str(directory)
     path = os.path.join(directory, STATE_FILE)
     if not os.path.isfile(path):
         raise ValueError(f"{path} is missing: not a train-state directory, or a partial one")
@@ -248,9 +256,10 @@ def _plain(value):
     return value.item() if hasattr(value, "item") else value
 
 
-def _write_json(path: str, obj) -> None:
+def write_json_durably(path, obj, indent: int | None = None) -> None:
+    """Write ``obj`` as JSON to ``path`` and fsync it before returning."""
     with open(path, "w") as f:
-        json.dump(obj, f)
+        json.dump(obj, f, indent=indent)
         f.flush()
         os.fsync(f.fileno())
 
