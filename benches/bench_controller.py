@@ -70,7 +70,7 @@ from areal_fast.controller import messages as msg  # noqa: E402
 from areal_fast.controller.async_loop import AsyncController, ControllerSettings  # noqa: E402
 from areal_fast.controller.batch import ShardMetadata, TensorMetadata  # noqa: E402
 from areal_fast.controller.codec import MessageChannel, encode_message  # noqa: E402
-from areal_fast.controller.workers import WorkerHandle  # noqa: E402
+from areal_fast.controller.workers import ProcessHandle  # noqa: E402
 from areal_fast.rollout.engine import SamplingParams  # noqa: E402
 from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry  # noqa: E402
 
@@ -266,28 +266,18 @@ def _helper_main(own: list[tuple[str, object, str]], close: list, delay_s: float
                 step_done(w, *payload)
 
 
-class StandInHandle(WorkerHandle):
+class StandInHandle(ProcessHandle):
     """The controller's end of one stand-in: its own channel and its own sentinel (a dup of
-    the helper's), so waiting costs what it costs with one process per worker."""
+    the shared helper process's), so waiting costs what it costs with one process per
+    worker; pid, exit status and reaping are the helper's."""
 
     def __init__(self, name: str, conn: MessageChannel, helper: mp.Process):
-        self.name, self.conn, self.helper = name, conn, helper
+        super().__init__(name, helper, conn)
         self._sentinel = os.dup(helper.sentinel)
 
     @property
     def sentinel(self):
         return self._sentinel
-
-    @property
-    def pid(self):
-        return self.helper.pid
-
-    def exit_status(self) -> str:
-        code = self.helper.exitcode
-        return "still running" if code is None else f"exit code {code}"
-
-    def reap(self, timeout: float) -> None:
-        self.helper.join(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         if not self.conn.closed:
