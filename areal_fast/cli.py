@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
     from areal_fast.launch.config import load_config
-    from areal_fast.launch.local import run_experiment
+    from areal_fast.launch.experiment import run_experiment
 
     if args.no_progress:
         import transformers

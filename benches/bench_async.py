@@ -42,7 +42,7 @@ from areal_fast.controller.async_loop import AsyncController, ControllerSettings
 from areal_fast.controller.messages import GroupRequest  # noqa: E402
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec  # noqa: E402
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec  # noqa: E402
-from areal_fast.launch.processes import ClusterSpec, LocalCluster  # noqa: E402
+from areal_fast.launch.cluster import ClusterSpec, LocalCluster  # noqa: E402
 from areal_fast.rollout.engine import SamplingParams, sample_seed  # noqa: E402
 from areal_fast.rollout.simulated import (  # noqa: E402
     SimulatedEngineConfig,

@@ -68,7 +68,7 @@ from _harness import REPO_ROOT, base_metadata, eprint, fmt, markdown_table, writ
 
 from areal_fast.controller import messages as msg  # noqa: E402
 from areal_fast.controller.async_loop import AsyncController, ControllerSettings  # noqa: E402
-from areal_fast.controller.batch import ShardMetadata, TensorMetadata  # noqa: E402
+from areal_fast.controller.shards import ShardMetadata, TensorMetadata  # noqa: E402
 from areal_fast.controller.codec import MessageChannel, encode_message  # noqa: E402
 from areal_fast.controller.workers import ProcessHandle  # noqa: E402
 from areal_fast.rollout.engine import SamplingParams  # noqa: E402

@@ -19,7 +19,7 @@ log="$out/gpu_check.log"
   AREAL_FAST_CUDA=1 python3 -m pip install -q --no-deps --no-build-isolation . \
     || AREAL_FAST_CUDA=1 python3 -m pip install -q --no-deps . || status=1
   python3 -c "import areal_fast._C as c; print(c.build_info())" || status=1
-  python3 -m pytest -q tests/test_segment_sum.py -x -p no:cacheprovider || status=1
+  python3 -m pytest -q tests/ops/test_segment.py -x -p no:cacheprovider || status=1
   python3 benches/bench_packing.py --repeats 3 | tee "$out/bench_packing.md" || status=1
 
   # Op and loss tests on the GPU (Triton / CUDA paths); -rs lists what was skipped and why.

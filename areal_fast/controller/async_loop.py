@@ -5,7 +5,7 @@ the same code path.
 The controller holds no tensors. It starts rollouts on the rollout workers as the
 :class:`~areal_fast.controller.staleness.StalenessManager` allows, collects finished groups
 as shard metadata, hands every batch_size accepted groups (in acceptance order) to the trainer
-as a :class:`~areal_fast.controller.batch.DistributedBatch`, and after each step tells every
+as a :class:`~areal_fast.controller.shards.DistributedBatch`, and after each step tells every
 rollout worker to load the new weights (they interrupt and resume their running samples).
 
 Faults: a rollout worker that dies is restarted (``restart_rollout``, at most
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from areal_fast.controller import messages as msg
-from areal_fast.controller.batch import DistributedBatch
+from areal_fast.controller.shards import DistributedBatch
 from areal_fast.controller.codec import Encoded, encode_message
 from areal_fast.controller.staleness import StalenessManager
 from areal_fast.controller.workers import MessageWaiter, WorkerError, WorkerHandle

@@ -21,7 +21,7 @@ from typing import Any
 import msgpack
 
 from areal_fast.controller import messages as msg
-from areal_fast.controller.batch import DistributedBatch, ShardMetadata, TensorMetadata
+from areal_fast.controller.shards import DistributedBatch, ShardMetadata, TensorMetadata
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from areal_fast.controller.batch import DistributedBatch, ShardMetadata
+from areal_fast.controller.shards import DistributedBatch, ShardMetadata
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.sync.shared_memory import WeightBufferSpec
 

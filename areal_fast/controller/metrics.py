@@ -1,4 +1,4 @@
-"""Per-step metrics: computed from a step's trajectories, appended to JSONL, plotted to PNG."""
+"""Per-step metrics: appended to JSONL, plotted to PNG."""
 
 from __future__ import annotations
 
@@ -6,32 +6,6 @@ import json
 import statistics
 from pathlib import Path
 
-from areal_fast.rl.batch import Trajectory
-
-
-def rollout_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Reward, accuracy and length statistics of one step's trajectories.
-
-    ``accuracy`` is the fraction of sampled completions judged correct (reward 1);
-    ``solve_rate`` the fraction of groups with at least one correct completion (pass@n);
-    ``zero_adv_group_fraction`` the fraction of groups whose rewards are all equal (they
-    contribute no GRPO gradient).
-    """
-    rewards = [t.reward for t in trajectories]
-    groups: dict[int, list[float]] = {}
-    for t in trajectories:
-        groups.setdefault(t.group_id, []).append(t.reward)
-    lengths = [len(t.completion_ids) for t in trajectories]
-    return {
-        "reward_mean": statistics.fmean(rewards),
-        "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
-        "solve_rate": sum(max(g) == 1.0 for g in groups.values()) / len(groups),
-        "zero_adv_group_fraction": sum(len(set(g)) == 1 for g in groups.values()) / len(groups),
-        "response_length_mean": statistics.fmean(lengths),
-        "response_length_max": float(max(lengths)),
-        "truncated_fraction": sum(t.stop_reason == "length" for t in trajectories)
-        / len(trajectories),
-    }
 
 
 class MetricsLog:

@@ -1,7 +1,7 @@
 """Rollout worker process: runs GRPO groups on a request-level engine, keeps the results.
 
 The worker owns an :class:`~areal_fast.rollout.engine.AsyncInferenceEngine`, a
-:class:`~areal_fast.controller.batch.ShardStore` (finished groups stay here until a trainer
+:class:`~areal_fast.controller.shards.ShardStore` (finished groups stay here until a trainer
 fetches them) and the group bookkeeping. On a weight update it pauses the engine (running
 samples come back aborted with their partial tokens), installs the new weights, resumes,
 and resubmits every aborted sample as prompt + partial with the remaining budget: log-probs
@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import torch
 
 from areal_fast.controller import messages as msg
-from areal_fast.controller.batch import ShardMetadata, ShardStore, shard_tensors, tensor_metadata
+from areal_fast.controller.shards import ShardMetadata, ShardStore, shard_tensors, tensor_metadata
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
 from areal_fast.sync.shared_memory import SharedWeightBuffer

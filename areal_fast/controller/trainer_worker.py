@@ -17,7 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from areal_fast.controller import messages as msg
-from areal_fast.controller.batch import fetch_packed_batch
+from areal_fast.controller.shards import fetch_packed_batch
 from areal_fast.rl.decoupled import staleness_stats
 from areal_fast.sync.shared_memory import SharedWeightBuffer
 

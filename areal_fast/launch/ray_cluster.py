@@ -27,7 +27,7 @@ import msgpack
 
 from areal_fast.controller.codec import MessageChannel
 from areal_fast.controller.workers import WorkerError, WorkerHandle, _worker_entry
-from areal_fast.launch.processes import Cluster, ClusterSpec, trainer_name
+from areal_fast.launch.cluster import Cluster, ClusterSpec, trainer_name
 
 
 class _WorkerActor:

@@ -7,8 +7,12 @@ from dataclasses import dataclass, field
 import torch
 
 from areal_fast.ops.packing import cu_seqlens_from_lengths, position_ids_from_cu_seqlens
+from areal_fast.rl.advantages import group_advantages
 
 IGNORE_INDEX = -100
+# the tensors of one GRPO group's shard: per token, and per sequence
+TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "behav_logprobs", "versions")
+SEQ_FIELDS = ("seq_lens", "rewards", "group_ids")
 
 
 @dataclass
@@ -201,3 +205,25 @@ def select_sequences(batch: PackedBatch, indices: list[int]) -> PackedBatch:
                        cu_seqlens=cu_seqlens, max_seqlen=max(lengths, default=0),
                        rewards=batch.rewards[seq_index], group_ids=batch.group_ids[seq_index],
                        **per_token)
+
+
+def assemble_packed_batch(shards: list[dict[str, torch.Tensor]], adv_mode: str) -> PackedBatch:
+    """Concatenate fetched shards into one :class:`PackedBatch` with group advantages.
+
+    Parameters
+    ----------
+    shards : list of dict[str, Tensor]
+        Fields of :func:`~areal_fast.controller.shards.shard_tensors` (:data:`TOKEN_FIELDS`, :data:`SEQ_FIELDS`), one dict per GRPO group.
+    adv_mode : str
+        Advantage estimator of :func:`~areal_fast.rl.advantages.group_advantages`.
+    """
+    cat = {k: torch.cat([s[k] for s in shards]) for k in TOKEN_FIELDS + SEQ_FIELDS}
+    seq_adv = group_advantages(cat["rewards"], group_ids=cat["group_ids"], mode=adv_mode)
+    cu_seqlens = cu_seqlens_from_lengths(cat["seq_lens"])
+    token_adv = torch.repeat_interleave(seq_adv, cat["seq_lens"]) * cat["loss_mask"]
+    return PackedBatch(
+        input_ids=cat["input_ids"], position_ids=position_ids_from_cu_seqlens(cu_seqlens),
+        cu_seqlens=cu_seqlens, max_seqlen=int(cat["seq_lens"].max()), labels=cat["labels"],
+        loss_mask=cat["loss_mask"], behav_logprobs=cat["behav_logprobs"],
+        versions=cat["versions"], advantages=token_adv.float(), rewards=cat["rewards"],
+        group_ids=cat["group_ids"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from areal_fast.controller import messages as msg
-from areal_fast.controller.batch import (DistributedBatch, ShardMetadata, ShardStore,
+from areal_fast.controller.shards import (DistributedBatch, ShardMetadata, ShardStore,
                                          TensorMetadata, fetch_shards, shard_tensors,
                                          tensor_metadata)
 from areal_fast.controller.codec import MESSAGE_TYPES, CodecError, decode_message, encode_message

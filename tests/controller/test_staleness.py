@@ -119,7 +119,7 @@ def test_in_order_completion_bounds_staleness_by_eta(setup, data):
 def test_manager_alone_does_not_bound_a_slow_rollout():
     """B = 1, η = 1: g1 runs while g0, g2, g3 are submitted, accepted and trained. The
     capacity rule alone lets g1 be consumed 3 versions after it started; this is why the
-    controller drops such groups as "stale" (tested in test_async_controller.py)."""
+    controller drops such groups as "stale" (tested in test_async_loop.py)."""
     run = _Run(batch_size=1, eta=1, max_concurrent=8)
     run.submit(2)  # g0, g1 at version 0
     run.finish(0, True)  # g0

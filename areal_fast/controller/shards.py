@@ -22,17 +22,17 @@ from pathlib import Path
 import msgpack
 import torch
 
-from areal_fast.ops.packing import (
-    cu_seqlens_from_lengths,
-    partition_balanced,
-    position_ids_from_cu_seqlens,
+from areal_fast.ops.packing import partition_balanced
+from areal_fast.rl.batch import (
+    SEQ_FIELDS,
+    TOKEN_FIELDS,
+    PackedBatch,
+    Trajectory,
+    assemble_packed_batch,
+    pack_trajectories,
 )
-from areal_fast.rl.advantages import group_advantages
-from areal_fast.rl.batch import PackedBatch, Trajectory, pack_trajectories
 
-log = logging.getLogger("areal_fast.batch")
-TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "behav_logprobs", "versions")
-SEQ_FIELDS = ("seq_lens", "rewards", "group_ids")
+log = logging.getLogger("areal_fast.shards")
 
 
 @dataclass(frozen=True)
@@ -416,29 +416,7 @@ def _fetch_from_worker(addr: str, shards: list[ShardMetadata], authkey: bytes,
                            f"{exc}") from exc
 
 
-def assemble_packed_batch(shards: list[dict[str, torch.Tensor]], adv_mode: str) -> PackedBatch:
-    """Concatenate fetched shards into one :class:`PackedBatch` with group advantages.
-
-    Parameters
-    ----------
-    shards : list of dict[str, Tensor]
-        Fields of :func:`shard_tensors`, one dict per GRPO group.
-    adv_mode : str
-        Advantage estimator of :func:`~areal_fast.rl.advantages.group_advantages`.
-    """
-    cat = {k: torch.cat([s[k] for s in shards]) for k in TOKEN_FIELDS + SEQ_FIELDS}
-    seq_adv = group_advantages(cat["rewards"], group_ids=cat["group_ids"], mode=adv_mode)
-    cu_seqlens = cu_seqlens_from_lengths(cat["seq_lens"])
-    token_adv = torch.repeat_interleave(seq_adv, cat["seq_lens"]) * cat["loss_mask"]
-    return PackedBatch(
-        input_ids=cat["input_ids"], position_ids=position_ids_from_cu_seqlens(cu_seqlens),
-        cu_seqlens=cu_seqlens, max_seqlen=int(cat["seq_lens"].max()), labels=cat["labels"],
-        loss_mask=cat["loss_mask"], behav_logprobs=cat["behav_logprobs"],
-        versions=cat["versions"], advantages=token_adv.float(), rewards=cat["rewards"],
-        group_ids=cat["group_ids"])
-
-
 def fetch_packed_batch(batch: DistributedBatch, authkey: bytes, adv_mode: str,
                        timeout: float) -> PackedBatch:
-    """:func:`fetch_shards` then :func:`assemble_packed_batch`."""
+    """:func:`fetch_shards` then :func:`~areal_fast.rl.batch.assemble_packed_batch`."""
     return assemble_packed_batch(fetch_shards(batch, authkey, timeout), adv_mode)

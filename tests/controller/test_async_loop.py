@@ -25,7 +25,7 @@ from areal_fast.controller.messages import GroupRequest
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.controller.workers import WorkerError
-from areal_fast.launch.processes import ClusterSpec, LocalCluster
+from areal_fast.launch.cluster import ClusterSpec, LocalCluster
 from areal_fast.rollout.engine import SamplingParams, sample_seed
 from areal_fast.rollout.simulated import (
     SimulatedEngine,
@@ -236,9 +236,9 @@ def fresh_seed() -> int:
 # ---- tests -----------------------------------------------------------------------------
 
 def test_children_import_this_module_by_name():
-    """Spawned workers unpickle the factories as ``test_async_controller.X``."""
-    assert RecordingTrainerFactory.__module__ == "test_async_controller"
-    assert sys.modules["test_async_controller"].RecordingTrainerFactory is RecordingTrainerFactory
+    """Spawned workers unpickle the factories as ``test_async_loop.X``."""
+    assert RecordingTrainerFactory.__module__ == "test_async_loop"
+    assert sys.modules["test_async_loop"].RecordingTrainerFactory is RecordingTrainerFactory
     assert str(Path(__file__).parent) in sys.path
 
 

@@ -18,10 +18,10 @@ import torch
 from tqdm import tqdm
 
 from areal_fast.controller.async_loop import AsyncController, ControllerSettings
-from areal_fast.controller.checkpoints import Checkpoint, CheckpointManager
+from areal_fast.controller.checkpoint_manager import Checkpoint, CheckpointManager
 from areal_fast.controller.messages import Saved, SaveCheckpoint
 from areal_fast.controller.metrics import MetricsLog, plot_progress
-from areal_fast.controller.rollout import ChatPrompts, MathRequests, ProblemStream, eval_requests
+from areal_fast.controller.requests import ChatPrompts, MathRequests, ProblemStream, eval_requests
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.controller.workers import WorkerError, wait_messages
@@ -29,7 +29,7 @@ from areal_fast.data.rewards import math_reward
 from areal_fast.data.tasks import drop_eval_overlap, load_problems
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
 from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
-from areal_fast.launch.processes import Cluster, ClusterSpec, LocalCluster
+from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster
 from areal_fast.models.loading import load_model_config, load_tokenizer
 from areal_fast.rollout.engine import SamplingParams
 

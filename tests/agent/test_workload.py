@@ -74,7 +74,7 @@ def test_http_mode_with_the_openai_client(tiny_model_dir, tmp_path):
 
 def test_a_store_directory_that_cannot_exist_fails_before_any_work(tiny_model_dir, tmp_path,
                                                                     capsys):
-    """(A store that fails while running stops the worker: see test_runner_faults.py.)"""
+    """(A store that fails while running stops the worker: see test_runner.py.)"""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
     code = main(_args(tiny_model_dir, tmp_path, MULTITURN,

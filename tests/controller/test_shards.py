@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_fast.controller.batch import (
+from areal_fast.controller.shards import (
     SEQ_FIELDS,
     TOKEN_FIELDS,
     DistributedBatch,

@@ -1,5 +1,6 @@
 """η = 0 through the asynchronous controller (worker processes, shard fetches, shared-memory
-weights) equals the synchronous in-process ``train_loop`` on the tiny model."""
+weights) equals a plain synchronous in-process GRPO loop (written out below) on the tiny
+model."""
 
 from __future__ import annotations
 
@@ -11,17 +12,17 @@ import torch
 from safetensors.torch import load_file
 
 from areal_fast.controller.async_loop import AsyncController, ControllerSettings
-from areal_fast.controller.loop import LoopSettings, train_loop
-from areal_fast.controller.metrics import MetricsLog
-from areal_fast.controller.rollout import ChatPrompts, MathRequests, MathRollout, ProblemStream
+from areal_fast.controller.requests import ChatPrompts, MathRequests, ProblemStream, group_seed
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.data.rewards import DEFAULT_INSTRUCTION
 from areal_fast.data.tasks import load_problems
 from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
-from areal_fast.launch.local import save_checkpoint
-from areal_fast.launch.processes import ClusterSpec, LocalCluster
+from areal_fast.launch.experiment import save_checkpoint
+from areal_fast.launch.cluster import ClusterSpec, LocalCluster
 from areal_fast.models.loading import load_causal_lm, load_tokenizer
+from areal_fast.rl.advantages import group_advantages
+from areal_fast.rl.batch import pack_trajectories
 from areal_fast.rl.config import LossConfig
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.rollout.hf_engine import HFEngine
@@ -45,23 +46,43 @@ def _components():
     return loss, optim, params, dict(temperature=params.temperature, max_tokens_per_mb=512)
 
 
-def _sync_run(model_dir: Path, problems, tmp_path: Path):
+def _reference_loop(engine, trainer, tokenizer, problems, params) -> list[dict]:
+    """Synchronous GRPO, one step at a time: sample B groups with the seeds the controller
+    uses, score, group advantages, pack, one optimizer step, copy the weights to the engine."""
+    stream, prompts, records = ProblemStream(problems, SEED), ChatPrompts(
+        tokenizer, DEFAULT_INSTRUCTION), []
+    for step in range(STEPS):
+        batch = stream.next_batch(BATCH)
+        seeds = [group_seed(SEED, step * BATCH + i) for i in range(BATCH)]
+        trajs = engine.generate([prompts(p) for p in batch], params, seeds=seeds)
+        for traj in trajs:
+            text = tokenizer.decode(traj.completion_ids, skip_special_tokens=True)
+            traj.reward = char_parity_reward(text, batch[traj.group_id].answer)
+            traj.group_id += step * BATCH
+        rewards = torch.tensor([t.reward for t in trajs])
+        advantages = group_advantages(rewards, group_ids=torch.tensor([t.group_id for t in trajs]),
+                                      mode="grpo")
+        stats = trainer.train_step(pack_trajectories(trajs, advantages))
+        engine.update_weights(list(trainer.named_weights()), step + 1)
+        records.append({"step": step + 1, **stats, "reward_mean": float(rewards.double().mean()),
+                        "response_length_mean": sum(len(t.completion_ids) for t in trajs)
+                        / len(trajs)})
+    return records
+
+
+def _sync_run(model_dir: Path, problems):
     loss, optim, params, train_kw = _components()
     tokenizer = load_tokenizer(str(model_dir))
     policy = load_causal_lm(str(model_dir), "float32", "sdpa", "cpu")
     engine = HFEngine(copy.deepcopy(policy), tokenizer, max_batch_size=64)
     trainer = TorchTrainEngine(policy, loss, optim, use_decoupled_loss=False, **train_kw)
-    rollout = MathRollout(engine, tokenizer, DEFAULT_INSTRUCTION, run_seed=SEED,
-                          reward_fn=char_parity_reward)
-    log = MetricsLog(tmp_path / "sync.jsonl")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the worker processes
     try:
-        train_loop(rollout, trainer, ProblemStream(problems, SEED),
-                   LoopSettings(STEPS, BATCH, params), log, show_progress=False)
+        records = _reference_loop(engine, trainer, tokenizer, problems, params)
     finally:
         torch.set_num_threads(threads)
-    return log.records, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    return records, {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
 
 
 def _async_run(model_dir: Path, problems, tmp_path: Path):
@@ -91,7 +112,7 @@ def _async_run(model_dir: Path, problems, tmp_path: Path):
 def test_eta_zero_async_equals_sync_loop(tiny_model_dir, tmp_path):
     problems = load_problems("basic_arithmetic", split="train", size=20, seed=0,
                              task_kwargs=TASK_KWARGS)
-    sync_records, sync_weights = _sync_run(tiny_model_dir, problems, tmp_path)
+    sync_records, sync_weights = _sync_run(tiny_model_dir, problems)
     async_records, counts, async_weights = _async_run(tiny_model_dir, problems, tmp_path)
 
     # not vacuous: rewards vary inside groups, so the policy gets a gradient

@@ -1,4 +1,5 @@
-"""Math rollout: prompts through the engine, completions scored into trajectories."""
+"""What the controller asks rollout workers for: a seeded stream of training problems, their
+chat prompts, and one :class:`~areal_fast.controller.messages.GroupRequest` per prompt group."""
 
 from __future__ import annotations
 
@@ -45,19 +46,6 @@ class ProblemStream:
         return out
 
 
-@dataclass
-class RolloutResult:
-    """Scored trajectories of one batch plus how long generation took."""
-
-    trajectories: list[Trajectory]
-    seconds: float
-
-    @property
-    def num_generated_tokens(self) -> int:
-        """Completion tokens over all trajectories."""
-        return sum(len(t.completion_ids) for t in self.trajectories)
-
-
 class ChatPrompts:
     """Chat-templated prompt token ids of math problems (cached per question).
 
@@ -92,7 +80,7 @@ class MathRequests:
     ``requests(group_id)`` takes the next problem of ``stream`` and returns its
     :class:`~areal_fast.controller.messages.GroupRequest` with the group's seed
     (:func:`group_seed`); called with group ids 0, 1, 2, ... it draws the same problems and
-    seeds as :meth:`MathRollout.run` does step after step.
+    seeds on every run with the same ``run_seed``.
     """
 
     def __init__(self, stream: ProblemStream, prompts: ChatPrompts, params: SamplingParams,
@@ -113,63 +101,3 @@ def eval_requests(problems: list[MathProblem], prompts: ChatPrompts,
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
     return [GroupRequest(-1 - i, prompts(p), params, 0, p.answer, p.uid)
             for i, p in enumerate(problems)]
-
-
-class MathRollout:
-    """Turn problems into scored trajectories with an inference engine, in this process
-    (the synchronous reference loop :func:`~areal_fast.controller.loop.train_loop`).
-
-    Parameters
-    ----------
-    engine : InferenceEngine
-    tokenizer : transformers tokenizer (chat template, decoding)
-    instruction : str
-        Appended to every question (the answer-format instruction).
-    run_seed : int, optional
-        With a seed, group g is sampled with :func:`group_seed` (run_seed, g), exactly as the
-        asynchronous controller does; without one, with torch's global RNG.
-    reward_fn : callable (completion_text, answer) -> float
-    """
-
-    def __init__(self, engine: InferenceEngine, tokenizer, instruction: str,
-                 run_seed: Optional[int] = None, reward_fn: Callable = math_reward):
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.prompt_ids = ChatPrompts(tokenizer, instruction)
-        self.run_seed = run_seed
-        self.reward_fn = reward_fn
-        self._next_group = 0
-
-    def run(self, problems: list[MathProblem], params: SamplingParams) -> RolloutResult:
-        """Generate ``params.n`` completions per problem and score each.
-
-        Every trajectory gets a globally unique ``group_id`` per problem, its reward, and
-        ``info`` with the problem uid, gold answer and decoded completion text.
-        """
-        start = time.perf_counter()
-        seeds = None if self.run_seed is None else [
-            group_seed(self.run_seed, self._next_group + i) for i in range(len(problems))]
-        trajectories = self.engine.generate([self.prompt_ids(p) for p in problems], params,
-                                            seeds=seeds)
-        seconds = time.perf_counter() - start
-        for traj in trajectories:
-            problem = problems[traj.group_id]
-            text = self.tokenizer.decode(traj.completion_ids, skip_special_tokens=True)
-            traj.reward = float(self.reward_fn(text, problem.answer))
-            traj.info = {"uid": problem.uid, "answer": problem.answer, "completion": text}
-            traj.group_id += self._next_group
-        self._next_group += len(problems)
-        return RolloutResult(trajectories, seconds)
-
-    def evaluate(self, problems: list[MathProblem], max_new_tokens: int,
-                 batch_size: int) -> tuple[float, list[dict]]:
-        """Greedy accuracy on ``problems``; also returns one record per problem."""
-        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
-        records, next_group = [], self._next_group
-        for start in range(0, len(problems), batch_size):
-            chunk = problems[start:start + batch_size]
-            for traj in self.run(chunk, params).trajectories:
-                records.append({**traj.info, "correct": traj.reward == 1.0})
-        self._next_group = next_group  # evaluation does not use up training group ids
-        accuracy = sum(r["correct"] for r in records) / max(len(records), 1)
-        return accuracy, records

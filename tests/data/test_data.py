@@ -23,7 +23,7 @@ from areal_fast.data import (
     normalize_number,
 )
 
-GSM8K_DIR = Path(__file__).resolve().parents[2] / "shared/data/gsm8k"
+GSM8K_DIR = Path(__file__).resolve().parents[3] / "shared/data/gsm8k"
 needs_gsm8k = pytest.mark.skipif(
     not (GSM8K_DIR / "test.jsonl").is_file(), reason=f"GSM8K files not present at {GSM8K_DIR}"
 )

@@ -26,7 +26,7 @@ from areal_fast.agent.store import TrajectoryConfig, TrajectoryStoreError, read_
 from areal_fast.agent.workload import AgentWorkload, AgentWorkloadSpec
 from areal_fast.controller import messages as msg
 from areal_fast.controller.async_loop import AsyncController, ControllerSettings
-from areal_fast.controller.batch import ShardMetadata
+from areal_fast.controller.shards import ShardMetadata
 from areal_fast.controller.rollout_worker import RolloutWorker, RolloutWorkerSpec
 from areal_fast.rollout.engine import GenOutput, SamplingParams
 
