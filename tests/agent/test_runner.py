@@ -200,17 +200,17 @@ class SyncAgent:
 
 
 def test_load_agent_checks_a_class_without_constructing_it():
-    assert load_agent("test_runner_faults:ExplodingAgent", construct=False) is ExplodingAgent
-    assert load_agent("test_runner_faults:StaticAgent", construct=False) is StaticAgent
-    assert load_agent("test_runner_faults:good_agent", construct=False) is good_agent
+    assert load_agent("test_runner:ExplodingAgent", construct=False) is ExplodingAgent
+    assert load_agent("test_runner:StaticAgent", construct=False) is StaticAgent
+    assert load_agent("test_runner:good_agent", construct=False) is good_agent
     with pytest.raises(ValueError, match="cannot construct ExplodingAgent"):
-        load_agent("test_runner_faults:ExplodingAgent")
+        load_agent("test_runner:ExplodingAgent")
     with pytest.raises(ValueError, match=r"must take \(self, data\) or \(self, data, client\)"):
-        load_agent("test_runner_faults:NoDataAgent", construct=False)
+        load_agent("test_runner:NoDataAgent", construct=False)
     with pytest.raises(ValueError, match="not an async function"):
-        load_agent("test_runner_faults:SyncAgent", construct=False)
+        load_agent("test_runner:SyncAgent", construct=False)
     with pytest.raises(ValueError, match="has no 'Missing'"):
-        load_agent("test_runner_faults:Missing", construct=False)
+        load_agent("test_runner:Missing", construct=False)
 
 
 # ----------------------------------------------------------------- workload: finishing
@@ -236,7 +236,7 @@ def _group() -> GroupSessions:
 
 
 def _workload(tiny_model_dir, tmp_path, **agent) -> AgentWorkload:
-    spec = AgentWorkloadSpec(AgentConfig(path="test_runner_faults:good_agent", **agent),
+    spec = AgentWorkloadSpec(AgentConfig(path="test_runner:good_agent", **agent),
                              str(tiny_model_dir),
                              TrajectoryConfig(enabled=True, directory=str(tmp_path),
                                               compression="none", write_threads=1))

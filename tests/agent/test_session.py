@@ -461,7 +461,7 @@ def test_bad_agents_are_dropped_with_a_reason(tokenizer, bad, reason, caplog):
 
 def test_class_agent_from_path(tmp_path, tokenizer):
     file = tmp_path / "my_agent.py"
-    file.write_text("from test_sessions import ClassAgent\n")
+    file.write_text("from test_session import ClassAgent\n")
     agent = load_agent(f"{file}:ClassAgent", {"bonus": 2.0})
     groups = _run_groups(tokenizer, agent, n=3, groups=2)
     assert sorted(g.group_id for g in groups) == [0, 1]
@@ -472,14 +472,14 @@ def test_class_agent_from_path(tmp_path, tokenizer):
 
 def test_kwargs_for_a_function_agent_are_refused():
     with pytest.raises(ValueError, match=r"agent.kwargs = \{'x': 1\} is set but"):
-        load_agent("test_sessions:good_agent", {"x": 1})
+        load_agent("test_session:good_agent", {"x": 1})
 
 
 @pytest.mark.parametrize("path,match", [("nomodule_xyz:agent", "cannot import"),
-                                        ("test_sessions:missing", "has no 'missing'"),
-                                        ("test_sessions:Pump", "cannot construct Pump"),
-                                        ("test_sessions:_scripted", "not an async function"),
-                                        ("test_sessions", "module:name")])
+                                        ("test_session:missing", "has no 'missing'"),
+                                        ("test_session:Pump", "cannot construct Pump"),
+                                        ("test_session:_scripted", "not an async function"),
+                                        ("test_session", "module:name")])
 def test_load_agent_errors_name_the_path(path, match):
     with pytest.raises(ValueError, match=match):
         load_agent(path) if ":" in path else AgentConfig(path=path)

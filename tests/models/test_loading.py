@@ -76,7 +76,7 @@ def test_packed_equals_unpadded_demo_model(attn, fresh_seed):
     fp32 computation further than that (seen on 1 batch in 25: 5e-4 at a 3-token
     sequence), no further from exact than twice the unpadded fp32 error.
     """
-    from test_packed_forward import _unpadded_reference, load_with_attention
+    from test_packed_attention import _unpadded_reference, load_with_attention
 
     from areal_fast.train.torch_engine import packed_forward_logprobs
 
