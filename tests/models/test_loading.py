@@ -67,11 +67,11 @@ def _text_batch(lengths, seed):
 def test_packed_equals_unpadded_demo_model(attn, fresh_seed):
     """Acceptance: packed vs per-sequence unpadded log-probs on the demo model.
 
-    In float64 packing must agree to 1e-6. It is exact up to summation order, but this model's
+    In float64 packing must agree to 1e-5. It is exact up to summation order, but this model's
     residual stream grows to ~2.3e4 (layers 12-28) and cancels to ~50 before the final norm,
-    which turns 1e-14 early differences into up to 2e-7 at the output on some inputs (seed
-    3346812207: 1.7e-8 in a log-prob); a sequence attending to its neighbour moves log-probs
-    by far more than 1e-6. In fp32 the packed log-probs must be within
+    which turns 1e-14 early differences into visible output differences on some inputs (seed
+    3346812207: 1.7e-8 in a log-prob; seed 3159587729: 1.1e-6); a sequence attending to its
+    neighbour moves log-probs by 0.88-9.6 nats, five orders of magnitude more. In fp32 the packed log-probs must be within
     1e-4 of the exact (float64) values, or, where fp32 rounding alone moves the unpadded
     fp32 computation further than that (seen on 1 batch in 25: 5e-4 at a 3-token
     sequence), no further from exact than twice the unpadded fp32 error.
@@ -89,7 +89,7 @@ def test_packed_equals_unpadded_demo_model(attn, fresh_seed):
     with torch.no_grad():
         packed64, _ = packed_forward_logprobs(model, batch, 1.0, with_entropy=False)
     exact = _unpadded_reference(model, batch)
-    assert (packed64 - exact).abs().max() <= 1e-6, "packing itself changes the result"
+    assert (packed64 - exact).abs().max() <= 1e-5, "packing itself changes the result"
     err_packed = (packed32.double() - exact).abs().max().item()
     err_unpadded = (unpadded32 - exact).abs().max().item()
     assert err_packed <= max(1e-4, 2 * err_unpadded), (err_packed, err_unpadded)
