@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import heapq
 import logging
-import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -30,28 +29,13 @@ from typing import Callable, Optional
 from areal_fast.controller import messages as msg
 from areal_fast.controller.shards import DistributedBatch
 from areal_fast.controller.codec import Encoded, encode_message
+from areal_fast.controller.config import Timeouts
 from areal_fast.controller.staleness import StalenessManager
 from areal_fast.controller.workers import MessageWaiter, WorkerError, WorkerHandle
 
 TRAIN_PIPELINE = 2  # batches handed to the trainer ahead of completion (prefetch depth)
 DEADLINE_CHECK_SECONDS = 0.1  # deadlines are checked at most this often (O(workers) each)
 log = logging.getLogger("areal_fast.controller")
-
-
-@dataclass
-class Timeouts:
-    """Seconds before the controller gives up on a worker (each error names the worker)."""
-
-    train_step: float = 3600.0  # one TrainStep, fetch to publish
-    weight_update: float = 600.0  # a rollout worker acknowledging new weights
-    rollout_stall: float = 1800.0  # no rollout finished while some are running
-    evaluate: float = 3600.0
-
-    def __post_init__(self):
-        for name in ("train_step", "weight_update", "rollout_stall", "evaluate"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} = {value} must be a finite number > 0")
 
 
 @dataclass

@@ -11,144 +11,23 @@ import math
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
+from areal_fast._checks import at_least, positive_finite
 from areal_fast.agent.runner import AgentConfig
 from areal_fast.agent.store import TrajectoryConfig
-from areal_fast.controller.async_loop import Timeouts
-from areal_fast.data.rewards import DEFAULT_INSTRUCTION
-from areal_fast.models.loading import DEMO_MODEL
-from areal_fast.rl.advantages import ADVANTAGE_MODES
+from areal_fast.controller.config import CheckpointConfig, RecoveryConfig, Timeouts
+from areal_fast.data.config import DataConfig
+from areal_fast.models.config import ModelConfig
 from areal_fast.rl.config import LossConfig
-from areal_fast.train.torch_engine import OptimizerConfig
+from areal_fast.rollout.config import RolloutConfig
+from areal_fast.train.config import ActorConfig, OptimizerConfig
 
-
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3",
-                        "flex_attention")
-
-
-@dataclass
-class ModelConfig:
-    """Which causal LM to train and how to hold it."""
-
-    path: str = DEMO_MODEL  # HF id, local directory, or the offline demo model
-    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
-    attn_implementation: str = "sdpa"  # transformers attention backend of the engine
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
-
-    def __post_init__(self):
-        import torch
-
-        try:
-            device = torch.device(self.device)
-        except (RuntimeError, TypeError) as exc:
-            raise ValueError(f"device = {self.device!r} is not a torch device") from exc
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device = {self.device!r} but torch has no CUDA device here")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"device = {self.device!r}: only 'cpu' and 'cuda' are supported")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype = {self.dtype!r} is not 'float32', 'bfloat16' or 'float16'")
-        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(f"attn_implementation = {self.attn_implementation!r} is not one "
-                             f"of {ATTN_IMPLEMENTATIONS}")
-
-
-@dataclass
-class DataConfig:
-    """Training and held-out problems."""
-
-    task: str = "basic_arithmetic"  # "gsm8k" or a reasoning-gym dataset name
-    path: Optional[str] = None  # GSM8K: jsonl file, folder with {split}.jsonl, or HF id
-    # generator settings of a reasoning-gym task (examples/arith.yaml sets the demo's);
-    # YAML/CLI layers merge into this mapping, they cannot empty it
-    task_kwargs: Dict[str, Any] = field(default_factory=dict)
-    train_split: str = "train"
-    eval_split: str = "test"
-    train_size: Optional[int] = 2000  # None: the whole split (GSM8K)
-    eval_size: int = 200
-    train_seed: int = 0  # reasoning-gym generator seed of the training set
-    # ... and of the held-out set; questions also in it are dropped from training. reasoning-
-    # gym draws item i with seed + i, so nearby seeds overlap: keep the two far apart
-    eval_seed: int = 999
-    instruction: str = DEFAULT_INSTRUCTION
-
-    def __post_init__(self):
-        _at_least("eval_size", self.eval_size, 1)
-        if self.train_size is not None:
-            _at_least("train_size", self.train_size, 1)
-
-
-@dataclass
-class RolloutConfig:
-    """Sampling during training (the inference engines) and how far it may run ahead.
-
-    Rollouts are counted in prompt groups (one prompt sampled group_size times).
-    """
-
-    group_size: int = 4  # samples per prompt (GRPO group)
-    temperature: float = 0.7
-    top_p: float = 1.0
-    max_new_tokens: int = 32
-    max_batch_size: int = 64  # sequences an engine generates together
-    # η: a rollout may start only while accepted + running < (η + version + 1) · batch_size;
-    # 0 is synchronous RL (AReaL §4.1)
-    max_head_offpolicyness: int = 2
-    # prompt groups in flight at most over all engines; None: (η + 1) · batch_size
-    max_concurrent_rollouts: Optional[int] = None
-    dynamic_filter: bool = False  # DAPO: drop groups whose rewards are all equal, resample
-    # drop groups that would be trained more than η versions after they started (keeps every
-    # token's staleness ≤ η; slow groups are long ones, so it shortens trained completions)
-    drop_stale: bool = True
-    num_workers: int = 1  # rollout worker processes (one engine each)
-
-    def __post_init__(self):
-        _at_least("group_size", self.group_size, 2, "(GRPO compares samples of a prompt)")
-        _positive_finite("temperature", self.temperature)
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p = {self.top_p} must be in (0, 1]")
-        _at_least("max_new_tokens", self.max_new_tokens, 1)
-        _at_least("max_batch_size", self.max_batch_size, 1)
-        _at_least("max_head_offpolicyness", self.max_head_offpolicyness, 0)
-        if self.max_concurrent_rollouts is not None:
-            _at_least("max_concurrent_rollouts", self.max_concurrent_rollouts, 1)
-        _at_least("num_workers", self.num_workers, 1)
-
-
-@dataclass
-class ActorConfig:
-    """The trained policy: loss, optimizer, packing."""
-
-    loss: LossConfig = field(default_factory=LossConfig)
-    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
-    adv_mode: str = "grpo"  # "grpo" | "dr_grpo" | "rloo" | "batch"
-    max_tokens_per_mb: int = 4096  # token budget of one micro-batch
-    pack_method: str = "kk"  # "kk" (Karmarkar–Karp) | "ffd" (first-fit decreasing)
-    keep_groups: bool = True  # keep each GRPO group in one micro-batch
-    # decoupled PPO (AReaL, Fu et al. 2025, Eq. 5): ratio against the proximal policy (the
-    # trainer's weights at the start of the step), weighted by exp(prox − behav)
-    use_decoupled_loss: bool = True
-    prox_logp_method: str = "recompute"  # "recompute" | "loglinear" (version interpolation)
-    behav_weight_cap: Optional[float] = None  # cap on exp(prox − behav); sets loss.behav_weight_cap
-    ppo_n_minibatches: int = 1  # optimizer steps per batch (one policy version per batch)
-
-    def __post_init__(self):
-        if self.adv_mode not in ADVANTAGE_MODES:
-            raise ValueError(f"adv_mode = {self.adv_mode!r} is not one of {ADVANTAGE_MODES}")
-        if self.pack_method not in ("kk", "ffd"):
-            raise ValueError(f"pack_method = {self.pack_method!r} is not 'kk' or 'ffd'")
-        _at_least("max_tokens_per_mb", self.max_tokens_per_mb, 1)
-        if self.prox_logp_method not in ("recompute", "loglinear"):
-            raise ValueError(f"prox_logp_method = {self.prox_logp_method!r} is not "
-                             f"'recompute' or 'loglinear'")
-        _at_least("ppo_n_minibatches", self.ppo_n_minibatches, 1)
-        if self.behav_weight_cap is not None:
-            if not self.behav_weight_cap > 0:
-                raise ValueError(f"behav_weight_cap = {self.behav_weight_cap} must be > 0")
-            if self.loss.behav_weight_cap not in (None, self.behav_weight_cap):
-                raise ValueError(f"behav_weight_cap = {self.behav_weight_cap} contradicts "
-                                 f"loss.behav_weight_cap = {self.loss.behav_weight_cap}")
-            self.loss.behav_weight_cap = self.behav_weight_cap
+# the component configs are defined beside their components and gathered here
+__all__ = ["ActorConfig", "AgentConfig", "CheckpointConfig", "ConfigError", "DataConfig",
+           "EvalConfig", "ExperimentConfig", "LauncherConfig", "LossConfig", "ModelConfig",
+           "OptimizerConfig", "RecoveryConfig", "RolloutConfig", "SchedulerConfig", "Timeouts",
+           "TrajectoryConfig", "load_config", "to_yaml"]
 
 
 @dataclass
@@ -166,8 +45,8 @@ class LauncherConfig:
     def __post_init__(self):
         for name in ("trainer_threads", "rollout_threads"):
             if getattr(self, name) is not None:
-                _at_least(name, getattr(self, name), 1)
-        _positive_finite("startup_timeout", self.startup_timeout)
+                at_least(name, getattr(self, name), 1)
+        positive_finite("startup_timeout", self.startup_timeout)
 
 
 @dataclass
@@ -195,46 +74,18 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.type not in ("local", "ray"):
             raise ValueError(f"type = {self.type!r} is not 'local' or 'ray'")
-        _at_least("train_world_size", self.train_world_size, 1)
+        at_least("train_world_size", self.train_world_size, 1)
         for name in ("cpus_per_rollout_worker", "cpus_per_trainer_rank"):
-            _positive_finite(name, getattr(self, name))
+            positive_finite(name, getattr(self, name))
         for name in ("gpus_per_rollout_worker", "gpus_per_trainer_rank"):
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} = {getattr(self, name)} must be a finite number >= 0")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise ValueError(f"placement_strategy = {self.placement_strategy!r} is not one of "
                              f"PACK, SPREAD, STRICT_PACK, STRICT_SPREAD")
-        _positive_finite("dist_timeout", self.dist_timeout)
+        positive_finite("dist_timeout", self.dist_timeout)
         if self.ray_num_cpus is not None:
-            _at_least("ray_num_cpus", self.ray_num_cpus, 1)
-
-
-@dataclass
-class CheckpointConfig:
-    """Recoverable checkpoints (trainer + controller state) under ``<run dir>/checkpoints``."""
-
-    every_steps: int = 0  # save after every this many steps (0: off); the last step too
-    keep: int = 2  # complete checkpoints kept
-
-    def __post_init__(self):
-        _at_least("every_steps", self.every_steps, 0)
-        _at_least("keep", self.keep, 1)
-
-
-@dataclass
-class RecoveryConfig:
-    """What the job survives without a person."""
-
-    max_rollout_restarts: int = 3  # dead rollout workers replaced before the run fails
-    # a dead or failed trainer rank: the job restarts from the last checkpoint this often
-    max_trainer_restarts: int = 2
-    # keep every finished group also on disk (<run dir>/shards) until trained, so a rollout
-    # worker's death loses no accepted rollout
-    spool_shards: bool = True
-
-    def __post_init__(self):
-        _at_least("max_rollout_restarts", self.max_rollout_restarts, 0)
-        _at_least("max_trainer_restarts", self.max_trainer_restarts, 0)
+            at_least("ray_num_cpus", self.ray_num_cpus, 1)
 
 
 @dataclass
@@ -246,7 +97,7 @@ class EvalConfig:
     after: bool = True
 
     def __post_init__(self):
-        _at_least("max_new_tokens", self.max_new_tokens, 1)
+        at_least("max_new_tokens", self.max_new_tokens, 1)
 
 
 @dataclass
@@ -279,17 +130,17 @@ class ExperimentConfig:
     tags: List[str] = field(default_factory=list)
 
     def __post_init__(self):
-        _at_least("total_steps", self.total_steps, 0)
+        at_least("total_steps", self.total_steps, 0)
         if self.max_seconds is not None:
-            _positive_finite("max_seconds", self.max_seconds)
-        _at_least("batch_size", self.batch_size, 1)
+            positive_finite("max_seconds", self.max_seconds)
+        at_least("batch_size", self.batch_size, 1)
         units = self.batch_size * (1 if self.actor.keep_groups else self.rollout.group_size)
         if self.actor.ppo_n_minibatches > units:
             what = "prompt groups" if self.actor.keep_groups else "sequences"
             raise ValueError(f"actor.ppo_n_minibatches = {self.actor.ppo_n_minibatches} is more "
                              f"than the {units} {what} of a batch")
         if self.threads is not None:
-            _at_least("threads", self.threads, 1)
+            at_least("threads", self.threads, 1)
         ranks = self.scheduler.train_world_size
         if self.actor.ppo_n_minibatches > 1 and ranks * self.actor.ppo_n_minibatches > units:
             raise ValueError(f"actor.ppo_n_minibatches = {self.actor.ppo_n_minibatches} with "
@@ -338,16 +189,6 @@ class ExperimentConfig:
     def run_dir(self) -> Path:
         """Folder that receives metrics, plot, checkpoint and the resolved config."""
         return Path(self.fileroot) / self.experiment_name / self.trial_name
-
-
-def _at_least(name: str, value: int, low: int, why: str = "") -> None:
-    if value < low:
-        raise ValueError(f"{name} = {value} must be >= {low} {why}".rstrip())
-
-
-def _positive_finite(name: str, value: float) -> None:
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(f"{name} = {value} must be a finite number > 0")
 
 
 class ConfigError(ValueError):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Optional
 
 import torch
@@ -17,44 +16,9 @@ from areal_fast.rl.config import LossConfig
 from areal_fast.rl.decoupled import (behav_weight_stats, check_token_versions,
                                      loglinear_prox_logprobs, staleness_stats)
 from areal_fast.rl.objectives import grpo_loss
+from areal_fast.train.config import LR_SCHEDULES, PROX_LOGP_METHODS, OptimizerConfig  # noqa: F401
 
-PROX_LOGP_METHODS = ("recompute", "loglinear")
-LR_SCHEDULES = ("constant", "linear", "cosine")
 SHARDED_FORWARD = "fsdp_packed_forward_logprobs"
-
-
-@dataclass
-class OptimizerConfig:
-    """AdamW, gradient-clipping and learning-rate schedule settings (Loshchilov & Hutter 2019).
-
-    ``lr_schedule`` and ``warmup_steps`` shape the learning rate per optimizer update, see
-    :func:`lr_factor`; the decay horizon is the engine's ``total_steps``.
-    """
-
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float = 1.0
-    lr_schedule: str = "constant"  # "constant" | "linear" | "cosine" decay after warmup
-    warmup_steps: int = 0  # optimizer updates of linear warmup
-
-    def __post_init__(self):
-        for name in ("lr", "eps", "grad_clip"):
-            value = getattr(self, name)
-            if not (value > 0 and math.isfinite(value)):
-                raise ValueError(f"{name} = {value} must be a finite number > 0")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} = {getattr(self, name)} must be in [0, 1)")
-        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
-            raise ValueError(f"weight_decay = {self.weight_decay} must be a finite number >= 0")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ValueError(f"lr_schedule = {self.lr_schedule!r} is not one of {LR_SCHEDULES}")
-        if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
-                or self.warmup_steps < 0):
-            raise ValueError(f"warmup_steps = {self.warmup_steps!r} must be an int >= 0")
 
 
 def lr_factor(update: int, schedule: str, warmup_steps: int,

@@ -1,0 +1,53 @@
+"""What the controller is told: worker deadlines (``launcher.timeouts.*``), recoverable
+checkpoints (``checkpoint.*``) and recovery (``recovery.*``)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from areal_fast._checks import at_least
+
+
+@dataclass
+class Timeouts:
+    """Seconds before the controller gives up on a worker (each error names the worker)."""
+
+    train_step: float = 3600.0  # one TrainStep, fetch to publish
+    weight_update: float = 600.0  # a rollout worker acknowledging new weights
+    rollout_stall: float = 1800.0  # no rollout finished while some are running
+    evaluate: float = 3600.0
+
+    def __post_init__(self):
+        for name in ("train_step", "weight_update", "rollout_stall", "evaluate"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} = {value} must be a finite number > 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Recoverable checkpoints (trainer + controller state) under ``<run dir>/checkpoints``."""
+
+    every_steps: int = 0  # save after every this many steps (0: off); the last step too
+    keep: int = 2  # complete checkpoints kept
+
+    def __post_init__(self):
+        at_least("every_steps", self.every_steps, 0)
+        at_least("keep", self.keep, 1)
+
+
+@dataclass
+class RecoveryConfig:
+    """What the job survives without a person."""
+
+    max_rollout_restarts: int = 3  # dead rollout workers replaced before the run fails
+    # a dead or failed trainer rank: the job restarts from the last checkpoint this often
+    max_trainer_restarts: int = 2
+    # keep every finished group also on disk (<run dir>/shards) until trained, so a rollout
+    # worker's death loses no accepted rollout
+    spool_shards: bool = True
+
+    def __post_init__(self):
+        at_least("max_rollout_restarts", self.max_rollout_restarts, 0)
+        at_least("max_trainer_restarts", self.max_trainer_restarts, 0)

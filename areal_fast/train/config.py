@@ -1,0 +1,84 @@
+"""The trained policy's settings: optimizer, loss, packing (``actor.*`` keys)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from areal_fast._checks import at_least
+from areal_fast.rl.advantages import ADVANTAGE_MODES
+from areal_fast.rl.config import LossConfig
+
+PROX_LOGP_METHODS = ("recompute", "loglinear")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW, gradient-clipping and learning-rate schedule settings (Loshchilov & Hutter 2019).
+
+    ``lr_schedule`` and ``warmup_steps`` shape the learning rate per optimizer update, see
+    :func:`lr_factor`; the decay horizon is the engine's ``total_steps``.
+    """
+
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    lr_schedule: str = "constant"  # "constant" | "linear" | "cosine" decay after warmup
+    warmup_steps: int = 0  # optimizer updates of linear warmup
+
+    def __post_init__(self):
+        for name in ("lr", "eps", "grad_clip"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{name} = {value} must be a finite number > 0")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)} must be in [0, 1)")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"weight_decay = {self.weight_decay} must be a finite number >= 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule = {self.lr_schedule!r} is not one of {LR_SCHEDULES}")
+        if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
+                or self.warmup_steps < 0):
+            raise ValueError(f"warmup_steps = {self.warmup_steps!r} must be an int >= 0")
+
+
+@dataclass
+class ActorConfig:
+    """The trained policy: loss, optimizer, packing."""
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
+    adv_mode: str = "grpo"  # "grpo" | "dr_grpo" | "rloo" | "batch"
+    max_tokens_per_mb: int = 4096  # token budget of one micro-batch
+    pack_method: str = "kk"  # "kk" (Karmarkar–Karp) | "ffd" (first-fit decreasing)
+    keep_groups: bool = True  # keep each GRPO group in one micro-batch
+    # decoupled PPO (AReaL, Fu et al. 2025, Eq. 5): ratio against the proximal policy (the
+    # trainer's weights at the start of the step), weighted by exp(prox − behav)
+    use_decoupled_loss: bool = True
+    prox_logp_method: str = "recompute"  # "recompute" | "loglinear" (version interpolation)
+    behav_weight_cap: Optional[float] = None  # cap on exp(prox − behav); sets loss.behav_weight_cap
+    ppo_n_minibatches: int = 1  # optimizer steps per batch (one policy version per batch)
+
+    def __post_init__(self):
+        if self.adv_mode not in ADVANTAGE_MODES:
+            raise ValueError(f"adv_mode = {self.adv_mode!r} is not one of {ADVANTAGE_MODES}")
+        if self.pack_method not in ("kk", "ffd"):
+            raise ValueError(f"pack_method = {self.pack_method!r} is not 'kk' or 'ffd'")
+        at_least("max_tokens_per_mb", self.max_tokens_per_mb, 1)
+        if self.prox_logp_method not in PROX_LOGP_METHODS:
+            raise ValueError(f"prox_logp_method = {self.prox_logp_method!r} is not "
+                             f"'recompute' or 'loglinear'")
+        at_least("ppo_n_minibatches", self.ppo_n_minibatches, 1)
+        if self.behav_weight_cap is not None:
+            if not self.behav_weight_cap > 0:
+                raise ValueError(f"behav_weight_cap = {self.behav_weight_cap} must be > 0")
+            if self.loss.behav_weight_cap not in (None, self.behav_weight_cap):
+                raise ValueError(f"behav_weight_cap = {self.behav_weight_cap} contradicts "
+                                 f"loss.behav_weight_cap = {self.loss.behav_weight_cap}")
+            self.loss.behav_weight_cap = self.behav_weight_cap
