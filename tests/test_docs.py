@@ -185,18 +185,55 @@ def _check_config(where: str, args: list[str]) -> None:
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as '-'."""
+    text = FENCE.sub("", markdown)
+    headings = re.findall(r"^#{1,6} (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
 @pytest.mark.parametrize("path", [p.relative_to(ROOT).as_posix() for p in DOC_FILES])
 def test_relative_links_exist(path):
     doc = ROOT / path
     missing = []
     for target in LINK.findall(doc.read_text()):
-        if re.match(r"[a-z]+://|#|mailto:", target):
+        if re.match(r"[a-z]+://|mailto:", target):
             continue
-        file = (doc.parent / target.split("#")[0]).resolve()
+        name, _, anchor = target.partition("#")
+        file = (doc.parent / name).resolve() if name else doc
         rel = file.relative_to(ROOT).as_posix() if file.is_relative_to(ROOT) else str(file)
-        if not file.exists() and rel not in NOT_WRITTEN_BY_HAND:
+        if not file.exists():
+            if rel not in NOT_WRITTEN_BY_HAND:
+                missing.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
             missing.append(target)
-    assert not missing, f"{path}: links to missing files {missing}"
+    assert not missing, f"{path}: links to missing files or headings {missing}"
+
+
+@pytest.mark.parametrize("code", [
+    "areal-fast trian --config examples/arith.yaml",                     # misspelt command
+    "areal-fast train --config examples/arith.yaml actor.optim.lrr=1",   # unknown key
+    "areal-fast train --config examples/arth.yaml",                      # missing file
+    "areal-fast train examples/arith.yaml",                              # no --config
+    "python benches/compare_run.py RUN",                                 # unknown script
+    "pip install . && pytest tests/no_such_test.py",                     # missing test file
+    "python -m areal_fast.launch.ray trian --config examples/arith.yaml",
+])
+def test_command_check_catches_typos(code):
+    with pytest.raises(Exception):  # noqa: B017 - AssertionError or the config's ValueError
+        for command in _commands(code):
+            _check_command("doc.md", 1, command)
+
+
+def test_command_check_accepts_documented_forms():
+    code = ("AREAL_FAST_CUDA=0 pip install . && pytest tests  # comment\n"
+            "python -m areal_fast.launch.ray train --config examples/arith.yaml \\\n"
+            "    scheduler.train_world_size=2 checkpoint.every_steps=5\n"
+            "areal-fast train --config examples/arith.yaml --no-progress total_steps=1\n")
+    commands = _commands(code)
+    assert [c[0] for c in commands] == ["AREAL_FAST_CUDA=0", "pytest", "python", "areal-fast"]
+    for command in commands:
+        _check_command("doc.md", 1, command)
 
 
 def test_tour_opens_at_most_eight_files():
