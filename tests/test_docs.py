@@ -245,3 +245,37 @@ def test_tour_opens_at_most_eight_files():
 
 def test_readme_is_a_front_door():
     assert len((ROOT / "README.md").read_bytes()) <= 15_000
+
+
+def _config_keys() -> tuple[set[str], set[str], set[str]]:
+    """Every config key, the dataclass sections, and the free-form mapping keys (task_kwargs)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from areal_fast.launch.config import ExperimentConfig
+
+    keys, sections, free = set(), set(), set()
+
+    def walk(node: DictConfig, prefix: str = "") -> None:
+        for key in node:
+            name, child = prefix + str(key), node._get_node(key)
+            keys.add(name)
+            if isinstance(child, DictConfig):
+                if OmegaConf.get_type(child) is dict:
+                    free.add(name)
+                else:
+                    sections.add(name)
+                    walk(child, name + ".")
+    walk(OmegaConf.structured(ExperimentConfig))
+    return keys, sections, free
+
+
+def test_config_keys_named_in_the_docs_exist():
+    keys, sections, free = _config_keys()
+    unknown = []
+    for path in DOC_FILES:
+        for name in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)(?:=[^`]*)?`", path.read_text()):
+            if name.split(".")[0] not in sections or name in keys:
+                continue  # not a config key (a module path, a metric), or a known one
+            if not any(name.startswith(m + ".") for m in free):
+                unknown.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not unknown, unknown
