@@ -35,10 +35,10 @@ forward + backward, whatever an implementation recomputes) and as a fraction of 
 
 Usage::
 
-    python benches/bench_logprobs.py --device cpu --json OUT.json [--shapes small|issue]
+    python benches/bench_logprobs.py --device cpu --json OUT.json [--shapes small|large]
         [--repeats N] [--threads N] [--impls ours,naive,...] [--modes fwd,fwd_bwd]
         [--snapshot]
-    python benches/bench_logprobs.py --device cuda --json OUT.json [--shapes small|issue]
+    python benches/bench_logprobs.py --device cuda --json OUT.json [--shapes small|large]
     python benches/bench_logprobs.py --table OUT.json   # table of an earlier/partial run
     pytest benches/bench_logprobs.py          # pytest-benchmark, small CPU shape
 """
@@ -62,9 +62,9 @@ import _harness as hx  # noqa: E402
 
 SHAPES = {  # (T, H, V)
     "cpu": {"small": [(512, 128, 5003)],
-            "issue": [(4096, 576, 49152), (2048, 2048, 151936)]},
+            "large": [(4096, 576, 49152), (2048, 2048, 151936)]},
     "cuda": {"small": [(2048, 512, 32000)],
-             "issue": [(16384, 4096, 151936)]},
+             "large": [(16384, 4096, 151936)]},
 }
 DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 MODES = ("fwd", "fwd_bwd")
@@ -769,7 +769,7 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", help="write the results here (updated after every case)")
-    parser.add_argument("--shapes", choices=("small", "issue"), default="issue")
+    parser.add_argument("--shapes", choices=("small", "large"), default="large")
     parser.add_argument("--repeats", type=int, default=None,
                         help="timed calls per case (default: 3 on CPU, 10 on CUDA)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,

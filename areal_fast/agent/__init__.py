@@ -1,5 +1,5 @@
 """Agentic RL: user agents as the rollout workload, token-exact sessions, an OpenAI-compatible
-endpoint, and a compressed trajectory store (see the README's "Agents" section).
+endpoint, and a compressed trajectory store (see docs/agents.md).
 
 Light to import: the endpoint (aiohttp) and the store's zstandard are imported where used.
 """

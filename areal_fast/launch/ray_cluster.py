@@ -8,7 +8,7 @@ key: an HMAC challenge before any data) and then runs the same worker entry poin
 process, speaking the same msgpack messages (:mod:`areal_fast.controller.codec`). Rollout
 data still moves worker to worker (shard servers), weights through the trainer's
 shared-memory slots, so every actor must run on the controller's node for now (a multi-node
-run needs a network weight transport; see README).
+run needs a network weight transport; see docs/scale-out.md).
 
 A dead actor shows as the end of its socket, so the controller notices a death at once,
 exactly as with a local process.

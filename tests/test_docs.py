@@ -1,0 +1,281 @@
+"""Every code block in README.md and docs/*.md runs as written.
+
+- ```python blocks are executed, each in a fresh namespace, in a temporary working directory,
+  on the CPU. A block whose first line is ``# requires: mod1, mod2`` is skipped when one of
+  those optional modules is not installed.
+- ```bash / ```sh blocks are read command by command (``&&``, ``||``, ``;`` and ``|`` split
+  commands; ``\\`` continues a line). ``areal-fast train|eval`` and ``python -m
+  areal_fast.launch.ray train`` lines have their config parsed with
+  :func:`areal_fast.launch.config.load_config` (YAML file and ``key=value`` overrides) without
+  running; ``pip install``, ``pytest`` and ``git clone`` lines are recognised and skipped;
+  every other command must be in :data:`ALLOWED` (scripts named there must exist), so a typo
+  in a documented command fails.
+- ```text blocks are output examples and are not run; ```yaml blocks must parse.
+- Relative links must point at files of the repository.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)^```[ \t]*$", re.M | re.S)
+LANGUAGES = {"python", "bash", "sh", "text", "yaml"}
+
+# Commands other than the configs, installs and test runs that the docs may show:
+# (program, first argument or None for any). Scripts named as first argument must exist.
+ALLOWED = {
+    ("areal-fast", "config"),           # prints every key with its default
+    ("areal-fast", "--help"),
+    ("python", "benches/compare_runs.py"),
+    ("python", "benches/eval_agent.py"),
+    ("python", "benches/bench_async.py"),
+    ("python", "benches/bench_logprobs.py"),
+    ("bash", "benches/gpu_check.sh"),
+    ("bash", "benches/gpu_weight_sync.sh"),
+    ("cat", None),
+    ("ls", None),
+    ("zstdcat", None),
+    ("ray", "start"),
+}
+SKIPPED = {("pip", "install"), ("pip", "download"), ("git", "clone"), ("pytest", None)}
+# link targets made by other means: the progress plot of a real run of the default job, and
+# the key reference generated from the config dataclasses
+NOT_WRITTEN_BY_HAND = {"docs/images/arith_progress.png", "docs/config.md"}
+
+
+def _blocks() -> list:
+    params = []
+    for path in DOC_FILES:
+        text = path.read_text()
+        for match in FENCE.finditer(text):
+            line = text.count("\n", 0, match.start()) + 1
+            rel = path.relative_to(ROOT).as_posix()
+            params.append(pytest.param(rel, line, match.group(1), match.group(2),
+                                       id=f"{rel}:{line}"))
+    return params
+
+
+BLOCKS = _blocks()
+
+
+def test_docs_have_code_blocks():
+    assert (ROOT / "README.md").is_file()
+    assert any(p.values[0] == "README.md" for p in BLOCKS)
+    assert len({p.values[0] for p in BLOCKS}) >= 5  # README and the docs pages
+
+
+@pytest.mark.parametrize("path,line,lang,code", BLOCKS)
+def test_code_block_runs(path, line, lang, code, tmp_path, monkeypatch):
+    assert lang in LANGUAGES, (f"{path}:{line}: code block language {lang!r}; use one of "
+                               f"{sorted(LANGUAGES)} (```text for output that is not run)")
+    if lang == "text":
+        return
+    if lang == "yaml":
+        import yaml
+
+        yaml.safe_load(code)
+        return
+    if lang == "python":
+        _run_python(path, line, code, tmp_path, monkeypatch)
+        return
+    for command in _commands(code):
+        _check_command(path, line, command)
+
+
+# ------------------------------------------------------------------------------- python
+
+def _run_python(path: str, line: int, code: str, tmp_path: Path, monkeypatch) -> None:
+    first = code.splitlines()[0] if code.strip() else ""
+    if first.startswith("# requires:"):
+        for module in first.split(":", 1)[1].split(","):
+            if importlib.util.find_spec(module.strip()) is None:
+                pytest.skip(f"{path}:{line} needs {module.strip()}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(ROOT))  # `examples.agents...` style imports
+    namespace = {"__name__": "__doc_block__"}
+    exec(compile(code, f"{path}:{line}", "exec"), namespace)  # noqa: S102 - the docs' own code
+
+
+# --------------------------------------------------------------------------------- shell
+
+def _commands(code: str) -> list[list[str]]:
+    """Shell commands of a block as token lists (comments and line continuations removed)."""
+    joined = re.sub(r"\\\n", " ", code)
+    commands = []
+    for raw in joined.splitlines():
+        tokens = shlex.split(raw, comments=True)
+        current: list[str] = []
+        for token in tokens:
+            if token in ("&&", "||", ";", "|", "&"):
+                if current:
+                    commands.append(current)
+                current = []
+            else:
+                current.append(token)
+        if current:
+            commands.append(current)
+    return commands
+
+
+def _strip_env(tokens: list[str]) -> list[str]:
+    while tokens and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", tokens[0]):
+        tokens = tokens[1:]
+    return tokens
+
+
+def _check_command(path: str, line: int, tokens: list[str]) -> None:
+    where = f"{path}:{line}: `{' '.join(tokens)}`"
+    tokens = _strip_env(tokens)
+    assert tokens, where
+    program, first = tokens[0], tokens[1] if len(tokens) > 1 else None
+    if program == "python" and first == "-m" and len(tokens) > 2:
+        if tokens[2] == "areal_fast.launch.ray":
+            assert len(tokens) > 3 and tokens[3] == "train", f"{where}: expected `train`"
+            _check_config(where, tokens[4:])
+            return
+        if tokens[2] == "pip":
+            program, first = "pip", tokens[3] if len(tokens) > 3 else None
+    if program == "areal-fast" and first in ("train", "eval"):
+        _check_config(where, tokens[2:])
+        return
+    if (program, first) in SKIPPED or (program, None) in SKIPPED:
+        if program == "pytest":
+            for arg in tokens[1:]:
+                if not arg.startswith("-") and "/" in arg or arg == "tests":
+                    assert (ROOT / arg.split("::")[0]).exists(), f"{where}: no {arg}"
+        return
+    if (program, None) in ALLOWED:
+        return
+    assert (program, first) in ALLOWED, f"{where}: command not in tests/test_docs.py ALLOWED"
+    if first is not None and ("/" in first or first.endswith((".py", ".sh"))):
+        assert (ROOT / first).is_file(), f"{where}: {first} does not exist"
+
+
+def _check_config(where: str, args: list[str]) -> None:
+    from areal_fast.launch.config import load_config
+
+    config, overrides, i = None, [], 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--config":
+            config, i = args[i + 1], i + 2
+            continue
+        if arg.startswith("--config="):
+            config = arg.split("=", 1)[1]
+        elif arg.startswith("-"):
+            pass  # flags such as --no-progress
+        else:
+            assert "=" in arg, f"{where}: {arg!r} is not key=value"
+            overrides.append(arg)
+        i += 1
+    assert config is not None, f"{where}: no --config"
+    assert (ROOT / config).is_file(), f"{where}: {config} does not exist"
+    load_config(str(ROOT / config), overrides)
+
+
+# --------------------------------------------------------------------------------- links
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as '-'."""
+    text = FENCE.sub("", markdown)
+    headings = re.findall(r"^#{1,6} (.+)$", text, re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("path", [p.relative_to(ROOT).as_posix() for p in DOC_FILES])
+def test_relative_links_exist(path):
+    doc = ROOT / path
+    missing = []
+    for target in LINK.findall(doc.read_text()):
+        if re.match(r"[a-z]+://|mailto:", target):
+            continue
+        name, _, anchor = target.partition("#")
+        file = (doc.parent / name).resolve() if name else doc
+        rel = file.relative_to(ROOT).as_posix() if file.is_relative_to(ROOT) else str(file)
+        if not file.exists():
+            if rel not in NOT_WRITTEN_BY_HAND:
+                missing.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file.read_text()):
+            missing.append(target)
+    assert not missing, f"{path}: links to missing files or headings {missing}"
+
+
+@pytest.mark.parametrize("code", [
+    "areal-fast trian --config examples/arith.yaml",                     # misspelt command
+    "areal-fast train --config examples/arith.yaml actor.optim.lrr=1",   # unknown key
+    "areal-fast train --config examples/arth.yaml",                      # missing file
+    "areal-fast train examples/arith.yaml",                              # no --config
+    "python benches/compare_run.py RUN",                                 # unknown script
+    "pip install . && pytest tests/no_such_test.py",                     # missing test file
+    "python -m areal_fast.launch.ray trian --config examples/arith.yaml",
+])
+def test_command_check_catches_typos(code):
+    with pytest.raises(Exception):  # noqa: B017 - AssertionError or the config's ValueError
+        for command in _commands(code):
+            _check_command("doc.md", 1, command)
+
+
+def test_command_check_accepts_documented_forms():
+    code = ("AREAL_FAST_CUDA=0 pip install . && pytest tests  # comment\n"
+            "python -m areal_fast.launch.ray train --config examples/arith.yaml \\\n"
+            "    scheduler.train_world_size=2 checkpoint.every_steps=5\n"
+            "areal-fast train --config examples/arith.yaml --no-progress total_steps=1\n")
+    commands = _commands(code)
+    assert [c[0] for c in commands] == ["AREAL_FAST_CUDA=0", "pytest", "python", "areal-fast"]
+    for command in commands:
+        _check_command("doc.md", 1, command)
+
+
+def test_tour_opens_at_most_eight_files():
+    text = (ROOT / "README.md").read_text()
+    tour = text.split("## Follow one step", 1)[1].split("\n## ", 1)[0]
+    files = set(re.findall(r"`(areal_fast/[\w/]+\.py)`", tour))
+    assert 6 <= len(files) <= 8, sorted(files)
+
+
+def test_readme_is_a_front_door():
+    assert len((ROOT / "README.md").read_bytes()) <= 15_000
+
+
+def _config_keys() -> tuple[set[str], set[str], set[str]]:
+    """Every config key, the dataclass sections, and the free-form mapping keys (task_kwargs)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from areal_fast.launch.config import ExperimentConfig
+
+    keys, sections, free = set(), set(), set()
+
+    def walk(node: DictConfig, prefix: str = "") -> None:
+        for key in node:
+            name, child = prefix + str(key), node._get_node(key)
+            keys.add(name)
+            if isinstance(child, DictConfig):
+                if OmegaConf.get_type(child) is dict:
+                    free.add(name)
+                else:
+                    sections.add(name)
+                    walk(child, name + ".")
+    walk(OmegaConf.structured(ExperimentConfig))
+    return keys, sections, free
+
+
+def test_config_keys_named_in_the_docs_exist():
+    keys, sections, free = _config_keys()
+    unknown = []
+    for path in DOC_FILES:
+        for name in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)(?:=[^`]*)?`", path.read_text()):
+            if name.split(".")[0] not in sections or name in keys:
+                continue  # not a config key (a module path, a metric), or a known one
+            if not any(name.startswith(m + ".") for m in free):
+                unknown.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not unknown, unknown
