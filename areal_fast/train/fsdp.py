@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from areal_fast.ops.packing import partition_balanced
 from areal_fast.rl.batch import PackedBatch
+from areal_fast.train.config import ActorConfig
 from areal_fast.train.torch_engine import (SHARDED_FORWARD, BatchTotals, TorchTrainEngine,
                                            _num_trained_seqs, unsharded_forward_logprobs)
 
@@ -157,14 +158,14 @@ class FSDPTrainEngine(TorchTrainEngine):
     Parameters
     ----------
     model : transformers causal LM, on this rank's device
-    loss_config, optim
+    actor : ActorConfig
         As for TorchTrainEngine.
     mesh : DeviceMesh
         The 1-D data-parallel mesh (:func:`init_trainer_group`).
     ref_model : causal LM, optional
         Sharded too (its forward is a collective as well).
     **kwargs
-        The other keyword arguments of TorchTrainEngine.
+        The other keyword arguments of TorchTrainEngine (``temperature`` among them).
 
     Attributes
     ----------
@@ -174,7 +175,7 @@ class FSDPTrainEngine(TorchTrainEngine):
         Where small collectives (counts, statistics) run: CPU for gloo, this GPU for nccl.
     """
 
-    def __init__(self, model, loss_config, optim, *, mesh: DeviceMesh, ref_model=None,
+    def __init__(self, model, actor: ActorConfig, *, mesh: DeviceMesh, ref_model=None,
                  **kwargs):
         if mesh.ndim != 1:
             raise ValueError(f"mesh must be 1-D (data parallel), got {mesh.ndim} dimensions")
@@ -187,7 +188,7 @@ class FSDPTrainEngine(TorchTrainEngine):
         shard_model(model, mesh)
         if ref_model is not None:
             shard_model(ref_model.eval().requires_grad_(False), mesh)
-        super().__init__(model, loss_config, optim, ref_model=ref_model, **kwargs)
+        super().__init__(model, actor, ref_model=ref_model, **kwargs)
 
     def accumulate_gradients(self, batch: PackedBatch,
                              prox_logprobs: Optional[torch.Tensor] = None) -> dict[str, float]:
