@@ -287,12 +287,21 @@ class FSDPTrainEngine(TorchTrainEngine):
         """Write a HF ``save_pretrained`` directory at ``path`` from the full state dict.
 
         All ranks take part in the gather; rank 0 writes; all return after it has written.
+        The gather returns a separate copy of each name of a tied parameter (e.g.
+        ``lm_head.weight`` tied to ``model.embed_tokens.weight``); those names are pointed
+        back at one tensor, so ``save_pretrained`` writes it once, as for the unsharded model
+        (the same tensor names as :meth:`TorchTrainEngine.save`).
         """
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_model_state_dict)
 
+        from areal_fast.train.checkpoint import _tied_aliases
+
         state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
+            for alias, name in _tied_aliases(self.model).items():
+                if alias in state and name in state:
+                    state[alias] = state[name]
             self.model.save_pretrained(path, state_dict=state)
         dist.barrier(group=self.group)

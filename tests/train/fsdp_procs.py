@@ -184,3 +184,14 @@ def checkpoint_ranks(rank, world_size, init_method, model_dir: str, directory: s
     stats_b = step(b, 2)
     return {"stats_a": stats_a, "stats_b": stats_b, "rng_a": rng_a, "rng_b": rng_b,
             "weights_a": weights_numpy(a), "weights_b": weights_numpy(b)}
+
+
+def save_ranks(rank, world_size, init_method, model_dir: str, directory: str) -> dict:
+    """An FSDP engine's HF checkpoint (``engine.save``) written at ``directory``."""
+    from areal_fast.train.fsdp import FSDPTrainEngine, init_trainer_group
+
+    mesh = init_trainer_group(rank, world_size, init_method, "gloo", 60)
+    engine = FSDPTrainEngine(load_causal_lm(model_dir), plain_actor(), mesh=mesh,
+                             temperature=1.0)
+    engine.save(directory)
+    return {"weights": weights_numpy(engine)}

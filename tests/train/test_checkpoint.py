@@ -18,7 +18,7 @@ from areal_fast.rl.batch import select_sequences
 from areal_fast.rl.config import LossConfig
 from areal_fast.train.checkpoint import load_train_state, save_train_state
 from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine, lr_factor
-from fsdp_procs import checkpoint_ranks, global_batch, plain_actor, run_ranks
+from fsdp_procs import checkpoint_ranks, global_batch, plain_actor, run_ranks, save_ranks
 
 OPTIM = OptimizerConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=1)
 
@@ -159,6 +159,24 @@ def test_two_fsdp_ranks_resume_and_load_into_one_process(tiny_model_dir, tmp_pat
     for key, value in reports[0]["stats_a"].items():
         if key != "num_micro_batches":
             assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_two_fsdp_ranks_save_a_tied_head_once(tiny_model_dir, tmp_path):
+    """The HF checkpoint of 2 ranks names the same tensors as one process's: a tied
+    lm_head.weight is written once (as model.embed_tokens.weight), not as a second copy."""
+    single = _engine(tiny_model_dir)
+    assert single.model.config.tie_word_embeddings
+    single.save(str(tmp_path / "single"))
+    reports = run_ranks(save_ranks, 2, (str(tiny_model_dir), str(tmp_path / "fsdp")))
+    want = load_file(str(tmp_path / "single" / "model.safetensors"))
+    got = load_file(str(tmp_path / "fsdp" / "model.safetensors"))
+    assert "lm_head.weight" not in want
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+        assert np.array_equal(reports[0]["weights"][name], tensor.numpy()), name
+    size = (tmp_path / "fsdp" / "model.safetensors").stat().st_size
+    assert size == (tmp_path / "single" / "model.safetensors").stat().st_size
 
 
 # ---------------------------------------------------------------------------- LR schedule
