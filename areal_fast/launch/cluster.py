@@ -165,9 +165,10 @@ class Cluster:
             for rank, spec in enumerate(self.spec.trainer_specs()):
                 self.trainer_ranks.append(
                     self._start_worker(trainer_name(rank), trainer_worker_main, spec))
+            rollout = self.spec.rollout_spec()
             for i in range(self.spec.num_rollout_workers):
                 self.rollout_workers.append(
-                    self._start_worker(f"rollout-{i}", rollout_worker_main, self.spec.rollout_spec()))
+                    self._start_worker(f"rollout-{i}", rollout_worker_main, rollout))
             self._wait_ready([*self.trainer_ranks, *self.rollout_workers])
         except BaseException:
             self.close()
