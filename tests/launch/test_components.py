@@ -19,7 +19,7 @@ import torch
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.launch.cluster import ClusterSpec
-from areal_fast.launch.config import ExperimentConfig, load_config
+from areal_fast.launch.config import ConfigError, ExperimentConfig, load_config
 from areal_fast.launch.experiment import cluster_spec
 from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
 from areal_fast.train.fsdp import FSDPTrainEngine
@@ -159,3 +159,10 @@ def test_components_restate_no_config_field(component):
     restated -= {name for cls, name in ALLOWED if cls is component}
     assert not restated, (f"{component.__name__} restates config fields {sorted(restated)}: "
                           f"carry the config dataclass instead")
+
+
+def test_behav_weight_cap_has_one_key():
+    """The cap lives in ``actor.loss``; ``actor.behav_weight_cap`` is not a key."""
+    assert load_config(None, ["actor.loss.behav_weight_cap=5"]).actor.loss.behav_weight_cap == 5
+    with pytest.raises(ConfigError, match="behav_weight_cap"):
+        load_config(None, ["actor.behav_weight_cap=5"])
