@@ -59,7 +59,8 @@ class RolloutWorkerSpec:
         Also write each finished group's shard to ``<spool_dir>/<worker name>/``, so that a
         trainer still gets it if this worker dies before the shard is fetched.
     host : str
-        Address the shard server binds (127.0.0.1 unless a launcher configures another).
+        Address the shard server binds; a :class:`~areal_fast.launch.cluster.ClusterSpec`
+        starts every rollout worker with its ``scheduler.host`` here.
     """
 
     engine_factory: Callable

@@ -11,7 +11,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -20,6 +20,7 @@ from areal_fast.controller import messages as msg
 from areal_fast.controller.shards import fetch_packed_batch
 from areal_fast.rl.decoupled import staleness_stats
 from areal_fast.sync.shared_memory import SharedWeightBuffer
+from areal_fast.train.config import ActorConfig
 
 
 @dataclass
@@ -30,8 +31,9 @@ class TrainerWorkerSpec:
     ----------
     trainer_factory : callable () -> TrainEngine
         Builds the :class:`~areal_fast.train.engine.TrainEngine`.
-    adv_mode : str
-        Advantage estimator applied to each fetched batch.
+    actor : ActorConfig
+        The trained policy's settings; ``actor.adv_mode`` is the advantage estimator
+        applied to each fetched batch (the trainer factory gets the same object).
     fetch_timeout : float
         Seconds allowed to fetch one batch's shards from the rollout workers.
     threads : int, optional
@@ -43,7 +45,7 @@ class TrainerWorkerSpec:
     """
 
     trainer_factory: Callable
-    adv_mode: str = "grpo"
+    actor: ActorConfig = field(default_factory=ActorConfig)
     fetch_timeout: float = 300.0
     threads: Optional[int] = None
     rank: int = 0
@@ -147,7 +149,7 @@ def _fetch(batch, authkey: bytes, spec: TrainerWorkerSpec):
     start = time.perf_counter()
     if spec.world_size > 1:
         batch = batch.split(spec.world_size)[spec.rank]
-    packed = fetch_packed_batch(batch, authkey, spec.adv_mode, spec.fetch_timeout)
+    packed = fetch_packed_batch(batch, authkey, spec.actor.adv_mode, spec.fetch_timeout)
     return packed, time.perf_counter() - start
 
 

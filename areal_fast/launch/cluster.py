@@ -20,7 +20,7 @@ import os
 import secrets
 import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -28,45 +28,65 @@ from areal_fast.controller import messages as msg
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec, rollout_worker_main
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec, trainer_worker_main
 from areal_fast.controller.workers import WorkerError, WorkerHandle, spawn_worker, wait_messages
+from areal_fast.launch.config import LauncherConfig, SchedulerConfig
 from areal_fast.sync.shared_memory import remove_orphaned_buffers
 
 
 @dataclass
 class ClusterSpec:
     """Which workers to start: ``num_rollout_workers`` copies of ``rollout`` and
-    ``train_world_size`` trainer ranks built from ``trainer``.
+    ``scheduler.train_world_size`` trainer ranks built from ``trainer``.
 
     Attributes
     ----------
     rollout : RolloutWorkerSpec
+        Every rollout worker starts with a copy whose ``host`` is ``scheduler.host``
+        (:meth:`rollout_spec`).
     trainer : TrainerWorkerSpec
         Rank 0's spec; the other ranks get copies with their rank (and the trainer
-        factory's ``rank`` / ``world_size`` / ``dist_init_method`` when it has them).
+        factory's ``rank`` / ``world_size`` / ``dist_init_method`` / ``dist_timeout`` when it
+        has them), see :meth:`trainer_specs`.
     num_rollout_workers : int
-    startup_timeout : float
-        Seconds for every worker to report ready.
-    train_world_size : int
-        Trainer ranks (FSDP2 data parallel; 1: a single process).
-    host : str
-        Address that torch.distributed's rendezvous and the Ray workers' channels use
-        (127.0.0.1 unless configured otherwise).
+        ``rollout.num_workers``.
+    scheduler : SchedulerConfig
+        ``train_world_size`` (trainer ranks, FSDP2 data parallel; 1: a single process),
+        ``host`` (address of torch.distributed's rendezvous, the shard servers and the Ray
+        workers' channels) and ``dist_timeout`` (seconds of the trainer group's collectives).
+    launcher : LauncherConfig
+        ``startup_timeout``: seconds for every worker to report ready.
     workers_file : str, optional
         JSON file that receives ``{worker name: pid}`` after every (re)start.
     """
 
     rollout: RolloutWorkerSpec
     trainer: TrainerWorkerSpec
-    num_rollout_workers: int = 1
-    startup_timeout: float = 600.0
-    train_world_size: int = 1
-    host: str = "127.0.0.1"
+    num_rollout_workers: int
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
     workers_file: Optional[str] = None
 
     def __post_init__(self):
         if self.num_rollout_workers < 1:
             raise ValueError(f"num_rollout_workers = {self.num_rollout_workers} must be >= 1")
-        if self.train_world_size < 1:
-            raise ValueError(f"train_world_size = {self.train_world_size} must be >= 1")
+
+    @property
+    def train_world_size(self) -> int:
+        """Trainer ranks (``scheduler.train_world_size``)."""
+        return self.scheduler.train_world_size
+
+    @property
+    def host(self) -> str:
+        """Address of the rendezvous, shard servers and channels (``scheduler.host``)."""
+        return self.scheduler.host
+
+    @property
+    def startup_timeout(self) -> float:
+        """Seconds for every worker to report ready (``launcher.startup_timeout``)."""
+        return self.launcher.startup_timeout
+
+    def rollout_spec(self) -> RolloutWorkerSpec:
+        """The spec every rollout worker starts with: ``rollout`` on ``scheduler.host``."""
+        return dataclasses.replace(self.rollout, host=self.host)
 
     def trainer_specs(self) -> list[TrainerWorkerSpec]:
         """One spec per trainer rank, with a fresh rendezvous address when there are several."""
@@ -78,8 +98,10 @@ class ClusterSpec:
         for rank in range(n):
             factory = self.trainer.trainer_factory
             if dataclasses.is_dataclass(factory) and hasattr(factory, "world_size"):
-                factory = dataclasses.replace(factory, rank=rank, world_size=n,
-                                              dist_init_method=init_method)
+                group = dict(rank=rank, world_size=n, dist_init_method=init_method,
+                             dist_timeout=self.scheduler.dist_timeout)
+                factory = dataclasses.replace(
+                    factory, **{k: v for k, v in group.items() if hasattr(factory, k)})
             specs.append(dataclasses.replace(self.trainer, trainer_factory=factory, rank=rank,
                                              world_size=n))
         return specs
@@ -143,9 +165,10 @@ class Cluster:
             for rank, spec in enumerate(self.spec.trainer_specs()):
                 self.trainer_ranks.append(
                     self._start_worker(trainer_name(rank), trainer_worker_main, spec))
+            rollout = self.spec.rollout_spec()
             for i in range(self.spec.num_rollout_workers):
                 self.rollout_workers.append(
-                    self._start_worker(f"rollout-{i}", rollout_worker_main, self.spec.rollout))
+                    self._start_worker(f"rollout-{i}", rollout_worker_main, rollout))
             self._wait_ready([*self.trainer_ranks, *self.rollout_workers])
         except BaseException:
             self.close()
@@ -182,7 +205,7 @@ class Cluster:
         """
         old = next(h for h in self.rollout_workers if h.name == name)
         old.stop(timeout=1.0)
-        new = self._start_worker(name, rollout_worker_main, self.spec.rollout)
+        new = self._start_worker(name, rollout_worker_main, self.spec.rollout_spec())
         self.rollout_workers[self.rollout_workers.index(old)] = new
         self._wait_ready([new])
         self._write_workers_file()

@@ -218,29 +218,23 @@ def agent_spec(cfg: ExperimentConfig):
 
 def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
     """Worker specs of one experiment: HF engines, the torch trainer (its ranks), math
-    rewards (or the configured agent); ``resume_from`` is a checkpoint to load."""
-    m, a = cfg.model, cfg.actor
+    rewards (or the configured agent); ``resume_from`` is a checkpoint to load.
+
+    The specs carry the config's own sections (``cfg.model``, ``cfg.rollout``, ``cfg.actor``,
+    ``cfg.scheduler``, ``cfg.launcher``), so every worker uses the values set there.
+    """
     trainer_threads, rollout_threads = worker_threads(cfg)
-    engine = HFEngineFactory(m.path, m.dtype, m.attn_implementation, m.device,
-                             cfg.rollout.max_batch_size)
-    trainer = TorchTrainerFactory(
-        m.path, a.loss, a.optim, m.dtype, m.attn_implementation, m.device,
-        temperature=cfg.rollout.temperature, max_tokens_per_mb=a.max_tokens_per_mb,
-        pack_method=a.pack_method, keep_groups=a.keep_groups,
-        use_decoupled_loss=a.use_decoupled_loss, prox_logp_method=a.prox_logp_method,
-        ppo_n_minibatches=a.ppo_n_minibatches, seed=cfg.seed, total_steps=cfg.total_steps,
-        dist_timeout=cfg.scheduler.dist_timeout)
+    engine = HFEngineFactory(cfg.model, cfg.rollout)
+    trainer = TorchTrainerFactory(cfg.model, cfg.actor, cfg.rollout, seed=cfg.seed,
+                                  total_steps=cfg.total_steps)
     spool = str(cfg.run_dir / "shards") if cfg.recovery.spool_shards else None
     return ClusterSpec(
         rollout=RolloutWorkerSpec(engine, math_reward, threads=rollout_threads,
-                                  agent=agent_spec(cfg), spool_dir=spool,
-                                  host=cfg.scheduler.host),
-        trainer=TrainerWorkerSpec(trainer, adv_mode=a.adv_mode, threads=trainer_threads,
+                                  agent=agent_spec(cfg), spool_dir=spool),
+        trainer=TrainerWorkerSpec(trainer, cfg.actor, threads=trainer_threads,
                                   resume_from=resume_from),
-        num_rollout_workers=cfg.rollout.num_workers,
-        startup_timeout=cfg.launcher.startup_timeout,
-        train_world_size=cfg.scheduler.train_world_size, host=cfg.scheduler.host,
-        workers_file=str(cfg.run_dir / "workers.json"))
+        num_rollout_workers=cfg.rollout.num_workers, scheduler=cfg.scheduler,
+        launcher=cfg.launcher, workers_file=str(cfg.run_dir / "workers.json"))
 
 
 def make_cluster(cfg: ExperimentConfig, spec: ClusterSpec) -> Cluster:

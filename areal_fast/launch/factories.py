@@ -1,32 +1,43 @@
-"""Picklable builders of the real engine and trainer, run inside the worker processes."""
+"""Picklable builders of the real engine and trainer, run inside the worker processes.
+
+Each carries the config dataclasses it builds from (``model.*``, ``rollout.*``, ``actor.*``
+sections of :class:`~areal_fast.launch.config.ExperimentConfig`), never copies of their
+fields, so a setting has one home and one default.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Optional
 
-from areal_fast.rl.config import LossConfig
-from areal_fast.train.torch_engine import OptimizerConfig
+from areal_fast.models.config import ModelConfig
+from areal_fast.rollout.config import RolloutConfig
+from areal_fast.train.config import ActorConfig
 
 
 @dataclass
 class HFEngineFactory:
-    """Builds an :class:`~areal_fast.rollout.hf_engine.HFEngine` and its decode function."""
+    """Builds an :class:`~areal_fast.rollout.hf_engine.HFEngine` and its decode function.
 
-    model_path: str
-    dtype: str = "float32"
-    attn_implementation: str = "sdpa"
-    device: str = "cpu"
-    max_batch_size: int = 64
+    Attributes
+    ----------
+    model : ModelConfig
+        Which model to load (``path``, ``dtype``, ``attn_implementation``, ``device``).
+    rollout : RolloutConfig
+        ``max_batch_size``: sequences the engine generates together.
+    """
+
+    model: ModelConfig
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __call__(self):
         from areal_fast.models.loading import load_causal_lm, load_tokenizer
         from areal_fast.rollout.hf_engine import HFEngine
 
-        tokenizer = load_tokenizer(self.model_path)
-        model = load_causal_lm(self.model_path, self.dtype, self.attn_implementation,
-                               self.device)
-        engine = HFEngine(model, tokenizer, self.max_batch_size)
+        m = self.model
+        tokenizer = load_tokenizer(m.path)
+        model = load_causal_lm(m.path, m.dtype, m.attn_implementation, m.device)
+        engine = HFEngine(model, tokenizer, self.rollout.max_batch_size)
 
         def decode(token_ids: list[int]) -> str:
             return tokenizer.decode(token_ids, skip_special_tokens=True)
@@ -36,30 +47,41 @@ class HFEngineFactory:
 @dataclass
 class TorchTrainerFactory:
     """Builds a :class:`~areal_fast.train.torch_engine.TorchTrainEngine` (and its frozen
-    reference model when ``loss.kl_coef > 0``); with ``world_size > 1`` it joins the trainer
-    process group as rank ``rank`` and builds an
+    reference model when ``actor.loss.kl_coef > 0``); with ``world_size > 1`` it joins the
+    trainer process group as rank ``rank`` and builds an
     :class:`~areal_fast.train.fsdp.FSDPTrainEngine` (called inside each rank's process; every
-    rank then gets its own part of each batch)."""
+    rank then gets its own part of each batch).
 
-    model_path: str
-    loss: LossConfig = field(default_factory=LossConfig)
-    optim: OptimizerConfig = field(default_factory=OptimizerConfig)
-    dtype: str = "float32"
-    attn_implementation: str = "sdpa"
-    device: str = "cpu"
-    temperature: float = 1.0
-    max_tokens_per_mb: int = 4096
-    pack_method: str = "kk"
-    keep_groups: bool = False
-    use_decoupled_loss: bool = False
-    prox_logp_method: str = "recompute"
-    ppo_n_minibatches: int = 1
+    Attributes
+    ----------
+    model : ModelConfig
+        Which model to load and how (``path``, ``dtype``, ``attn_implementation``,
+        ``device``; a CUDA trainer group puts each rank on its own GPU).
+    actor : ActorConfig
+        Loss, optimizer and packing settings, handed to the engine as they are.
+    rollout : RolloutConfig
+        ``temperature``: the sampling temperature the trainer recomputes log-probs at.
+    seed : int, optional
+        ``torch.manual_seed`` before the model is loaded.
+    total_steps : int, optional
+        Train steps the learning-rate schedule decays over (None: no decay).
+    rank, world_size, dist_init_method, dist_timeout
+        This trainer's data-parallel rank, the number of ranks (> 1: FSDP2), the trainer
+        group's rendezvous (e.g. ``tcp://host:port``) and the seconds its rendezvous and
+        collectives may take; :meth:`ClusterSpec.trainer_specs
+        <areal_fast.launch.cluster.ClusterSpec.trainer_specs>` fills them per rank from
+        ``scheduler.*``.
+    """
+
+    model: ModelConfig
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
     seed: Optional[int] = None
-    total_steps: Optional[int] = None  # train steps the LR schedule decays over (None: none)
-    rank: int = 0  # this trainer's data-parallel rank
-    world_size: int = 1  # data-parallel trainer ranks (> 1: FSDP2)
-    dist_init_method: str = ""  # rendezvous of the trainer group, e.g. tcp://host:port
-    dist_timeout: float = 600.0  # seconds, rendezvous and collectives
+    total_steps: Optional[int] = None
+    rank: int = 0
+    world_size: int = 1
+    dist_init_method: str = ""
+    dist_timeout: float = 600.0
 
     def __call__(self):
         import torch
@@ -69,25 +91,22 @@ class TorchTrainerFactory:
         if self.seed is not None:
             torch.manual_seed(self.seed)
         mesh = self._join_group()
-        device = self.device
+        m = self.model
+        device = m.device
         if mesh is not None and mesh.device_type == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
-        load = dict(dtype=self.dtype, attn_implementation=self.attn_implementation,
-                    device=device)
-        policy = load_causal_lm(self.model_path, **load)
-        ref = load_causal_lm(self.model_path, **load) if self.loss.kl_coef > 0 else None
-        kwargs = dict(temperature=self.temperature, max_tokens_per_mb=self.max_tokens_per_mb,
-                      pack_method=self.pack_method, keep_groups=self.keep_groups,
-                      ref_model=ref, use_decoupled_loss=self.use_decoupled_loss,
-                      prox_logp_method=self.prox_logp_method,
-                      ppo_n_minibatches=self.ppo_n_minibatches, total_steps=self.total_steps)
+        load = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, device=device)
+        policy = load_causal_lm(m.path, **load)
+        ref = load_causal_lm(m.path, **load) if self.actor.loss.kl_coef > 0 else None
+        kwargs = dict(temperature=self.rollout.temperature, ref_model=ref,
+                      total_steps=self.total_steps)
         if mesh is None:
             from areal_fast.train.torch_engine import TorchTrainEngine
 
-            return TorchTrainEngine(policy, self.loss, self.optim, **kwargs)
+            return TorchTrainEngine(policy, self.actor, **kwargs)
         from areal_fast.train.fsdp import FSDPTrainEngine
 
-        return FSDPTrainEngine(policy, self.loss, self.optim, mesh=mesh, **kwargs)
+        return FSDPTrainEngine(policy, self.actor, mesh=mesh, **kwargs)
 
     def _join_group(self):
         """The data-parallel mesh when ``world_size > 1`` (None for a single trainer)."""
@@ -95,6 +114,6 @@ class TorchTrainerFactory:
             return None
         from areal_fast.train.fsdp import init_trainer_group
 
-        backend = "nccl" if self.device.startswith("cuda") else "gloo"
+        backend = "nccl" if self.model.device.startswith("cuda") else "gloo"
         return init_trainer_group(self.rank, self.world_size, self.dist_init_method, backend,
                                   self.dist_timeout)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
-
 from areal_fast._checks import at_least
 from areal_fast.rl.advantages import ADVANTAGE_MODES
 from areal_fast.rl.config import LossConfig
@@ -62,7 +60,6 @@ class ActorConfig:
     # trainer's weights at the start of the step), weighted by exp(prox − behav)
     use_decoupled_loss: bool = True
     prox_logp_method: str = "recompute"  # "recompute" | "loglinear" (version interpolation)
-    behav_weight_cap: Optional[float] = None  # cap on exp(prox − behav); sets loss.behav_weight_cap
     ppo_n_minibatches: int = 1  # optimizer steps per batch (one policy version per batch)
 
     def __post_init__(self):
@@ -75,10 +72,3 @@ class ActorConfig:
             raise ValueError(f"prox_logp_method = {self.prox_logp_method!r} is not "
                              f"'recompute' or 'loglinear'")
         at_least("ppo_n_minibatches", self.ppo_n_minibatches, 1)
-        if self.behav_weight_cap is not None:
-            if not self.behav_weight_cap > 0:
-                raise ValueError(f"behav_weight_cap = {self.behav_weight_cap} must be > 0")
-            if self.loss.behav_weight_cap not in (None, self.behav_weight_cap):
-                raise ValueError(f"behav_weight_cap = {self.behav_weight_cap} contradicts "
-                                 f"loss.behav_weight_cap = {self.loss.behav_weight_cap}")
-            self.loss.behav_weight_cap = self.behav_weight_cap

@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from areal_fast.ops.packing import partition_balanced
 from areal_fast.rl.batch import PackedBatch
+from areal_fast.train.config import ActorConfig
 from areal_fast.train.torch_engine import (SHARDED_FORWARD, BatchTotals, TorchTrainEngine,
                                            _num_trained_seqs, unsharded_forward_logprobs)
 
@@ -157,14 +158,14 @@ class FSDPTrainEngine(TorchTrainEngine):
     Parameters
     ----------
     model : transformers causal LM, on this rank's device
-    loss_config, optim
+    actor : ActorConfig
         As for TorchTrainEngine.
     mesh : DeviceMesh
         The 1-D data-parallel mesh (:func:`init_trainer_group`).
     ref_model : causal LM, optional
         Sharded too (its forward is a collective as well).
     **kwargs
-        The other keyword arguments of TorchTrainEngine.
+        The other keyword arguments of TorchTrainEngine (``temperature`` among them).
 
     Attributes
     ----------
@@ -174,7 +175,7 @@ class FSDPTrainEngine(TorchTrainEngine):
         Where small collectives (counts, statistics) run: CPU for gloo, this GPU for nccl.
     """
 
-    def __init__(self, model, loss_config, optim, *, mesh: DeviceMesh, ref_model=None,
+    def __init__(self, model, actor: ActorConfig, *, mesh: DeviceMesh, ref_model=None,
                  **kwargs):
         if mesh.ndim != 1:
             raise ValueError(f"mesh must be 1-D (data parallel), got {mesh.ndim} dimensions")
@@ -187,7 +188,7 @@ class FSDPTrainEngine(TorchTrainEngine):
         shard_model(model, mesh)
         if ref_model is not None:
             shard_model(ref_model.eval().requires_grad_(False), mesh)
-        super().__init__(model, loss_config, optim, ref_model=ref_model, **kwargs)
+        super().__init__(model, actor, ref_model=ref_model, **kwargs)
 
     def accumulate_gradients(self, batch: PackedBatch,
                              prox_logprobs: Optional[torch.Tensor] = None) -> dict[str, float]:
@@ -286,12 +287,21 @@ class FSDPTrainEngine(TorchTrainEngine):
         """Write a HF ``save_pretrained`` directory at ``path`` from the full state dict.
 
         All ranks take part in the gather; rank 0 writes; all return after it has written.
+        The gather returns a separate copy of each name of a tied parameter (e.g.
+        ``lm_head.weight`` tied to ``model.embed_tokens.weight``); those names are pointed
+        back at one tensor, so ``save_pretrained`` writes it once, as for the unsharded model
+        (the same tensor names as :meth:`TorchTrainEngine.save`).
         """
         from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                              get_model_state_dict)
 
+        from areal_fast.train.checkpoint import _tied_aliases
+
         state = get_model_state_dict(
             self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
+            for alias, name in _tied_aliases(self.model).items():
+                if alias in state and name in state:
+                    state[alias] = state[name]
             self.model.save_pretrained(path, state_dict=state)
         dist.barrier(group=self.group)

@@ -7,16 +7,17 @@ from typing import Iterator, NamedTuple, Optional
 
 import torch
 
+from areal_fast._checks import positive_finite
 from areal_fast.models.packed_attention import register_packed_attention
 from areal_fast.ops.logprobs import linear_logprobs
 from areal_fast.ops.packing import partition_balanced
 from areal_fast.ops.segment import segment_sum
 from areal_fast.rl.batch import PackedBatch, select_sequences
-from areal_fast.rl.config import LossConfig
 from areal_fast.rl.decoupled import (behav_weight_stats, check_token_versions,
                                      loglinear_prox_logprobs, staleness_stats)
 from areal_fast.rl.objectives import grpo_loss
-from areal_fast.train.config import LR_SCHEDULES, PROX_LOGP_METHODS, OptimizerConfig  # noqa: F401
+from areal_fast.train.config import (LR_SCHEDULES, PROX_LOGP_METHODS,  # noqa: F401
+                                     ActorConfig, OptimizerConfig)
 
 SHARDED_FORWARD = "fsdp_packed_forward_logprobs"
 
@@ -126,36 +127,36 @@ class TorchTrainEngine:
     Parameters
     ----------
     model : transformers causal LM (trained in place)
-    loss_config : LossConfig
-    optim : OptimizerConfig
+    actor : ActorConfig
+        The trained policy's settings (``actor.*`` keys), used as they are:
+
+        - ``loss`` (LossConfig) and ``optim`` (OptimizerConfig: AdamW, clipping, schedule);
+        - ``max_tokens_per_mb``: token budget of a micro-batch; ``pack_method``: "kk"
+          (Karmarkar–Karp balanced) or "ffd" (first-fit decreasing); ``keep_groups``: keep
+          all sequences of a GRPO group in one micro-batch;
+        - ``use_decoupled_loss``: decoupled PPO (Fu et al. 2025, AReaL, Eq. 5): the PPO
+          ratio is taken against the proximal policy π_prox (the weights at the start of
+          :meth:`train_step`) and the per-token loss is weighted by
+          w = exp(log π_prox − log π_behav), capped as ``loss.behav_weight_cap`` /
+          ``behav_weight_mode`` say; False: the ratio is taken against the behaviour
+          log-probs (plain PPO/GRPO);
+        - ``prox_logp_method``: how log π_prox is obtained with the decoupled loss:
+          "recompute" (the trainer's own log-probs at the start of the step) or "loglinear"
+          (interpolation between behaviour and current log-probs by version, no forward
+          pass; see :func:`~areal_fast.rl.decoupled.loglinear_prox_logprobs`);
+        - ``ppo_n_minibatches``: optimizer updates per :meth:`train_step`: the batch is split
+          into this many minibatches (balanced by tokens, groups kept whole when
+          ``keep_groups``), each then split into micro-batches.
+
+        ``adv_mode`` is not used here (advantages are computed when a batch is assembled).
     temperature : float
-        Sampling temperature of the engine; log-probs are recomputed at it.
-    max_tokens_per_mb : int
-        Token budget of a micro-batch.
-    pack_method : str
-        "kk" (Karmarkar–Karp balanced) or "ffd" (first-fit decreasing).
-    keep_groups : bool
-        Keep all sequences of a GRPO group in one micro-batch.
+        Sampling temperature of the engines (``rollout.temperature``); log-probs are
+        recomputed at it.
     ref_model : causal LM, optional
-        Frozen reference policy for the KL term (needed when loss_config.kl_coef > 0).
+        Frozen reference policy for the KL term (needed when ``actor.loss.kl_coef > 0``).
     packed_attention : bool
         Switch the models to the mask-free per-sequence attention of
         :mod:`areal_fast.models.packed_attention` (else keep their own implementation).
-    use_decoupled_loss : bool
-        Decoupled PPO (Fu et al. 2025, AReaL, Eq. 5): the PPO ratio is taken against the
-        proximal policy π_prox (the weights at the start of :meth:`train_step`) and the
-        per-token loss is weighted by w = exp(log π_prox − log π_behav), capped as
-        ``loss_config.behav_weight_cap`` / ``behav_weight_mode`` say. False: the ratio is
-        taken against the behaviour log-probs (plain PPO/GRPO).
-    prox_logp_method : str
-        How log π_prox is obtained when ``use_decoupled_loss``: "recompute" (the trainer's
-        own log-probs at the start of the step) or "loglinear" (interpolation between
-        behaviour and current log-probs by version, no forward pass; see
-        :func:`~areal_fast.rl.decoupled.loglinear_prox_logprobs`).
-    ppo_n_minibatches : int
-        Optimizer updates per :meth:`train_step`: the batch is split into this many
-        minibatches (balanced by tokens, groups kept whole when ``keep_groups``), each then
-        split into micro-batches.
     initial_version : int
         Starting value of :attr:`version`.
     total_steps : int, optional
@@ -165,21 +166,31 @@ class TorchTrainEngine:
 
     Attributes
     ----------
+    actor : ActorConfig
+        The settings given (the engine reads them from here; ``loss_config``, ``optim``,
+        ``max_tokens_per_mb``, ``pack_method``, ``keep_groups``, ``use_decoupled_loss``,
+        ``prox_logp_method`` and ``ppo_n_minibatches`` are read-only views of it).
     version : int
         Policy version of the current weights: ``initial_version`` plus the number of
         :meth:`train_step` calls (one step is one version, whatever ``ppo_n_minibatches``).
         Tokens generated by the weights of version v carry v in ``PackedBatch.versions``.
+
+    Raises
+    ------
+    ValueError
+        ``actor.loss.kl_coef > 0`` without ``ref_model``; ``temperature`` not a finite
+        number > 0; ``initial_version`` or ``total_steps`` out of range.
     """
 
-    def __init__(self, model, loss_config: LossConfig, optim: OptimizerConfig, *,
-                 temperature: float = 1.0, max_tokens_per_mb: int = 4096,
-                 pack_method: str = "kk", keep_groups: bool = False, ref_model=None,
-                 packed_attention: bool = True, use_decoupled_loss: bool = False,
-                 prox_logp_method: str = "recompute", ppo_n_minibatches: int = 1,
-                 initial_version: int = 0, total_steps: Optional[int] = None):
-        if loss_config.kl_coef > 0 and ref_model is None:
-            raise ValueError("loss.kl_coef > 0 needs a reference model")
-        _check_decoupled_args(prox_logp_method, ppo_n_minibatches, initial_version)
+    def __init__(self, model, actor: ActorConfig, *, temperature: float, ref_model=None,
+                 packed_attention: bool = True, initial_version: int = 0,
+                 total_steps: Optional[int] = None):
+        if not isinstance(actor, ActorConfig):
+            raise TypeError(f"actor must be an ActorConfig, got {type(actor).__name__}")
+        if actor.loss.kl_coef > 0 and ref_model is None:
+            raise ValueError("actor.loss.kl_coef > 0 needs a reference model")
+        positive_finite("temperature", temperature)
+        _check_decoupled_args(actor.prox_logp_method, actor.ppo_n_minibatches, initial_version)
         if total_steps is not None and (isinstance(total_steps, bool)
                                         or not isinstance(total_steps, int) or total_steps < 1):
             raise ValueError(f"total_steps = {total_steps!r} must be an int >= 1 or None")
@@ -191,24 +202,32 @@ class TorchTrainEngine:
         # Dropout stays off (eval mode; gradients flow as usual): the trainer must recompute
         # exactly the engine's log-probs, or the on-policy PPO ratio would not be 1.
         self.model = model.eval()
-        self.loss_config = loss_config
-        self.optim = optim
+        self.actor = actor
         self.temperature = temperature
-        self.max_tokens_per_mb = max_tokens_per_mb
-        self.pack_method = pack_method
-        self.keep_groups = keep_groups
         self.ref_model = None if ref_model is None else ref_model.eval().requires_grad_(False)
+        optim = actor.optim
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
             weight_decay=optim.weight_decay)
         self.total_steps = total_steps
-        self.scheduler = self._make_scheduler(optim, total_steps, ppo_n_minibatches)
-        self.use_decoupled_loss = bool(use_decoupled_loss)
-        self.prox_logp_method = prox_logp_method
-        self.ppo_n_minibatches = ppo_n_minibatches
+        self.scheduler = self._make_scheduler(optim, total_steps, actor.ppo_n_minibatches)
         self.version = initial_version
         # Run the separate no-grad proximal pass even when one minibatch makes it redundant.
         self._explicit_prox_pass = False
+
+    # read-only views of the actor settings (one home: ``self.actor``)
+    loss_config = property(lambda self: self.actor.loss, doc="``actor.loss``")
+    optim = property(lambda self: self.actor.optim, doc="``actor.optim``")
+    max_tokens_per_mb = property(lambda self: self.actor.max_tokens_per_mb,
+                                 doc="``actor.max_tokens_per_mb``")
+    pack_method = property(lambda self: self.actor.pack_method, doc="``actor.pack_method``")
+    keep_groups = property(lambda self: self.actor.keep_groups, doc="``actor.keep_groups``")
+    use_decoupled_loss = property(lambda self: self.actor.use_decoupled_loss,
+                                  doc="``actor.use_decoupled_loss``")
+    prox_logp_method = property(lambda self: self.actor.prox_logp_method,
+                                doc="``actor.prox_logp_method``")
+    ppo_n_minibatches = property(lambda self: self.actor.ppo_n_minibatches,
+                                 doc="``actor.ppo_n_minibatches``")
 
     def _make_scheduler(self, optim: OptimizerConfig, total_steps, ppo_n_minibatches):
         """A LambdaLR over :func:`lr_factor`, stepped once per optimizer update."""

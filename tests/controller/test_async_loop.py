@@ -25,6 +25,7 @@ from areal_fast.controller.messages import GroupRequest
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.controller.workers import WorkerError
+from areal_fast.launch.config import LauncherConfig
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster
 from areal_fast.rollout.engine import SamplingParams, sample_seed
 from areal_fast.rollout.simulated import (
@@ -183,7 +184,8 @@ def run_controller(rollout: RolloutWorkerSpec, trainer: TrainerWorkerSpec, reque
     """Start a LocalCluster and run the controller; ``weight_files`` receives the paths of
     the trainer's shared-memory weight buffers."""
     records: list[dict] = []
-    spec = ClusterSpec(rollout, trainer, num_rollout_workers=num_workers, startup_timeout=60)
+    spec = ClusterSpec(rollout, trainer, num_rollout_workers=num_workers,
+                       launcher=LauncherConfig(startup_timeout=60))
     with LocalCluster(spec) as cluster:
         if weight_files is not None:
             weight_files.extend(Path(b.path) for b in cluster.weight_buffers)

@@ -20,12 +20,16 @@ from areal_fast.data.tasks import load_problems
 from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
 from areal_fast.launch.experiment import save_checkpoint
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster
+from areal_fast.launch.config import LauncherConfig
+from areal_fast.models.config import ModelConfig
 from areal_fast.models.loading import load_causal_lm, load_tokenizer
 from areal_fast.rl.advantages import group_advantages
 from areal_fast.rl.batch import pack_trajectories
 from areal_fast.rl.config import LossConfig
+from areal_fast.rollout.config import RolloutConfig
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.rollout.hf_engine import HFEngine
+from areal_fast.train.config import ActorConfig
 from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine
 
 SEED = 7
@@ -40,10 +44,11 @@ def char_parity_reward(completion_text: str, answer: str) -> float:
 
 
 def _components():
-    loss = LossConfig(eps_clip=0.2)
-    optim = OptimizerConfig(lr=1e-3, grad_clip=1.0)
+    actor = ActorConfig(loss=LossConfig(eps_clip=0.2),
+                        optim=OptimizerConfig(lr=1e-3, grad_clip=1.0), max_tokens_per_mb=512,
+                        keep_groups=False, use_decoupled_loss=False)
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8)
-    return loss, optim, params, dict(temperature=params.temperature, max_tokens_per_mb=512)
+    return actor, params
 
 
 def _reference_loop(engine, trainer, tokenizer, problems, params) -> list[dict]:
@@ -71,11 +76,11 @@ def _reference_loop(engine, trainer, tokenizer, problems, params) -> list[dict]:
 
 
 def _sync_run(model_dir: Path, problems):
-    loss, optim, params, train_kw = _components()
+    actor, params = _components()
     tokenizer = load_tokenizer(str(model_dir))
     policy = load_causal_lm(str(model_dir), "float32", "sdpa", "cpu")
     engine = HFEngine(copy.deepcopy(policy), tokenizer, max_batch_size=64)
-    trainer = TorchTrainEngine(policy, loss, optim, use_decoupled_loss=False, **train_kw)
+    trainer = TorchTrainEngine(policy, actor, temperature=params.temperature)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the worker processes
     try:
@@ -86,15 +91,16 @@ def _sync_run(model_dir: Path, problems):
 
 
 def _async_run(model_dir: Path, problems, tmp_path: Path):
-    loss, optim, params, train_kw = _components()
+    actor, params = _components()
     tokenizer = load_tokenizer(str(model_dir))
+    model = ModelConfig(path=str(model_dir))
+    rollout = RolloutConfig(temperature=params.temperature, max_batch_size=64)
     spec = ClusterSpec(
-        rollout=RolloutWorkerSpec(HFEngineFactory(str(model_dir)), char_parity_reward,
+        rollout=RolloutWorkerSpec(HFEngineFactory(model, rollout), char_parity_reward,
                                   threads=1),
-        trainer=TrainerWorkerSpec(TorchTrainerFactory(str(model_dir), loss, optim,
-                                                      use_decoupled_loss=False, seed=SEED,
-                                                      **train_kw), threads=1),
-        startup_timeout=120)
+        trainer=TrainerWorkerSpec(TorchTrainerFactory(model, actor, rollout, seed=SEED), actor,
+                                  threads=1),
+        num_rollout_workers=1, launcher=LauncherConfig(startup_timeout=120))
     requests = MathRequests(ProblemStream(problems, SEED),
                             ChatPrompts(tokenizer, DEFAULT_INSTRUCTION), params, SEED)
     settings = ControllerSettings(total_steps=STEPS, batch_size=BATCH,

@@ -172,6 +172,7 @@ def test_trainer_turns_dropout_off(tmp_path, fresh_seed):
     import copy
 
     from areal_fast.rl.config import LossConfig
+    from areal_fast.train.config import ActorConfig
     from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine
     from conftest import make_tiny_model_dir
 
@@ -182,7 +183,9 @@ def test_trainer_turns_dropout_off(tmp_path, fresh_seed):
     (path / "config.json").write_text(json.dumps(cfg))
     tok, policy = load_tokenizer(str(path)), load_causal_lm(str(path))
     engine = HFEngine(copy.deepcopy(policy), tok)
-    trainer = TorchTrainEngine(policy, LossConfig(), OptimizerConfig())
+    actor = ActorConfig(loss=LossConfig(), optim=OptimizerConfig(), keep_groups=False,
+                        use_decoupled_loss=False)
+    trainer = TorchTrainEngine(policy, actor, temperature=1.0)
     trajs = engine.generate([tok.encode("hello")], SamplingParams(n=4, max_new_tokens=8))
     stats = trainer.accumulate_gradients(pack_trajectories(trajs, torch.randn(4)))
     assert stats["behav_logprob_abs_diff"] < 1e-5

@@ -10,6 +10,7 @@ from areal_fast.rl.batch import Trajectory, pack_trajectories
 from areal_fast.rl.config import LossConfig
 from areal_fast.rl.decoupled import loglinear_prox_logprobs
 from areal_fast.train import torch_engine
+from areal_fast.train.config import ActorConfig
 from areal_fast.train.torch_engine import (OptimizerConfig, TorchTrainEngine,
                                            packed_forward_logprobs)
 
@@ -49,10 +50,14 @@ def _model(tiny_model_dir):
     return load_causal_lm(str(tiny_model_dir))
 
 
-def _trainer(model, loss_config=None, lr=1e-3, **kwargs):
-    kwargs.setdefault("max_tokens_per_mb", 40)
-    return TorchTrainEngine(model, loss_config or LossConfig(), OptimizerConfig(lr=lr),
-                            temperature=0.9, **kwargs)
+def _trainer(model, loss_config=None, lr=1e-3, initial_version=0, **actor_fields):
+    """A trainer at temperature 0.9; ``actor_fields`` over plain PPO with groups free to
+    split and a 40-token micro-batch budget."""
+    fields = {"keep_groups": False, "use_decoupled_loss": False, "max_tokens_per_mb": 40,
+              **actor_fields}
+    actor = ActorConfig(loss=loss_config or LossConfig(), optim=OptimizerConfig(lr=lr),
+                        **fields)
+    return TorchTrainEngine(model, actor, temperature=0.9, initial_version=initial_version)
 
 
 def _flat(model):

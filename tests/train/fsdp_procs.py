@@ -23,6 +23,14 @@ from areal_fast.rl.batch import PackedBatch, Trajectory, pack_trajectories, sele
 NUM_GROUPS, GROUP_SIZE = 6, 2
 
 
+def plain_actor(**fields):
+    """An ``ActorConfig`` for these tests: plain PPO (``use_decoupled_loss`` off) and groups
+    free to split (``keep_groups`` off) unless ``fields`` say otherwise."""
+    from areal_fast.train.config import ActorConfig
+
+    return ActorConfig(**{"keep_groups": False, "use_decoupled_loss": False, **fields})
+
+
 def global_batch(vocab: int, seed: int, version: int) -> PackedBatch:
     """``NUM_GROUPS`` GRPO groups of ``GROUP_SIZE`` random sequences (group i is sequences
     2i, 2i+1), token versions in [version − 1, version] (stale for decoupled PPO), GRPO
@@ -113,6 +121,17 @@ def weights_numpy(engine) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------- scenarios
+def trainer_factory_args(model_path: str, total_steps=None, temperature: float = 1.0,
+                         **actor_fields) -> dict:
+    """TorchTrainerFactory arguments of a scenario: the model at ``model_path``, the
+    sampling temperature, and :func:`plain_actor` with ``actor_fields``."""
+    from areal_fast.models.config import ModelConfig
+    from areal_fast.rollout.config import RolloutConfig
+
+    return dict(model=ModelConfig(path=model_path), actor=plain_actor(**actor_fields),
+                rollout=RolloutConfig(temperature=temperature), total_steps=total_steps)
+
+
 def train_ranks(rank, world_size, init_method, factory_kwargs: dict, seed: int,
                 steps: int) -> dict:
     """Build the FSDP engine through TorchTrainerFactory, train ``steps`` steps on this
@@ -121,7 +140,7 @@ def train_ranks(rank, world_size, init_method, factory_kwargs: dict, seed: int,
 
     factory = TorchTrainerFactory(rank=rank, world_size=world_size,
                                   dist_init_method=init_method, dist_timeout=60,
-                                  **factory_kwargs)
+                                  **trainer_factory_args(**factory_kwargs))
     engine = factory()
     vocab = engine.model.config.vocab_size
     stats = []
@@ -142,10 +161,11 @@ def checkpoint_ranks(rank, world_size, init_method, model_dir: str, directory: s
 
     mesh = init_trainer_group(rank, world_size, init_method, "gloo", 60)
     optim = OptimizerConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=1)
+    actor = plain_actor(loss=LossConfig(), optim=optim, **engine_kwargs)
 
     def make():
-        return FSDPTrainEngine(load_causal_lm(model_dir), LossConfig(), optim, mesh=mesh,
-                               total_steps=4, **engine_kwargs)
+        return FSDPTrainEngine(load_causal_lm(model_dir), actor, mesh=mesh, temperature=1.0,
+                               total_steps=4)
 
     def step(engine, k):
         batch = global_batch(engine.model.config.vocab_size, seed + k, engine.version)
@@ -164,3 +184,14 @@ def checkpoint_ranks(rank, world_size, init_method, model_dir: str, directory: s
     stats_b = step(b, 2)
     return {"stats_a": stats_a, "stats_b": stats_b, "rng_a": rng_a, "rng_b": rng_b,
             "weights_a": weights_numpy(a), "weights_b": weights_numpy(b)}
+
+
+def save_ranks(rank, world_size, init_method, model_dir: str, directory: str) -> dict:
+    """An FSDP engine's HF checkpoint (``engine.save``) written at ``directory``."""
+    from areal_fast.train.fsdp import FSDPTrainEngine, init_trainer_group
+
+    mesh = init_trainer_group(rank, world_size, init_method, "gloo", 60)
+    engine = FSDPTrainEngine(load_causal_lm(model_dir), plain_actor(), mesh=mesh,
+                             temperature=1.0)
+    engine.save(directory)
+    return {"weights": weights_numpy(engine)}

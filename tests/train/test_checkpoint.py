@@ -18,15 +18,16 @@ from areal_fast.rl.batch import select_sequences
 from areal_fast.rl.config import LossConfig
 from areal_fast.train.checkpoint import load_train_state, save_train_state
 from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine, lr_factor
-from fsdp_procs import checkpoint_ranks, global_batch, run_ranks
+from fsdp_procs import checkpoint_ranks, global_batch, plain_actor, run_ranks, save_ranks
 
 OPTIM = OptimizerConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=1)
 
 
-def _engine(model_dir, **kwargs) -> TorchTrainEngine:
-    kwargs.setdefault("max_tokens_per_mb", 40)
-    return TorchTrainEngine(load_causal_lm(str(model_dir)), LossConfig(), OPTIM, total_steps=4,
-                            **kwargs)
+def _engine(model_dir, **actor_fields) -> TorchTrainEngine:
+    actor_fields.setdefault("max_tokens_per_mb", 40)
+    return TorchTrainEngine(load_causal_lm(str(model_dir)),
+                            plain_actor(loss=LossConfig(), optim=OPTIM, **actor_fields),
+                            temperature=1.0, total_steps=4)
 
 
 def _step(engine, seed: int, k: int) -> dict:
@@ -126,7 +127,8 @@ def test_other_model_is_rejected_by_name(tiny_model_dir, tiny_qwen_dir, saved):
 
 
 def test_optimizer_of_another_model_is_rejected(tiny_model_dir, saved, tmp_path):
-    other = TorchTrainEngine(load_causal_lm(str(tiny_model_dir)), LossConfig(), OPTIM)
+    other = TorchTrainEngine(load_causal_lm(str(tiny_model_dir)),
+                             plain_actor(loss=LossConfig(), optim=OPTIM), temperature=1.0)
     state = torch.load(saved / "optimizer.pt", weights_only=True)
     state["state"]["model.norm.weight"]["exp_avg"] = torch.zeros(5)
     torch.save(state, saved / "optimizer.pt")
@@ -159,6 +161,24 @@ def test_two_fsdp_ranks_resume_and_load_into_one_process(tiny_model_dir, tmp_pat
             assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
 
 
+def test_two_fsdp_ranks_save_a_tied_head_once(tiny_model_dir, tmp_path):
+    """The HF checkpoint of 2 ranks names the same tensors as one process's: a tied
+    lm_head.weight is written once (as model.embed_tokens.weight), not as a second copy."""
+    single = _engine(tiny_model_dir)
+    assert single.model.config.tie_word_embeddings
+    single.save(str(tmp_path / "single"))
+    reports = run_ranks(save_ranks, 2, (str(tiny_model_dir), str(tmp_path / "fsdp")))
+    want = load_file(str(tmp_path / "single" / "model.safetensors"))
+    got = load_file(str(tmp_path / "fsdp" / "model.safetensors"))
+    assert "lm_head.weight" not in want
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), name
+        assert np.array_equal(reports[0]["weights"][name], tensor.numpy()), name
+    size = (tmp_path / "fsdp" / "model.safetensors").stat().st_size
+    assert size == (tmp_path / "single" / "model.safetensors").stat().st_size
+
+
 # ---------------------------------------------------------------------------- LR schedule
 def _expected_factor(u: int, schedule: str, warmup: int, total) -> float:
     if u < warmup:
@@ -174,8 +194,10 @@ def _expected_factor(u: int, schedule: str, warmup: int, total) -> float:
     ("cosine", 1, 3, 2), ("linear", 0, None, 1)])
 def test_lr_follows_the_schedule(tiny_model_dir, schedule, warmup, total, minibatches):
     optim = OptimizerConfig(lr=1e-3, lr_schedule=schedule, warmup_steps=warmup)
-    engine = TorchTrainEngine(load_causal_lm(str(tiny_model_dir)), LossConfig(), optim,
-                              ppo_n_minibatches=minibatches, total_steps=total)
+    engine = TorchTrainEngine(load_causal_lm(str(tiny_model_dir)),
+                              plain_actor(loss=LossConfig(), optim=optim,
+                                          ppo_n_minibatches=minibatches),
+                              temperature=1.0, total_steps=total)
     updates = None if total is None else total * minibatches
     vocab = engine.model.config.vocab_size
     for step in range(5):
@@ -189,8 +211,9 @@ def test_lr_follows_the_schedule(tiny_model_dir, schedule, warmup, total, miniba
 
 
 def test_default_lr_is_constant_and_untouched(tiny_model_dir):
-    engine = TorchTrainEngine(load_causal_lm(str(tiny_model_dir)), LossConfig(),
-                              OptimizerConfig(lr=3e-4))
+    engine = TorchTrainEngine(load_causal_lm(str(tiny_model_dir)),
+                              plain_actor(loss=LossConfig(), optim=OptimizerConfig(lr=3e-4)),
+                              temperature=1.0)
     vocab = engine.model.config.vocab_size
     for step in range(3):
         assert engine.train_step(global_batch(vocab, step, 0))["lr"] == 3e-4
@@ -209,5 +232,6 @@ def test_schedule_config_is_validated(kwargs, match):
 
 def test_total_steps_is_validated(tiny_model_dir):
     with pytest.raises(ValueError, match="total_steps = 0"):
-        TorchTrainEngine(load_causal_lm(str(tiny_model_dir)), LossConfig(), OptimizerConfig(),
-                         total_steps=0)
+        TorchTrainEngine(load_causal_lm(str(tiny_model_dir)),
+                         plain_actor(loss=LossConfig(), optim=OptimizerConfig()),
+                         temperature=1.0, total_steps=0)

@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from areal_fast.launch.factories import TorchTrainerFactory
+from areal_fast.models.config import ModelConfig
 from areal_fast.rl.batch import select_sequences
 from areal_fast.rl.config import LossConfig
 from areal_fast.train.fsdp import init_trainer_group
 from areal_fast.train.torch_engine import OptimizerConfig
-from fsdp_procs import global_batch, local_mb_counts, rank_parts, run_ranks, train_ranks
+from fsdp_procs import (global_batch, local_mb_counts, rank_parts, run_ranks,
+                        trainer_factory_args, train_ranks)
 
 BUDGET = 40  # tokens per micro-batch; a group is at most 2 x 20 tokens
 STEPS = 3
@@ -73,7 +75,7 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, name):
 
 def _single_process(kwargs: dict, seed: int):
     """The reference: one TorchTrainEngine (same factory, world_size 1) on whole batches."""
-    engine = TorchTrainerFactory(**kwargs)()
+    engine = TorchTrainerFactory(**trainer_factory_args(**kwargs))()
     stats, counts = [], []
     for step in range(STEPS):
         batch = global_batch(engine.model.config.vocab_size, seed + step, engine.version)
@@ -98,11 +100,12 @@ def _union_of_rank_minibatches(engine, batch, step):
 def test_factory_stays_a_picklable_dataclass(tiny_model_dir):
     import pickle
 
-    factory = TorchTrainerFactory(str(tiny_model_dir), total_steps=7, rank=1, world_size=2,
-                                  dist_init_method="tcp://127.0.0.1:1", dist_timeout=5.0)
+    factory = TorchTrainerFactory(ModelConfig(path=str(tiny_model_dir)), total_steps=7,
+                                  rank=1, world_size=2, dist_init_method="tcp://127.0.0.1:1",
+                                  dist_timeout=5.0)
     assert pickle.loads(pickle.dumps(factory)) == factory
     assert dataclasses.is_dataclass(factory)
-    engine = TorchTrainerFactory(str(tiny_model_dir), total_steps=7)()
+    engine = TorchTrainerFactory(ModelConfig(path=str(tiny_model_dir)), total_steps=7)()
     assert engine.total_steps == 7 and not hasattr(engine, "mesh")
 
 

@@ -6,6 +6,7 @@ import torch
 from areal_fast.models.loading import load_causal_lm
 from areal_fast.rl.batch import Trajectory, pack_trajectories
 from areal_fast.rl.config import LossConfig
+from areal_fast.train.config import ActorConfig
 from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine
 
 
@@ -41,8 +42,9 @@ def test_micro_batches_accumulate_to_full_batch_gradient(tiny_model_dir, loss_co
             with torch.no_grad():  # a reference that differs from the policy, same in both runs
                 for p in ref.parameters():
                     p.add_(0.01 * torch.randn(p.shape, generator=g))
-        trainer = TorchTrainEngine(model, loss_config, OptimizerConfig(), temperature=0.9,
-                                   max_tokens_per_mb=budget, pack_method=method, ref_model=ref)
+        actor = ActorConfig(loss=loss_config, optim=OptimizerConfig(), max_tokens_per_mb=budget,
+                            pack_method=method, keep_groups=False, use_decoupled_loss=False)
+        trainer = TorchTrainEngine(model, actor, temperature=0.9, ref_model=ref)
         batch = _batch(model.config.vocab_size, fresh_seed % 1000)
         stats = trainer.accumulate_gradients(batch)
         grads.append((torch.cat([p.grad.flatten() for p in model.parameters()]), stats))
@@ -55,7 +57,9 @@ def test_micro_batches_accumulate_to_full_batch_gradient(tiny_model_dir, loss_co
 def test_train_step_changes_weights_and_clips(tiny_model_dir, fresh_seed):
     model = load_causal_lm(str(tiny_model_dir))
     before = [p.detach().clone() for p in model.parameters()]
-    trainer = TorchTrainEngine(model, LossConfig(), OptimizerConfig(lr=1e-3, grad_clip=1e-3))
+    actor = ActorConfig(loss=LossConfig(), optim=OptimizerConfig(lr=1e-3, grad_clip=1e-3),
+                        keep_groups=False, use_decoupled_loss=False)
+    trainer = TorchTrainEngine(model, actor, temperature=1.0)
     stats = trainer.train_step(_batch(model.config.vocab_size, 3))
     assert stats["grad_norm"] > 1e-3  # pre-clip norm is reported
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -63,8 +67,9 @@ def test_train_step_changes_weights_and_clips(tiny_model_dir, fresh_seed):
 
 def test_keep_groups_never_splits_a_group(tiny_model_dir):
     model = load_causal_lm(str(tiny_model_dir))
-    trainer = TorchTrainEngine(model, LossConfig(), OptimizerConfig(), max_tokens_per_mb=40,
-                               keep_groups=True)
+    actor = ActorConfig(loss=LossConfig(), optim=OptimizerConfig(), max_tokens_per_mb=40,
+                        keep_groups=True, use_decoupled_loss=False)
+    trainer = TorchTrainEngine(model, actor, temperature=1.0)
     batch = _batch(model.config.vocab_size, 5)
     seen = {}
     for i, mb in enumerate(trainer.micro_batches(batch)):
@@ -76,5 +81,5 @@ def test_keep_groups_never_splits_a_group(tiny_model_dir):
 
 def test_kl_needs_reference(tiny_model_dir):
     with pytest.raises(ValueError, match="reference"):
-        TorchTrainEngine(load_causal_lm(str(tiny_model_dir)), LossConfig(kl_coef=0.1),
-                         OptimizerConfig())
+        TorchTrainEngine(load_causal_lm(str(tiny_model_dir)),
+                         ActorConfig(loss=LossConfig(kl_coef=0.1)), temperature=1.0)
