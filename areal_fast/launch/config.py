@@ -141,7 +141,9 @@ class ExperimentConfig:
     tags: List[str] = field(default_factory=list)  # free labels, kept in the run's config.yaml
 
     def __post_init__(self):
-        at_least("total_steps", self.total_steps, 0)
+        at_least("total_steps", self.total_steps, 1,
+                 "(to evaluate a model without training: areal-fast eval --config FILE "
+                 "model.path=...)")
         if self.max_seconds is not None:
             positive_finite("max_seconds", self.max_seconds)
         at_least("batch_size", self.batch_size, 1)
