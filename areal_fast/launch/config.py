@@ -290,19 +290,28 @@ def _known_keys() -> tuple[str, ...]:
 
 
 def did_you_mean(key: str) -> str:
-    """``"; did you mean 'a.b', 'a.c'?"`` for an unknown dotted ``key`` ("" when nothing is
-    close): the known keys closest to the whole key, else those whose last part is closest
-    to its last part (``lrr`` -> ``actor.optim.lr``)."""
+    """``"; did you mean 'a.b'?"`` for an unknown dotted ``key`` ("" when nothing is close).
+
+    The known keys most like the whole key (difflib ratio >= 0.6 and within 0.1 of the
+    best, at most 3), else those whose last part is most like its last part
+    (``behav_weight_mode`` -> ``actor.loss.behav_weight_mode``).
+    """
     parts = key.split(".")
     ancestors = {".".join(parts[:i]) for i in range(1, len(parts))}
     known = [k for k in _known_keys() if k not in ancestors]
-    close = difflib.get_close_matches(key, known, n=3, cutoff=0.6)
+    close = _closest(key, known, 0.6)
     if not close:
-        leaf = key.rsplit(".", 1)[-1]
-        leaves = difflib.get_close_matches(leaf, [k.rsplit(".", 1)[-1] for k in known],
-                                           n=3, cutoff=0.75)
+        leaves = _closest(parts[-1], sorted({k.rsplit(".", 1)[-1] for k in known}), 0.75)
         close = [k for k in known if k.rsplit(".", 1)[-1] in leaves][:3]
     return f"; did you mean {', '.join(repr(k) for k in close)}?" if close else ""
+
+
+def _closest(word: str, candidates: list[str], cutoff: float) -> list[str]:
+    """Candidates most like ``word``: ratio >= ``cutoff`` and within 0.1 of the best."""
+    scored = sorted(((difflib.SequenceMatcher(None, word, c).ratio(), c) for c in candidates),
+                    key=lambda x: -x[0])
+    best = scored[0][0] if scored else 0.0
+    return [c for score, c in scored if score >= cutoff and score >= best - 0.1][:3]
 
 
 def _load_yaml(path: Path):
