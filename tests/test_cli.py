@@ -11,8 +11,9 @@ from areal_fast.cli import main
 
 
 def _args(model_dir, root, *extra, config=None):
-    return ["train", "--config", str(config or _EXAMPLE), "--no-progress", f"model.path={model_dir}",
-            f"fileroot={root}", "total_steps=2", "batch_size=3", "rollout.group_size=2",
+    return ["train", "--config", str(config or _EXAMPLE), "--no-progress",
+            f"model.path={model_dir}", f"fileroot={root}", "total_steps=2", "batch_size=3",
+            "rollout.group_size=2",
             "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.eval_size=8",
             "data.train_size=50", *extra]
 

@@ -171,13 +171,16 @@ def _about(cls) -> str:
     return _clean(inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0])
 
 
-def sections(root=None) -> list[Section]:
+def sections(root=None, strict: bool = True) -> list[Section]:
     """The config's sections, depth first in field order, the top level first.
 
     Parameters
     ----------
     root : type, optional
         The root dataclass; default :class:`~areal_fast.launch.config.ExperimentConfig`.
+    strict : bool
+        Raise on a field without a meaning (the reference and its tests); False leaves its
+        meaning empty (key lookups such as "did you mean").
 
     Returns
     -------
@@ -186,7 +189,8 @@ def sections(root=None) -> list[Section]:
     Raises
     ------
     ValueError
-        A field has no meaning (no comment, no docstring entry), naming the dotted key.
+        With ``strict``: a field has no meaning (no comment, no docstring entry), naming the
+        dotted key.
     """
     if root is None:
         from areal_fast.launch.config import ExperimentConfig as root
@@ -194,19 +198,24 @@ def sections(root=None) -> list[Section]:
 
     def walk(cls, prefix: str, about: str) -> None:
         hints = typing.get_type_hints(cls)
-        meanings = field_meanings(cls)
+        try:
+            meanings = field_meanings(cls)
+        except (OSError, TypeError):  # no source to read (only without strict)
+            if strict:
+                raise
+            meanings = {}
         keys, nested = [], []
         for f in fields(cls):
             dotted = f"{prefix}{f.name}"
             if is_dataclass(hints[f.name]):
-                nested.append((hints[f.name], f"{dotted}.", meanings[f.name]))
+                nested.append((hints[f.name], f"{dotted}.", meanings.get(f.name, "")))
                 continue
-            if not meanings.get(f.name):
+            if strict and not meanings.get(f.name):
                 raise ValueError(f"config key {dotted!r} has no meaning: write a # comment "
                                  f"beside {cls.__name__}.{f.name}")
             keys.append(ConfigKey(dotted, prefix.rstrip(".") or TOP_LEVEL,
                                   _type_name(hints[f.name]), _default_text(f),
-                                  meanings[f.name]))
+                                  meanings.get(f.name, "")))
         out.append(Section(prefix.rstrip(".") or TOP_LEVEL, about, tuple(keys)))
         for sub_cls, sub_prefix, sub_about in nested:
             walk(sub_cls, sub_prefix, _about(sub_cls) + (f" ({sub_about})" if sub_about
@@ -216,15 +225,15 @@ def sections(root=None) -> list[Section]:
     return out
 
 
-def config_keys(root=None) -> list[ConfigKey]:
+def config_keys(root=None, strict: bool = True) -> list[ConfigKey]:
     """Every leaf key of the config (see :func:`sections`), in reference order."""
-    return [key for section in sections(root) for key in section.keys]
+    return [key for section in sections(root, strict) for key in section.keys]
 
 
 def section_index() -> str:
     """Every section and its keys, for ``areal-fast train --help`` (one line per section)."""
     lines = []
-    for section in sections():
+    for section in sections(strict=False):
         prefix = "" if section.name == TOP_LEVEL else f"{section.name}."
         names = ", ".join(k.key[len(prefix):] for k in section.keys)
         lines.append(textwrap.fill(f"{section.name}: {names}", 100, initial_indent="  ",
