@@ -255,7 +255,12 @@ def render_text(width: int = 100) -> str:
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|")
+    """Markdown table cell: pipes escaped; outside code spans a ``<`` that could open an HTML
+    tag (``<run dir>``) becomes ``&lt;``."""
+    parts = text.replace("|", "\\|").split("`")
+    for i in range(0, len(parts), 2):
+        parts[i] = re.sub(r"<(?=[A-Za-z/])", "&lt;", parts[i])
+    return "`".join(parts)
 
 
 def render_markdown() -> str:
@@ -282,7 +287,7 @@ def render_markdown() -> str:
         "",
     ]
     for section in sections():
-        out += [f"## {section.name}", "", section.about, "",
+        out += [f"## {section.name}", "", _cell(section.about), "",
                 "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         out += [f"| `{k.key}` | {_cell(k.type)} | `{_cell(k.default)}` | {_cell(k.meaning)} |"
                 for k in section.keys]
