@@ -1,4 +1,9 @@
-"""``areal-fast`` command line: ``areal-fast train --config FILE [key=value ...]``."""
+"""areal-fast command line.
+
+    areal-fast train --config FILE [key=value ...]   asynchronous GRPO training
+    areal-fast eval  --config FILE model.path=...    greedy held-out accuracy of a model
+    areal-fast config [--markdown]                   every config key, its default and meaning
+"""
 
 from __future__ import annotations
 
@@ -8,14 +13,41 @@ import os
 import signal
 import sys
 
+_KEYS_HELP = ("config keys, by section (dotted, as key=value after the options;\n"
+              "`areal-fast config` prints each with its type, default and meaning):")
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="areal-fast", description=__doc__)
+
+def _keys_epilog() -> str:
+    from areal_fast.launch.config_reference import section_index
+
+    return f"{_KEYS_HELP}\n{section_index()}"
+
+
+def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
+    """The argument parser; ``with_keys`` adds the key index to the train/eval help."""
+    parser = argparse.ArgumentParser(prog="areal-fast", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run asynchronous GRPO training (local launcher)")
-    train.add_argument("--config", help="YAML experiment config (e.g. examples/arith.yaml)")
-    train.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    train.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    epilog = _keys_epilog() if with_keys else None
+    train = sub.add_parser("train", help="run asynchronous GRPO training (local launcher)",
+                           epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    evaluate = sub.add_parser(
+        "eval", help="greedy held-out accuracy of model.path (no training)", epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Evaluate model.path (a directory such as a run's checkpoint/, an HF id, "
+                    "or demo:...) greedily on the held-out set of data.*, on the same rollout "
+                    "workers as training; prints the accuracy and writes eval.jsonl and "
+                    "summary.json into --out (default fileroot/experiment_name/"
+                    "eval-<trial_name>).")
+    for command in (train, evaluate):
+        command.add_argument("--config", help="YAML experiment config (e.g. examples/arith.yaml)")
+        command.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        command.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    evaluate.add_argument("--out", help="evaluation directory (default: "
+                                        "fileroot/experiment_name/eval-<trial_name>)")
+    config = sub.add_parser("config", help="print every config key with its default")
+    config.add_argument("--markdown", action="store_true",
+                        help="print the markdown reference (docs/config.md)")
     return parser
 
 
@@ -28,26 +60,42 @@ def main(argv: list[str] | None = None) -> int:
 
     Set ``AREAL_FAST_DEBUG=1`` to get the full traceback of such an error instead.
     """
-    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser(with_keys=any(a in ("-h", "--help") for a in argv))
     args, extra = parser.parse_known_args(argv)  # options may come between key=value items
+    if args.command == "config":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        from areal_fast.launch.config_reference import render_markdown, render_text
+
+        try:
+            print(render_markdown() if args.markdown else render_text())
+        except BrokenPipeError:  # `areal-fast config | head`
+            sys.stdout = open(os.devnull, "w")
+        return 0
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
-    from areal_fast.launch.config import load_config
-    from areal_fast.launch.experiment import run_experiment
-
     if args.no_progress:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
     from areal_fast.controller.workers import WorkerError
+    from areal_fast.launch.config import load_config
 
     # SIGTERM (schedulers, `timeout`) unwinds like Ctrl-C: FAILED is written, workers stop
     signal.signal(signal.SIGTERM, _raise_system_exit)
     try:
         cfg = load_config(args.config, args.overrides)
-        summary = run_experiment(cfg, show_progress=not args.no_progress)
+        if args.command == "eval":
+            from areal_fast.launch.evaluation import accuracy_line, run_evaluation
+
+            summary = run_evaluation(cfg, args.out)
+        else:
+            from areal_fast.launch.experiment import run_experiment
+
+            summary = run_experiment(cfg, show_progress=not args.no_progress)
     except (ValueError, FileNotFoundError, ImportError, WorkerError, TimeoutError) as exc:
         if os.environ.get("AREAL_FAST_DEBUG"):
             raise
@@ -55,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"areal-fast: error: {message}", file=sys.stderr)
         # 2: a user error found by the checks; 1: a failure while running
         return 1 if isinstance(exc, (WorkerError, TimeoutError)) else 2
+    if args.command == "eval":
+        print(accuracy_line(summary))
+        print(f"evaluation directory: {summary['eval_dir']}")
+        return 0
     print(json.dumps(summary, indent=2))
     print(f"run directory: {cfg.run_dir}")
     return 0

@@ -1,6 +1,7 @@
 """End-to-end `areal-fast train` on a tiny random model, and the CLI's bad-input errors."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -10,8 +11,9 @@ from areal_fast.cli import main
 
 
 def _args(model_dir, root, *extra, config=None):
-    return ["train", "--config", str(config or _EXAMPLE), "--no-progress", f"model.path={model_dir}",
-            f"fileroot={root}", "total_steps=2", "batch_size=3", "rollout.group_size=2",
+    return ["train", "--config", str(config or _EXAMPLE), "--no-progress",
+            f"model.path={model_dir}", f"fileroot={root}", "total_steps=2", "batch_size=3",
+            "rollout.group_size=2",
             "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.eval_size=8",
             "data.train_size=50", *extra]
 
@@ -49,6 +51,8 @@ def test_kl_to_reference_and_qwen2(tiny_qwen_dir, tmp_path):
 
 @pytest.mark.parametrize("override,needle", [
     ("actor.optim.lrr=1e-5", "actor.optim.lrr"),
+    ("actor.optim.lrr=1e-5", "did you mean 'actor.optim.lr'?"),
+    ("total_steps=0", "areal-fast eval --config FILE model.path="),
     ("total_steps=abc", "total_steps"),
     ("data.task=no_such_task", "no_such_task"),
     ("actor.loss.aggregation=mean", "aggregation"),
@@ -137,6 +141,83 @@ def test_console_script_help():
     out = subprocess.run([sys.executable, "-m", "areal_fast.cli", "train", "--help"],
                          capture_output=True, text=True)
     assert out.returncode == 0 and "--config" in out.stdout
+    assert "`areal-fast config` prints each" in out.stdout
+    assert "  actor.optim: lr, weight_decay," in out.stdout and "max_seconds" in out.stdout
+    listing = subprocess.run([sys.executable, "-m", "areal_fast.cli", "config"],
+                             capture_output=True, text=True)
+    assert listing.returncode == 0
+    assert "  actor.optim.lr  (float) = 1e-05\n" in listing.stdout
+    assert "  scheduler.ray_num_cpus  (int | None) = null\n" in listing.stdout
+
+
+def _accuracy_of(out: str) -> tuple[float, int, int]:
+    """(percent, correct, problems) from the ``held-out accuracy: ...`` line."""
+    line = next(x for x in out.splitlines() if x.startswith("held-out accuracy: "))
+    match = re.match(r"held-out accuracy: ([0-9.]+)% \((\d+)/(\d+)\) of model.path=", line)
+    return float(match.group(1)), int(match.group(2)), int(match.group(3))
+
+
+def test_eval_command_prints_the_accuracy_of_its_jsonl(tiny_model_dir, tmp_path, capsys,
+                                                      monkeypatch):
+    """``areal-fast eval`` runs the held-out set on rollout workers alone (no trainer), prints
+    the accuracy its eval.jsonl holds and writes nothing into the training run directory."""
+    from areal_fast.launch import evaluation
+
+    args = ["eval", "--config", str(_EXAMPLE), "--no-progress", f"model.path={tiny_model_dir}",
+            f"fileroot={tmp_path}", "data.eval_size=8", "eval.max_new_tokens=6"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    folder = tmp_path / "grpo-arith" / "eval-trial0"
+    assert f"evaluation directory: {folder}" in out
+    records = [json.loads(x) for x in (folder / "eval.jsonl").read_text().splitlines()]
+    assert len(records) == 8 and len({r["uid"] for r in records}) == 8
+    percent, correct, problems = _accuracy_of(out)
+    assert problems == 8 and correct == sum(r["correct"] for r in records)
+    assert percent == pytest.approx(100 * correct / 8, abs=0.05)
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["accuracy"] == correct / 8 and summary["problems"] == 8
+    assert (folder / "config.yaml").is_file() and not (tmp_path / "grpo-arith/trial0").exists()
+
+    # a second evaluation into the same folder needs overwrite=true; the records the
+    # workers return are what is printed (here every other one marked correct)
+    assert main(args) == 2
+    assert "overwrite=true" in capsys.readouterr().err
+    real = evaluation.evaluate_on
+
+    def half_correct(*a, **k):
+        return [{**r, "correct": i % 2 == 0} for i, r in enumerate(real(*a, **k))]
+
+    monkeypatch.setattr(evaluation, "evaluate_on", half_correct)
+    out_dir = tmp_path / "elsewhere"
+    assert main([*args, f"--out={out_dir}"]) == 0
+    percent, correct, problems = _accuracy_of(capsys.readouterr().out)
+    records = [json.loads(x) for x in (out_dir / "eval.jsonl").read_text().splitlines()]
+    assert (percent, correct, problems) == (50.0, 4, 8)
+    assert sum(r["correct"] for r in records) / len(records) == 0.5
+
+
+def test_eval_refuses_a_training_run_directory(tiny_model_dir, tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("old: run\n")
+    assert main(["eval", "--config", str(_EXAMPLE), f"model.path={tiny_model_dir}",
+                 f"--out={run}", "overwrite=true"]) == 2
+    assert "holds no earlier evaluation" in capsys.readouterr().err
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
+
+
+def test_ray_resources_fail_before_the_run_directory(tmp_path, capsys):
+    """The README's Ray line on a machine with 2 CPUs for Ray: exit 2, one line, no run
+    directory (so the corrected command runs), and no Ray instance started."""
+    from areal_fast.launch.ray import main as ray_main
+
+    assert ray_main(["train", "--config", str(_EXAMPLE), f"fileroot={tmp_path}",
+                     "scheduler.train_world_size=2", "checkpoint.every_steps=5",
+                     "scheduler.ray_num_cpus=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("areal-fast: error: scheduler: the Ray workers need 3 CPUs")
+    assert "\n" not in err and "scheduler.cpus_per_trainer_rank" in err
+    assert not (tmp_path / "grpo-arith").exists()
 
 
 def test_failure_while_running_is_one_line(tiny_model_dir, tmp_path, capsys):

@@ -97,8 +97,8 @@ class TrajectoryConfig:
     write_threads: int = 4
     compression: str = "zstd"
     compression_level: int = 3
-    enabled: bool = False
-    directory: str = ""
+    enabled: bool = False  # store every agent session (agent.path runs) as a trajectory record
+    directory: str = ""  # store directory; "": <run dir>/trajectories
     linger_seconds: float = 1.0
 
     def __post_init__(self):

@@ -16,7 +16,7 @@ class Timeouts:
     train_step: float = 3600.0  # one TrainStep, fetch to publish
     weight_update: float = 600.0  # a rollout worker acknowledging new weights
     rollout_stall: float = 1800.0  # no rollout finished while some are running
-    evaluate: float = 3600.0
+    evaluate: float = 3600.0  # one held-out evaluation, over all rollout workers
 
     def __post_init__(self):
         for name in ("train_step", "weight_update", "rollout_stall", "evaluate"):

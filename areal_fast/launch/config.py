@@ -1,13 +1,19 @@
 """Experiment configuration: one small dataclass per component, filled from YAML + key=value.
 
 ``load_config(yaml_path, overrides)`` merges the dataclass defaults, a YAML file and dotted
-command-line overrides (``actor.optim.lr=2e-5``) with OmegaConf, which rejects unknown keys
-and values of the wrong type; the dataclasses' ``__post_init__`` then checks ranges.
+command-line overrides (``actor.optim.lr=2e-5``; ``data.task_kwargs={}`` empties a mapping)
+with OmegaConf, which rejects unknown keys (the error names the closest known ones) and values
+of the wrong type; the dataclasses' ``__post_init__`` then checks ranges. Errors about a value
+from the YAML file give its ``file:line:column``. Every key's meaning is the comment beside its
+field: :mod:`areal_fast.launch.config_reference` turns them into ``docs/config.md``.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
 import math
+import re
 import typing
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
@@ -34,10 +40,12 @@ __all__ = ["ActorConfig", "AgentConfig", "CheckpointConfig", "ConfigError", "Dat
 class LauncherConfig:
     """Local launcher: processes, their CPU threads, and how long to wait for them."""
 
-    # torch threads per process; None: every process gets all cores when
-    # rollout.max_head_offpolicyness = 0 (trainer and engines take turns), else the cores
-    # are split between the trainer and the rollout workers (they run at the same time)
+    # torch threads of each trainer rank; None: all cores when
+    # rollout.max_head_offpolicyness = 0 (trainer and engines take turns), else half of them
+    # (the trainer and the rollout workers run at the same time)
     trainer_threads: Optional[int] = None
+    # torch threads of each rollout worker; None: the cores (η = 0), else the half the
+    # trainer leaves, divided by rollout.num_workers
     rollout_threads: Optional[int] = None
     startup_timeout: float = 600.0  # seconds for every worker to load its model
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -57,17 +65,17 @@ class SchedulerConfig:
     launcher uses ``train_world_size`` and ``host`` only.
     """
 
-    type: str = "local"  # "local" | "ray"
+    type: str = "local"  # "local" processes, or "ray" actors (python -m areal_fast.launch.ray)
     train_world_size: int = 1  # trainer ranks (FSDP2 data parallel: gloo on CPU, NCCL on GPU)
     # address of the controller's channels, shard servers and the trainers' rendezvous;
     # the loopback default keeps everything on this machine
     host: str = "127.0.0.1"
     ray_address: Optional[str] = None  # None: start a local Ray instance; "auto": join one
     ray_num_cpus: Optional[int] = None  # CPUs of a local Ray instance (None: all cores)
-    cpus_per_rollout_worker: float = 1.0
-    gpus_per_rollout_worker: float = 0.0
-    cpus_per_trainer_rank: float = 1.0
-    gpus_per_trainer_rank: float = 0.0
+    cpus_per_rollout_worker: float = 1.0  # CPUs of each rollout worker's Ray bundle
+    gpus_per_rollout_worker: float = 0.0  # GPUs of each rollout worker's Ray bundle
+    cpus_per_trainer_rank: float = 1.0  # CPUs of each trainer rank's Ray bundle
+    gpus_per_trainer_rank: float = 0.0  # GPUs of each trainer rank's Ray bundle
     placement_strategy: str = "PACK"  # Ray placement group strategy
     dist_timeout: float = 600.0  # seconds a trainer collective may wait before failing
 
@@ -92,9 +100,9 @@ class SchedulerConfig:
 class EvalConfig:
     """Greedy evaluation on the held-out set, before and after training."""
 
-    max_new_tokens: int = 32
-    before: bool = True
-    after: bool = True
+    max_new_tokens: int = 32  # tokens each greedy held-out answer may have at most
+    before: bool = True  # evaluate the starting model before the first step (eval_before.jsonl)
+    after: bool = True  # evaluate the trained model after the last step (eval_after.jsonl)
 
     def __post_init__(self):
         at_least("max_new_tokens", self.max_new_tokens, 1)
@@ -104,18 +112,24 @@ class EvalConfig:
 class ExperimentConfig:
     """Everything one ``areal-fast train`` run needs."""
 
-    experiment_name: str = "grpo-arith"
-    trial_name: str = "trial0"
+    experiment_name: str = "grpo-arith"  # first folder of the run directory, under fileroot
+    trial_name: str = "trial0"  # second folder of the run directory: one per run
     fileroot: str = "runs"  # run directory = fileroot/experiment_name/trial_name
     overwrite: bool = False  # replace an existing run directory
     # continue the run in the existing run directory from its last complete checkpoint
     resume: bool = False
+    # seeds Python, numpy and torch, the order training problems are drawn in, each
+    # group's sampling seeds and the trainer process's torch RNG
     seed: int = 1
+    # training steps, >= 1: each trains one batch and makes one policy version (to only
+    # evaluate a model: `areal-fast eval`)
     total_steps: int = 20
     # training-time budget in seconds: no batch is sent after it (None: run total_steps)
     max_seconds: Optional[float] = None
     batch_size: int = 16  # prompts per step (each sampled group_size times)
-    threads: Optional[int] = None  # torch CPU threads; None keeps torch's default
+    # torch CPU threads of this (controller) process and the cores that launcher.*_threads
+    # divide; None: torch's default here, all cores for the workers
+    threads: Optional[int] = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -127,10 +141,12 @@ class ExperimentConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
-    tags: List[str] = field(default_factory=list)
+    tags: List[str] = field(default_factory=list)  # free labels, kept in the run's config.yaml
 
     def __post_init__(self):
-        at_least("total_steps", self.total_steps, 0)
+        at_least("total_steps", self.total_steps, 1,
+                 "(to evaluate a model without training: areal-fast eval --config FILE "
+                 "model.path=...)")
         if self.max_seconds is not None:
             positive_finite("max_seconds", self.max_seconds)
         at_least("batch_size", self.batch_size, 1)
@@ -143,10 +159,11 @@ class ExperimentConfig:
             at_least("threads", self.threads, 1)
         ranks = self.scheduler.train_world_size
         if self.actor.ppo_n_minibatches > 1 and ranks * self.actor.ppo_n_minibatches > units:
+            what = "prompt groups" if self.actor.keep_groups else "sequences"
             raise ValueError(f"actor.ppo_n_minibatches = {self.actor.ppo_n_minibatches} with "
                              f"scheduler.train_world_size = {ranks}: each rank splits its part "
-                             f"of the batch ({units} {'prompt groups' if self.actor.keep_groups else 'sequences'} "
-                             f"in all) into that many minibatches, so it needs more")
+                             f"of the batch ({units} {what} in all) into that many "
+                             f"minibatches, so it needs more")
         if self.scheduler.train_world_size > self.batch_size:
             raise ValueError(f"scheduler.train_world_size = {self.scheduler.train_world_size} "
                              f"is more than batch_size = {self.batch_size}: every trainer rank "
@@ -204,30 +221,43 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
     yaml_path : str, optional
         YAML file whose keys mirror the dataclass fields (nested mappings).
     overrides : list of str
-        Dotted overrides, e.g. ``["actor.optim.lr=2e-5", "total_steps=5"]``.
+        Dotted overrides applied in order, e.g. ``["actor.optim.lr=2e-5", "total_steps=5"]``.
+        A mapping value is merged into the mapping already there, except ``{}``, which
+        empties a mapping key (``data.task_kwargs={}``).
 
     Raises
     ------
     ConfigError
-        Missing or unparsable YAML file, unknown key, wrong value type, a value out of range;
-        the one-line message names the file or the full key.
+        Missing or unparsable YAML file, unknown key (with the closest known keys), wrong
+        value type, a value out of range; the one-line message names the full key, and
+        ``file:line:column`` when the value comes from the YAML file.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    schema = OmegaConf.structured(ExperimentConfig)
-    layers = [schema]
+    merged = OmegaConf.structured(ExperimentConfig)
+    where: dict[str, tuple[int, int]] = {}
     if yaml_path is not None:
-        layers.append(_load_yaml(Path(yaml_path)))
+        loaded, where = _load_yaml(Path(yaml_path))
+        try:
+            merged = OmegaConf.merge(merged, loaded)
+        except OmegaConfBaseException as exc:
+            raise ConfigError(_located(_omegaconf_message(exc), getattr(exc, "full_key", None),
+                                       yaml_path, where)) from exc
+    given = []
     for item in overrides or []:
-        if "=" not in item or not item.split("=", 1)[0].strip():
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if "=" not in item or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
-    try:
-        if overrides:
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
-        merged = OmegaConf.merge(*layers)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(_omegaconf_message(exc)) from exc
+        given.append(key)
+        try:
+            if value.strip() == "{}" and key in _mapping_keys():
+                OmegaConf.update(merged, key, {}, merge=False)
+            else:
+                merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except OmegaConfBaseException as exc:
+            raise ConfigError(f"{_omegaconf_message(exc)} (in {item!r})") from exc
     try:
         return OmegaConf.to_object(merged)
     except (OmegaConfBaseException, ValueError) as exc:  # ValueError: a __post_init__ check
@@ -235,24 +265,106 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
         message = (_omegaconf_message(exc) if isinstance(exc, OmegaConfBaseException)
                    else str(exc).splitlines()[0])
         # sections whose checks already name their full key (agent.*, trajectory.*)
-        raise ConfigError(message if message.startswith(prefix) else f"{prefix}{message}") \
-            from exc
+        message = message if message.startswith(prefix) else f"{prefix}{message}"
+        key = re.match(r"[\w.]*", message).group(0)
+        if key in given or key not in where:  # the value is not the file's
+            raise ConfigError(message) from exc
+        raise ConfigError(_located(message, key, yaml_path, where)) from exc
+
+
+@functools.lru_cache(maxsize=1)
+def _mapping_keys() -> frozenset[str]:
+    """Dotted keys whose value is a free-form mapping (``data.task_kwargs``, ...)."""
+    from areal_fast.launch.config_reference import config_keys
+
+    return frozenset(k.key for k in config_keys(strict=False) if k.type == "dict")
+
+
+@functools.lru_cache(maxsize=1)
+def _known_keys() -> tuple[str, ...]:
+    """Every dotted key and section name of :class:`ExperimentConfig`."""
+    from areal_fast.launch.config_reference import sections
+
+    found = []
+    for section in sections(strict=False):
+        if section.name != "top level":
+            found.append(section.name)
+        found += [k.key for k in section.keys]
+    return tuple(found)
+
+
+def did_you_mean(key: str) -> str:
+    """``"; did you mean 'a.b'?"`` for an unknown dotted ``key`` ("" when nothing is close).
+
+    The known keys most like the whole key (difflib ratio >= 0.6 and within 0.1 of the
+    best, at most 3), else those whose last part is most like its last part
+    (``behav_weight_mode`` -> ``actor.loss.behav_weight_mode``).
+    """
+    parts = key.split(".")
+    ancestors = {".".join(parts[:i]) for i in range(1, len(parts))}
+    known = [k for k in _known_keys() if k not in ancestors]
+    close = _closest(key, known, 0.6)
+    if not close:
+        leaves = _closest(parts[-1], sorted({k.rsplit(".", 1)[-1] for k in known}), 0.75)
+        close = [k for k in known if k.rsplit(".", 1)[-1] in leaves][:3]
+    return f"; did you mean {', '.join(repr(k) for k in close)}?" if close else ""
+
+
+def _closest(word: str, candidates: list[str], cutoff: float) -> list[str]:
+    """Candidates most like ``word``: ratio >= ``cutoff`` and within 0.1 of the best."""
+    scored = sorted(((difflib.SequenceMatcher(None, word, c).ratio(), c) for c in candidates),
+                    key=lambda x: -x[0])
+    best = scored[0][0] if scored else 0.0
+    return [c for score, c in scored if score >= cutoff and score >= best - 0.1][:3]
 
 
 def _load_yaml(path: Path):
-    """Parse one YAML config file into an OmegaConf mapping."""
+    """Parse one YAML config file: its OmegaConf mapping and ``{dotted key: (line, col)}``
+    (1-based) of every key in it."""
+    import yaml
     from omegaconf import DictConfig, OmegaConf
 
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist or is not a file")
     try:
-        loaded = OmegaConf.load(path)
+        text = path.read_text(encoding="utf-8")
+        loaded = OmegaConf.create(text) if text.strip() else OmegaConf.create({})
+        where = _key_positions(yaml.compose(text, Loader=yaml.SafeLoader))
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        at = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        what = " ".join(x for x in (exc.context, exc.problem) if x)
+        raise ConfigError(f"config file {at}: cannot parse YAML ({what})") from exc
     except Exception as exc:
         raise ConfigError(f"config file {path}: cannot parse YAML "
                           f"({str(exc).splitlines()[0]})") from exc
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping of keys at the top level")
-    return loaded
+    return loaded, where
+
+
+def _key_positions(node, prefix: str = "") -> dict[str, tuple[int, int]]:
+    """``{dotted key: (line, column)}`` (1-based) of every mapping key under a YAML node."""
+    import yaml
+
+    out: dict[str, tuple[int, int]] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            dotted = f"{prefix}{key_node.value}"
+            out[dotted] = (key_node.start_mark.line + 1, key_node.start_mark.column + 1)
+            out.update(_key_positions(value_node, f"{dotted}."))
+    return out
+
+
+def _located(message: str, key: str | None, yaml_path, where: dict) -> str:
+    """``message`` prefixed with ``file:line:column`` of ``key`` (or its deepest parent)
+    in the YAML file, when it is there."""
+    while key and key not in where:
+        key = key.rpartition(".")[0]
+    if not key:
+        return message
+    line, column = where[key]
+    return f"config file {yaml_path}:{line}:{column}: {message}"
 
 
 def _failing_section(node, cls, prefix: str = "") -> str:
@@ -280,7 +392,7 @@ def _omegaconf_message(exc) -> str:
     key = getattr(exc, "full_key", None)
     head = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if "Key" in type(exc).__name__ and key:
-        return f"unknown config key {key!r}"
+        return f"unknown config key {key!r}{did_you_mean(key)}"
     return f"config key {key!r}: {head}" if key else head
 
 

@@ -61,6 +61,26 @@ def load_datasets(cfg: ExperimentConfig):
     with ``data.eval_seed``).
     """
     d = cfg.data
+    eval_set = load_eval_set(cfg)
+    train_set = load_problems(d.task, split=d.train_split, size=d.train_size,
+                              seed=d.train_seed, path=d.path, task_kwargs=d.task_kwargs)
+    train_set, removed = drop_eval_overlap(train_set, eval_set)
+    if not train_set:
+        raise ValueError(f"data: every training problem also appears in the held-out set "
+                         f"({removed} removed); raise data.train_size or change the task")
+    return train_set, eval_set, removed
+
+
+def load_eval_set(cfg: ExperimentConfig):
+    """The held-out problems: the first ``data.eval_size`` distinct questions of the eval
+    split (see :func:`load_datasets`).
+
+    Raises
+    ------
+    ValueError
+        The task offers fewer distinct questions than ``data.eval_size``.
+    """
+    d = cfg.data
     # generated tasks repeat questions: draw extra so that eval_size distinct ones remain
     pool_size = d.eval_size if d.task == "gsm8k" else 3 * d.eval_size
     pool = load_problems(d.task, split=d.eval_split, size=pool_size, seed=d.eval_seed,
@@ -69,13 +89,7 @@ def load_datasets(cfg: ExperimentConfig):
     if len(eval_set) < d.eval_size:
         raise ValueError(f"data.eval_size = {d.eval_size}: the task offers only "
                          f"{len(eval_set)} distinct held-out questions")
-    train_set = load_problems(d.task, split=d.train_split, size=d.train_size,
-                              seed=d.train_seed, path=d.path, task_kwargs=d.task_kwargs)
-    train_set, removed = drop_eval_overlap(train_set, eval_set)
-    if not train_set:
-        raise ValueError(f"data: every training problem also appears in the held-out set "
-                         f"({removed} removed); raise data.train_size or change the task")
-    return train_set, eval_set, removed
+    return eval_set
 
 
 def check_run_dir(cfg: ExperimentConfig) -> None:
@@ -159,14 +173,17 @@ def check_lengths(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_pos
         raise ValueError(f"rollout.max_new_tokens / eval.max_new_tokens = {new_tokens}: with "
                          f"the longest prompt ({longest_prompt} tokens) this exceeds the "
                          f"model's {max_positions} positions")
+    sequence = f"longest prompt {longest_prompt} + rollout.max_new_tokens " \
+               f"{cfg.rollout.max_new_tokens}"
     need = longest_prompt + cfg.rollout.max_new_tokens
-    if cfg.actor.keep_groups:
+    if cfg.actor.keep_groups:  # a whole group goes in one micro-batch
         need *= cfg.rollout.group_size
+        sequence = f"rollout.group_size {cfg.rollout.group_size} × ({sequence})"
     if need > cfg.actor.max_tokens_per_mb:
-        what = "a GRPO group" if cfg.actor.keep_groups else "one sequence"
+        what = "a GRPO group (actor.keep_groups)" if cfg.actor.keep_groups else "one sequence"
         raise ValueError(f"actor.max_tokens_per_mb = {cfg.actor.max_tokens_per_mb} is smaller "
-                         f"than {what} can be ({need} tokens: longest prompt {longest_prompt} "
-                         f"+ rollout.max_new_tokens {cfg.rollout.max_new_tokens})")
+                         f"than {what} can be: {sequence} = {need} tokens; set "
+                         f"actor.max_tokens_per_mb >= {need}")
 
 
 def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
@@ -237,6 +254,58 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
         launcher=cfg.launcher, workers_file=str(cfg.run_dir / "workers.json"))
 
 
+def check_resources(cfg: ExperimentConfig) -> None:
+    """Fail before anything is written when a local Ray instance cannot hold the workers.
+
+    With ``scheduler.type=ray`` and no ``scheduler.ray_address``, the Ray launcher starts a
+    Ray instance of ``scheduler.ray_num_cpus`` CPUs (default: the cores Ray sees) and the
+    GPUs torch sees; every trainer rank and rollout worker needs its bundle
+    (``scheduler.cpus_per_*`` / ``gpus_per_*``). A cluster that is joined is checked when
+    the launcher connects to it.
+
+    Raises
+    ------
+    ConfigError
+        Ray is not installed, or the workers need more CPUs or GPUs than the local instance
+        has; the message shows the sum and names the keys.
+    """
+    s = cfg.scheduler
+    if s.type != "ray":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("scheduler.type = 'ray' needs Ray: pip install 'areal_fast[ray]'")
+    if s.ray_address is not None:
+        return
+    ranks, workers = s.train_world_size, cfg.rollout.num_workers
+    have = {"CPU": s.ray_num_cpus or _ray_cpus(), "GPU": torch.cuda.device_count()}
+    for resource, kind in (("CPU", "cpus"), ("GPU", "gpus")):
+        per_rank = getattr(s, f"{kind}_per_trainer_rank")
+        per_worker = getattr(s, f"{kind}_per_rollout_worker")
+        need = ranks * per_rank + workers * per_worker
+        if need > have[resource]:
+            where = ("scheduler.ray_num_cpus" if resource == "CPU" and s.ray_num_cpus
+                     else "this machine")
+            raise ConfigError(
+                f"scheduler: the Ray workers need {need:g} {resource}s (scheduler."
+                f"train_world_size {ranks} × scheduler.{kind}_per_trainer_rank {per_rank:g} + "
+                f"rollout.num_workers {workers} × scheduler.{kind}_per_rollout_worker "
+                f"{per_worker:g}), a local Ray instance has {have[resource]:g} ({where}); "
+                f"lower scheduler.{kind}_per_* (fractions are allowed) or the worker counts")
+
+
+def _ray_cpus() -> float:
+    """CPUs a local Ray instance gets by default (Ray's own count: cgroup quotas too)."""
+    try:
+        from ray._private.utils import get_num_cpus
+
+        return float(get_num_cpus())
+    except Exception:  # noqa: BLE001 - a Ray without that helper: count the cores
+        return float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                     else os.cpu_count() or 1)
+
+
 def make_cluster(cfg: ExperimentConfig, spec: ClusterSpec) -> Cluster:
     """The launcher ``scheduler.type`` names: local processes or Ray actors."""
     if cfg.scheduler.type == "ray":
@@ -274,6 +343,7 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     check_run_dir(cfg)  # raises the one-line error before any slow work
+    check_resources(cfg)
     if cfg.agent.path:
         from areal_fast.agent.runner import load_agent
 

@@ -15,9 +15,12 @@ class ModelConfig:
     """Which causal LM to train and how to hold it."""
 
     path: str = DEMO_MODEL  # HF id, local directory, or the offline demo model
-    dtype: str = "float32"  # "float32" | "bfloat16" | "float16"
+    # dtype of the weights in the engines and the trainer: "float32" | "bfloat16" | "float16"
+    dtype: str = "float32"
     attn_implementation: str = "sdpa"  # transformers attention backend of the engine
-    device: str = "cpu"  # "cpu", "cuda" or "cuda:N"
+    # where the engines and the trainer run: "cpu", "cuda" or "cuda:N" (with several trainer
+    # ranks on CUDA each rank uses its own GPU)
+    device: str = "cpu"
 
     def __post_init__(self):
         import torch

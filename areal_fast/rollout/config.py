@@ -16,9 +16,10 @@ class RolloutConfig:
     """
 
     group_size: int = 4  # samples per prompt (GRPO group)
+    # sampling temperature of training rollouts; the trainer takes its log-probs at it too
     temperature: float = 0.7
-    top_p: float = 1.0
-    max_new_tokens: int = 32
+    top_p: float = 1.0  # nucleus sampling: smallest token set of this probability (1: off)
+    max_new_tokens: int = 32  # tokens each sampled completion may have at most
     max_batch_size: int = 64  # sequences an engine generates together
     # η: a rollout may start only while accepted + running < (η + version + 1) · batch_size;
     # 0 is synchronous RL (AReaL §4.1)

@@ -20,12 +20,12 @@ class OptimizerConfig:
     :func:`lr_factor`; the decay horizon is the engine's ``total_steps``.
     """
 
-    lr: float = 1e-5
-    weight_decay: float = 0.0
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    grad_clip: float = 1.0
+    lr: float = 1e-5  # AdamW learning rate (the peak, after warmup)
+    weight_decay: float = 0.0  # AdamW decoupled weight decay
+    beta1: float = 0.9  # AdamW decay rate of the gradient's running mean
+    beta2: float = 0.999  # AdamW decay rate of the squared gradient's running mean
+    eps: float = 1e-8  # AdamW term added to the denominator
+    grad_clip: float = 1.0  # the global gradient norm is clipped to this before each update
     lr_schedule: str = "constant"  # "constant" | "linear" | "cosine" decay after warmup
     warmup_steps: int = 0  # optimizer updates of linear warmup
 
