@@ -153,8 +153,10 @@ class AsyncController:
         allowed = self.staleness.capacity_for(self.version, ledger.accepted, ledger.running)
         capacity = max(0, min(allowed, still_needed))
         waiting = ledger.waiting()
+        if capacity == 0 and not waiting:
+            return
         ready = [w for w in self.workers if w.name not in self.recovery.warming]
-        if (capacity == 0 and not waiting) or not ready:
+        if not ready:
             return
         # (in flight, index, worker), least busy first, ties to the earlier worker: the
         # choice of min(ready, key=in_flight) per group at O(log workers) instead of O(workers)
