@@ -38,11 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import base_metadata, eprint, fmt, markdown_table  # noqa: E402
 
-from areal_fast.controller.async_loop import AsyncController, ControllerSettings  # noqa: E402
+from areal_fast.controller.async_loop import AsyncController, RunPlan  # noqa: E402
 from areal_fast.controller.messages import GroupRequest  # noqa: E402
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec  # noqa: E402
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec  # noqa: E402
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster  # noqa: E402
+from areal_fast.rollout.config import RolloutConfig  # noqa: E402
 from areal_fast.rollout.engine import SamplingParams, sample_seed  # noqa: E402
 from areal_fast.rollout.simulated import (  # noqa: E402
     SimulatedEngineConfig,
@@ -80,12 +81,11 @@ def run_case(eta: int, scale: float, seed: int, w: dict, max_concurrent: int,
              max_running: int, steps: int) -> dict:
     """One controller run; throughput in unscaled trained tokens per second."""
     records: list[dict] = []
-    settings = ControllerSettings(total_steps=steps, batch_size=w["prompts"],
-                                  max_head_offpolicyness=eta,
-                                  max_concurrent_rollouts=max_concurrent)
+    plan = RunPlan(total_steps=steps, batch_size=w["prompts"])
+    rollout = RolloutConfig(max_head_offpolicyness=eta, max_concurrent_rollouts=max_concurrent)
     with LocalCluster(_cluster(scale, max_running, w)) as cluster:
         controller = AsyncController(cluster.rollout_workers, cluster.trainer,
-                                     cluster.weight_buffers, _requests(seed, w), settings,
+                                     cluster.weight_buffers, _requests(seed, w), plan, rollout,
                                      records.append)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         counts = controller.run()

@@ -67,10 +67,11 @@ import msgpack  # noqa: E402
 from _harness import REPO_ROOT, base_metadata, eprint, fmt, markdown_table, write_json  # noqa: E402
 
 from areal_fast.controller import messages as msg  # noqa: E402
-from areal_fast.controller.async_loop import AsyncController, ControllerSettings  # noqa: E402
+from areal_fast.controller.async_loop import AsyncController, RunPlan  # noqa: E402
 from areal_fast.controller.shards import ShardMetadata, TensorMetadata  # noqa: E402
 from areal_fast.controller.codec import MessageChannel, encode_message  # noqa: E402
 from areal_fast.controller.workers import ProcessHandle  # noqa: E402
+from areal_fast.rollout.config import RolloutConfig  # noqa: E402
 from areal_fast.rollout.engine import SamplingParams  # noqa: E402
 from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry  # noqa: E402
 
@@ -395,9 +396,8 @@ def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
              load: str = "saturated") -> dict:
     """Run the controller for ``steps`` steps against ``workers`` stand-ins."""
     batch = batch_size_for(workers)
-    settings = ControllerSettings(total_steps=steps, batch_size=batch,
-                                  max_head_offpolicyness=ETA,
-                                  max_concurrent_rollouts=(ETA + 1) * batch)
+    plan = RunPlan(total_steps=steps, batch_size=batch)
+    rollout = RolloutConfig(max_head_offpolicyness=ETA, max_concurrent_rollouts=(ETA + 1) * batch)
     step_cpu: list[float] = []
     records: list[dict] = []
 
@@ -414,7 +414,7 @@ def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
         controller = AsyncController(
             rollout_workers=cluster.rollout_workers, trainer=cluster.trainer,
             weight_buffers=cluster.weight_buffers, next_request=_next_request(seed),
-            settings=settings, on_step=on_step)
+            plan=plan, rollout=rollout, on_step=on_step)
         load0, delay0 = os.getloadavg()[0], _run_delay()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if profiler is not None:
@@ -467,8 +467,9 @@ PROFILE_CATEGORIES = (
     ("codec: msgpack + dataclass encode/decode",
      ("codec.py", "msgpack", "dataclasses.py", "getattr", "<string>:__init__",
       "'keys' of 'dict'")),
-    ("controller bookkeeping: async_loop, batch, staleness, metrics",
-     ("async_loop.py", "batch.py", "staleness.py", "statistics.py", "workers.py")),
+    ("controller bookkeeping: async_loop, ledger, staleness, metrics",
+     ("async_loop.py", "ledger.py", "recovery.py", "drain.py", "step_record.py", "shards.py",
+      "staleness.py", "statistics.py", "workers.py")),
 )
 
 

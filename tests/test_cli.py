@@ -30,7 +30,7 @@ def test_train_writes_a_complete_run_dir(tiny_model_dir, tmp_path, capsys):
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
     for key in ("reward_mean", "accuracy", "loss", "clip_fraction", "entropy_mean",
-                "response_length_mean", "gen_tokens_per_s", "train_tokens_per_s",
+                "response_length_mean", "gen_tokens_per_s_cumulative", "train_tokens_per_s",
                 "step_seconds", "grad_norm"):
         assert key in lines[0], key
     assert lines[1]["policy_version"] == 2

@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -180,3 +181,47 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class PendingSaves:
+    """The controller's side of checkpoints in progress: its state at each recent version,
+    and the trainer saves asked for and not yet answered.
+
+    Parameters
+    ----------
+    manager : CheckpointManager or None
+        When and where to save (None: never; every method is then a no-op).
+    """
+
+    def __init__(self, manager: Optional[CheckpointManager]):
+        self.manager = manager
+        self.snapshots: dict[int, dict] = {}  # version -> controller state at that step
+        self.saving: dict[str, tuple[int, float]] = {}  # temp dir -> (version, asked at)
+
+    def after_step(self, version: int, state: dict) -> Optional[str]:
+        """Remember the controller ``state`` of ``version``; returns the temporary directory
+        the trainer should save its state into when a checkpoint is due (else None)."""
+        if self.manager is None:
+            return None
+        self.snapshots[version] = state
+        tmp = None
+        if self.manager.due(version):
+            tmp = str(self.manager.begin(version))
+            self.saving[tmp] = (version, time.monotonic())
+        oldest = min((v for v, _ in self.saving.values()), default=version)
+        for old in [v for v in self.snapshots if v < oldest]:
+            del self.snapshots[old]
+        return tmp
+
+    def commit(self, path: str, version: int) -> Optional[Path]:
+        """The trainer saved ``version`` into ``path``: write the checkpoint; returns its
+        directory, or None if no save into ``path`` was asked for."""
+        if self.saving.pop(path, None) is None:
+            return None
+        final = self.manager.commit(Path(path), version, self.snapshots[version])
+        log.info("checkpoint of policy version %d written to %s", version, final)
+        return final
+
+    def slow(self, now: float, limit: float) -> Optional[str]:
+        """The first save asked for more than ``limit`` seconds before ``now`` (None)."""
+        return next((p for p, (_, asked) in self.saving.items() if now - asked > limit), None)

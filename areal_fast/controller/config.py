@@ -1,10 +1,12 @@
 """What the controller is told: worker deadlines (``launcher.timeouts.*``), recoverable
-checkpoints (``checkpoint.*``) and recovery (``recovery.*``)."""
+checkpoints (``checkpoint.*``), recovery (``recovery.*``) and how long it trains
+(:class:`RunPlan`, from the top-level keys)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from areal_fast._checks import at_least
 
@@ -51,3 +53,29 @@ class RecoveryConfig:
     def __post_init__(self):
         at_least("max_rollout_restarts", self.max_rollout_restarts, 0)
         at_least("max_trainer_restarts", self.max_trainer_restarts, 0)
+
+
+@dataclass
+class RunPlan:
+    """How long the controller trains and what ends a run early (everything else comes
+    from the component configs: ``RolloutConfig``, ``RecoveryConfig``, ``Timeouts``).
+
+    Attributes
+    ----------
+    total_steps : int
+    batch_size : int
+        B, prompt groups per training step.
+    max_seconds : float or None
+        No batch is sent after this much training time (batches in flight finish).
+    max_filtered_in_a_row : int
+        With ``rollout.dynamic_filter``, this many groups dropped in a row (all rewards
+        equal) end the run with a ValueError instead of sampling forever.
+    max_failed_agent_groups_in_a_row : int
+        Agent groups in a row with every session dropped before the run fails.
+    """
+
+    total_steps: int
+    batch_size: int
+    max_seconds: Optional[float] = None
+    max_filtered_in_a_row: int = 1000
+    max_failed_agent_groups_in_a_row: int = 32

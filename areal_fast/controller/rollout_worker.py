@@ -31,7 +31,8 @@ from typing import Callable, Optional
 import torch
 
 from areal_fast.controller import messages as msg
-from areal_fast.controller.shards import ShardMetadata, ShardStore, shard_tensors, tensor_metadata
+from areal_fast.controller.shard_io import shard_tensors
+from areal_fast.controller.shards import ShardMetadata, ShardStore, tensor_metadata
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
 from areal_fast.sync.shared_memory import SharedWeightBuffer

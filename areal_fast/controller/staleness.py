@@ -68,10 +68,16 @@ class StalenessManager:
         self.counts = StalenessCounts()
 
     def capacity(self, version: int) -> int:
-        """How many rollouts may start now at policy ``version`` (never negative)."""
-        c = self.counts
-        by_staleness = (self.eta + version + 1) * self.batch_size - (c.accepted + c.running)
-        return max(0, min(self.max_concurrent - c.running, by_staleness))
+        """How many rollouts may start now at policy ``version`` (never negative), by this
+        manager's own :attr:`counts`."""
+        return self.capacity_for(version, self.counts.accepted, self.counts.running)
+
+    def capacity_for(self, version: int, accepted: int, running: int) -> int:
+        """How many rollouts may start at policy ``version`` with ``accepted`` and
+        ``running`` prompt groups counted elsewhere (the controller's ledger): never
+        negative."""
+        by_staleness = (self.eta + version + 1) * self.batch_size - (accepted + running)
+        return max(0, min(self.max_concurrent - running, by_staleness))
 
     def on_submit(self, n: int = 1) -> None:
         """``n`` rollouts started."""

@@ -2,8 +2,8 @@
 
 Each worker is a ``spawn``-ed process connected to the controller by a duplex pipe. Messages
 are the dataclasses of :mod:`areal_fast.controller.messages`, sent as msgpack
-(:mod:`areal_fast.controller.codec`; nothing is unpickled). :func:`wait_messages` waits on every pipe and every process sentinel at
-once, so a worker that dies is reported at once, by name, instead of hanging the run.
+(:mod:`areal_fast.controller.codec`; nothing is unpickled). :func:`wait_messages` waits on
+every pipe and every process sentinel at once, so a worker that dies is reported at once, by name, instead of hanging the run.
 """
 
 from __future__ import annotations

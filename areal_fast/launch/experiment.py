@@ -17,7 +17,7 @@ import torch
 
 from tqdm import tqdm
 
-from areal_fast.controller.async_loop import AsyncController, ControllerSettings
+from areal_fast.controller.async_loop import AsyncController, RunPlan
 from areal_fast.controller.checkpoint_manager import Checkpoint, CheckpointManager
 from areal_fast.controller.messages import Saved, SaveCheckpoint
 from areal_fast.controller.metrics import MetricsLog, plot_progress
@@ -315,14 +315,10 @@ def make_cluster(cfg: ExperimentConfig, spec: ClusterSpec) -> Cluster:
     return LocalCluster(spec)
 
 
-def controller_settings(cfg: ExperimentConfig) -> ControllerSettings:
-    """Staleness and batch settings of the controller from the config."""
-    r = cfg.rollout
-    concurrent = r.max_concurrent_rollouts or (r.max_head_offpolicyness + 1) * cfg.batch_size
-    return ControllerSettings(cfg.total_steps, cfg.batch_size, r.max_head_offpolicyness,
-                              concurrent, r.dynamic_filter, cfg.launcher.timeouts,
-                              drop_stale=r.drop_stale, max_seconds=cfg.max_seconds,
-                              max_rollout_restarts=cfg.recovery.max_rollout_restarts)
+def run_plan(cfg: ExperimentConfig) -> RunPlan:
+    """How long the controller trains (its other settings are ``cfg.rollout``,
+    ``cfg.recovery`` and ``cfg.launcher.timeouts``, passed as they are)."""
+    return RunPlan(cfg.total_steps, cfg.batch_size, max_seconds=cfg.max_seconds)
 
 
 def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
@@ -471,7 +467,8 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
         stream.next_batch(latest.controller["counts"]["rollouts_submitted"])
     controller = AsyncController(
         cluster.rollout_workers, cluster.trainer, cluster.weight_buffers,
-        MathRequests(stream, prompts, params, cfg.seed), controller_settings(cfg), on_step,
+        MathRequests(stream, prompts, params, cfg.seed), run_plan(cfg), cfg.rollout, on_step,
+        timeouts=cfg.launcher.timeouts, recovery=cfg.recovery,
         trainer_ranks=cluster.trainer_ranks, restart_rollout=cluster.restart_rollout,
         checkpoints=checkpoints if cfg.checkpoint.every_steps else None,
         resume=latest.controller if latest else None)
@@ -501,7 +498,8 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
                    trainer_threads=worker_threads(cfg)[0],
                    rollout_threads=worker_threads(cfg)[1], machine=platform.machine())
     if log.records:
-        summary["trained_tokens_per_s"] = log.records[-1]["trained_tokens_per_s"]
+        summary["trained_tokens_per_s_cumulative"] = \
+            log.records[-1]["trained_tokens_per_s_cumulative"]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 

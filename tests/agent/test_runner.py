@@ -25,9 +25,11 @@ from areal_fast.agent.session import ModelCall, Session
 from areal_fast.agent.store import TrajectoryConfig, TrajectoryStoreError, read_trajectories
 from areal_fast.agent.workload import AgentWorkload, AgentWorkloadSpec
 from areal_fast.controller import messages as msg
-from areal_fast.controller.async_loop import AsyncController, ControllerSettings
+from areal_fast.controller.async_loop import AsyncController, RunPlan
 from areal_fast.controller.shards import ShardMetadata
+from areal_fast.controller.step_record import agent_totals
 from areal_fast.controller.rollout_worker import RolloutWorker, RolloutWorkerSpec
+from areal_fast.rollout.config import RolloutConfig
 from areal_fast.rollout.engine import GenOutput, SamplingParams
 
 QUESTION = [{"role": "user", "content": "6*7?"}]
@@ -483,7 +485,9 @@ class FakeHandle:
 def _controller():
     worker = FakeHandle("rollout-0")
     controller = AsyncController([worker], FakeHandle("trainer"), (), lambda gid: None,
-                                 ControllerSettings(4, 2, 1, 4), lambda record: None)
+                                 RunPlan(4, 2),
+                                 RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=4),
+                                 lambda record: None)
     return controller, worker
 
 
@@ -494,17 +498,15 @@ def _done(group_id: int, node: str = "rollout-0") -> msg.GroupDone:
 
 def test_controller_ignores_a_group_it_is_not_running(caplog):
     controller, worker = _controller()
-    controller.submitted_at[3] = 0
-    controller.in_flight["rollout-0"] = 1
-    controller.staleness.on_submit(1)
+    controller.ledger.submit(msg.GroupRequest(0, [1], SamplingParams(n=2), 0), "rollout-0", 0)
     with caplog.at_level(logging.WARNING, logger="areal_fast.controller"):
         controller._on_message(worker, _done(7))  # e.g. finished after CancelAll
     assert worker.sent == [msg.DropShards([7])]
-    assert controller.in_flight["rollout-0"] == 1 and list(controller.ready) == []
-    assert sum(controller.counts.dropped.values()) == 0
+    assert controller.ledger.running_on("rollout-0") == 1 and controller.ledger.ready_ids() == []
+    assert sum(controller.ledger.counts.dropped.values()) == 0
     assert any("group 7" in r.message for r in caplog.records)
-    controller._on_message(worker, _done(3))
-    assert controller.in_flight["rollout-0"] == 0 and [g.group_id for g in controller.ready] == [3]
+    controller._on_message(worker, _done(0))
+    assert controller.ledger.running_on("rollout-0") == 0 and controller.ledger.ready_ids() == [0]
 
 
 def test_compression_ratio_is_recomputed_from_summed_bytes():
@@ -514,6 +516,6 @@ def test_compression_ratio_is_recomputed_from_summed_bytes():
               "trajectory/compression_ratio": 10.0, "agent/sessions": 4.0},
         "b": {"trajectory/raw_bytes": 300.0, "trajectory/stored_bytes": 100.0,
               "trajectory/compression_ratio": 3.0, "agent/sessions": 2.0}}
-    totals = controller._agent_totals()
+    totals = agent_totals(controller.agent_stats)
     assert totals["trajectory/compression_ratio"] == 6.5
     assert totals["agent/sessions"] == 6.0 and totals["trajectory/raw_bytes"] == 1300.0

@@ -12,7 +12,6 @@ import collections
 import heapq
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -20,13 +19,15 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.controller.async_loop import AsyncController, ControllerSettings, Timeouts
+from areal_fast.controller.async_loop import AsyncController, RunPlan
+from areal_fast.controller.config import Timeouts
 from areal_fast.controller.messages import GroupRequest
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.controller.workers import WorkerError
 from areal_fast.launch.config import LauncherConfig
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster
+from areal_fast.rollout.config import RolloutConfig
 from areal_fast.rollout.engine import SamplingParams, sample_seed
 from areal_fast.rollout.simulated import (
     SimulatedEngine,
@@ -179,8 +180,8 @@ class Requests:
 
 
 def run_controller(rollout: RolloutWorkerSpec, trainer: TrainerWorkerSpec, requests,
-                   settings: ControllerSettings, num_workers: int = 1,
-                   weight_files: list | None = None):
+                   settings: tuple[RunPlan, RolloutConfig], num_workers: int = 1,
+                   weight_files: list | None = None, timeouts: Timeouts | None = None):
     """Start a LocalCluster and run the controller; ``weight_files`` receives the paths of
     the trainer's shared-memory weight buffers."""
     records: list[dict] = []
@@ -189,8 +190,10 @@ def run_controller(rollout: RolloutWorkerSpec, trainer: TrainerWorkerSpec, reque
     with LocalCluster(spec) as cluster:
         if weight_files is not None:
             weight_files.extend(Path(b.path) for b in cluster.weight_buffers)
+        plan, rollout_config = settings
         controller = AsyncController(cluster.rollout_workers, cluster.trainer,
-                                     cluster.weight_buffers, requests, settings, records.append)
+                                     cluster.weight_buffers, requests, plan, rollout_config,
+                                     records.append, timeouts=timeouts)
         counts = controller.run()
     return counts, records
 
@@ -250,11 +253,12 @@ def test_accounting_with_dynamic_filter(tmp_path):
     config = engine_config()
     rollout, trainer, log = cluster_specs(tmp_path, config, 1e-5, flat_or_parity_reward)
     requests = Requests(fresh_seed(), SamplingParams(n=3, max_new_tokens=50), flat_every=3)
-    settings = ControllerSettings(total_steps=5, batch_size=4, max_head_offpolicyness=1,
-                                  max_concurrent_rollouts=8, dynamic_filter=True,
-                                  timeouts=Timeouts(train_step=30, weight_update=30,
-                                                    rollout_stall=30))
-    counts, records = run_controller(rollout, trainer, requests, settings, num_workers=2)
+    settings = (RunPlan(total_steps=5, batch_size=4),
+                RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=8,
+                              dynamic_filter=True))
+    timeouts = Timeouts(train_step=30, weight_update=30, rollout_stall=30)
+    counts, records = run_controller(rollout, trainer, requests, settings, num_workers=2,
+                                     timeouts=timeouts)
 
     assert counts.trained == 5 * 4
     assert counts.submitted == counts.trained + sum(counts.dropped.values())
@@ -292,8 +296,8 @@ def test_interrupted_samples_lose_and_repeat_nothing(tmp_path):
     rollout, trainer, log = cluster_specs(tmp_path, config, 2e-5)
     requests = Requests(fresh_seed(), SamplingParams(n=3, max_new_tokens=50))
     eta = 2
-    settings = ControllerSettings(total_steps=8, batch_size=3, max_head_offpolicyness=eta,
-                                  max_concurrent_rollouts=9)
+    settings = (RunPlan(total_steps=8, batch_size=3),
+                RolloutConfig(max_head_offpolicyness=eta, max_concurrent_rollouts=9))
     counts, records = run_controller(rollout, trainer, requests, settings)
 
     assert counts.interruptions > 0
@@ -312,8 +316,8 @@ def test_varied_lengths_resume_exactly(tmp_path):
     config = engine_config(median=30, cap=90)
     rollout, trainer, log = cluster_specs(tmp_path, config, 2e-5)
     requests = Requests(fresh_seed(), SamplingParams(n=3, max_new_tokens=60))
-    settings = ControllerSettings(total_steps=8, batch_size=3, max_head_offpolicyness=2,
-                                  max_concurrent_rollouts=9)
+    settings = (RunPlan(total_steps=8, batch_size=3),
+                RolloutConfig(max_head_offpolicyness=2, max_concurrent_rollouts=9))
     counts, records = run_controller(rollout, trainer, requests, settings, num_workers=2)
 
     assert counts.interruptions > 0
@@ -330,8 +334,8 @@ def test_eta_zero_is_on_policy(tmp_path):
     config = engine_config()
     rollout, trainer, log = cluster_specs(tmp_path, config, 1e-5)
     requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
-    settings = ControllerSettings(total_steps=5, batch_size=3, max_head_offpolicyness=0,
-                                  max_concurrent_rollouts=16)
+    settings = (RunPlan(total_steps=5, batch_size=3),
+                RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=16))
     counts, records = run_controller(rollout, trainer, requests, settings, num_workers=2)
 
     rows = read_trained(log)
@@ -355,8 +359,9 @@ def run_with_held_group(tmp_path, drop_stale: bool):
     rollout = RolloutWorkerSpec(HoldingEngineFactory(config, hold, until=3), sim_reward,
                                 threads=1)
     trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log)), threads=1)
-    settings = ControllerSettings(total_steps=6, batch_size=1, max_head_offpolicyness=1,
-                                  max_concurrent_rollouts=4, drop_stale=drop_stale)
+    settings = (RunPlan(total_steps=6, batch_size=1),
+                RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=4,
+                              drop_stale=drop_stale))
     counts, _ = run_controller(rollout, trainer, requests, settings)
     return counts, read_trained(log), requests, config
 
@@ -388,8 +393,8 @@ def test_rollout_worker_death_is_reported_by_name(tmp_path, how):
                                 threads=1)
     trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log)), threads=1)
     requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
-    settings = ControllerSettings(total_steps=50, batch_size=2, max_head_offpolicyness=0,
-                                  max_concurrent_rollouts=2)
+    settings = (RunPlan(total_steps=50, batch_size=2),
+                RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=2))
     start = time.monotonic()
     with pytest.raises(WorkerError) as err:
         run_controller(rollout, trainer, requests, settings)
@@ -408,8 +413,8 @@ def test_trainer_death_is_reported_by_name(tmp_path, how):
     trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log), die_at_step=3, how=how),
                                 threads=1)
     requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
-    settings = ControllerSettings(total_steps=50, batch_size=2, max_head_offpolicyness=1,
-                                  max_concurrent_rollouts=4)
+    settings = (RunPlan(total_steps=50, batch_size=2),
+                RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=4))
     start, files = time.monotonic(), []
     try:
         with pytest.raises(WorkerError) as err:
@@ -430,8 +435,8 @@ def test_killed_trainer_leaves_no_weight_files(tmp_path):
     trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log), die_at_step=2),
                                 threads=1)
     requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
-    settings = ControllerSettings(total_steps=50, batch_size=2, max_head_offpolicyness=0,
-                                  max_concurrent_rollouts=2)
+    settings = (RunPlan(total_steps=50, batch_size=2),
+                RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=2))
     files: list[Path] = []
     try:
         with pytest.raises(WorkerError, match="'trainer'.*exit code 3"):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from areal_fast.controller.async_loop import AsyncController, ControllerSettings
+from areal_fast.controller.async_loop import AsyncController, RunPlan
 from areal_fast.controller.requests import ChatPrompts, MathRequests, ProblemStream, group_seed
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
@@ -103,13 +103,14 @@ def _async_run(model_dir: Path, problems, tmp_path: Path):
         num_rollout_workers=1, launcher=LauncherConfig(startup_timeout=120))
     requests = MathRequests(ProblemStream(problems, SEED),
                             ChatPrompts(tokenizer, DEFAULT_INSTRUCTION), params, SEED)
-    settings = ControllerSettings(total_steps=STEPS, batch_size=BATCH,
-                                  max_head_offpolicyness=0, max_concurrent_rollouts=BATCH)
+    plan = RunPlan(total_steps=STEPS, batch_size=BATCH)
+    rollout_config = RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=BATCH)
     records: list[dict] = []
     checkpoint = tmp_path / "async-checkpoint"
     with LocalCluster(spec) as cluster:
         controller = AsyncController(cluster.rollout_workers, cluster.trainer,
-                                     cluster.weight_buffers, requests, settings, records.append)
+                                     cluster.weight_buffers, requests, plan, rollout_config,
+                                     records.append)
         counts = controller.run()
         save_checkpoint(cluster, str(checkpoint), timeout=120)
     return records, counts, load_file(str(checkpoint / "model.safetensors"))

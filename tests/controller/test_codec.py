@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from areal_fast.controller import messages as msg
+from areal_fast.controller.shard_io import shard_tensors
 from areal_fast.controller.shards import (DistributedBatch, ShardMetadata, ShardStore,
-                                         TensorMetadata, fetch_shards, shard_tensors,
-                                         tensor_metadata)
+                                         TensorMetadata, fetch_shards, tensor_metadata)
 from areal_fast.controller.codec import MESSAGE_TYPES, CodecError, decode_message, encode_message
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import SamplingParams

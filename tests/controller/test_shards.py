@@ -15,19 +15,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from areal_fast.controller.shard_io import shard_tensors
 from areal_fast.controller.shards import (
-    SEQ_FIELDS,
-    TOKEN_FIELDS,
     DistributedBatch,
     ShardMetadata,
     ShardStore,
     TensorMetadata,
-    assemble_packed_batch,
     fetch_packed_batch,
     fetch_shards,
-    shard_tensors,
     tensor_metadata,
 )
+from areal_fast.rl.batch import SEQ_FIELDS, TOKEN_FIELDS, assemble_packed_batch
 from areal_fast.rl.advantages import group_advantages
 from areal_fast.rl.batch import PackedBatch, Trajectory, pack_trajectories
 from areal_fast.sync.shared_memory import ALIGNMENT, SharedWeightBuffer
