@@ -12,12 +12,21 @@ run needs a network weight transport; see README).
 
 A dead actor shows as the end of its socket, so the controller notices a death at once,
 exactly as with a local process.
+
+Ray puts the driver's current directory first on every worker's ``sys.path``. Started from a
+source checkout (``python -m areal_fast.launch.ray`` in the repository root) that would make
+the actors import the source tree, without the compiled extension, even where the driver
+imports the installed package. The driver therefore starts Ray from the folder that holds
+the ``areal_fast`` it imported itself, and each actor then changes to the driver's directory,
+so relative paths mean the same on both sides.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import signal
 import threading
 import time
 from multiprocessing.connection import Client, Listener
@@ -33,14 +42,33 @@ from areal_fast.launch.cluster import Cluster, ClusterSpec, trainer_name
 class _WorkerActor:
     """Body of every worker actor: connect to the controller, then serve like a process."""
 
-    def run(self, name: str, target, spec, address, authkey: bytes) -> None:
-        """Connect to the controller at ``address``, say who this is, serve until shutdown."""
+    def run(self, name: str, target, spec, address, authkey: bytes, cwd: str) -> None:
+        """Work in the driver's directory ``cwd``, connect to the controller at ``address``,
+        say who this is, serve until shutdown (Ctrl-C is for the driver: it stops the
+        workers)."""
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to do
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.chdir(cwd)
         conn = Client(tuple(address), authkey=authkey)
         conn.send_bytes(msgpack.packb({"name": name, "pid": os.getpid()}))
         _worker_entry(target, conn, name, spec, authkey)
 
 
 _REMOTE_ACTOR = None
+
+
+@contextlib.contextmanager
+def _in_package_parent():
+    """Run the block in the folder holding the imported ``areal_fast`` package (Ray adds the
+    current directory to the workers' ``sys.path``; see the module docstring)."""
+    import areal_fast
+
+    here = os.getcwd()
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(areal_fast.__file__))))
+    try:
+        yield
+    finally:
+        os.chdir(here)
 
 
 def _remote_actor():
@@ -144,9 +172,10 @@ class RayCluster(Cluster):
 
         if not ray.is_initialized():
             local = self.scheduler.ray_address is None
-            ray.init(address=self.scheduler.ray_address, include_dashboard=False,
-                     log_to_driver=True,
-                     num_cpus=self.scheduler.ray_num_cpus if local else None)
+            with _in_package_parent():
+                ray.init(address=self.scheduler.ray_address, include_dashboard=False,
+                         log_to_driver=True,
+                         num_cpus=self.scheduler.ray_num_cpus if local else None)
             self._started_ray = True
         try:
             bundles = self._bundle_specs()
@@ -184,7 +213,8 @@ class RayCluster(Cluster):
             num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=bundle)).remote()
-        run_ref = actor.run.remote(name, target, spec, self.listener.address, self.authkey)
+        run_ref = actor.run.remote(name, target, spec, self.listener.address, self.authkey,
+                                   os.getcwd())
         conn, pid = self._accept(name, run_ref)
         return RayHandle(name, MessageChannel(conn), actor, run_ref, pid)
 
