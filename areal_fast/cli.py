@@ -19,8 +19,10 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_system_exit(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+def _raise_interrupted(signum, frame) -> None:
+    from areal_fast.launch.interrupt import Interrupted
+
+    raise Interrupted(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,11 +45,19 @@ def main(argv: list[str] | None = None) -> int:
         transformers.utils.logging.disable_progress_bar()
     from areal_fast.controller.workers import WorkerError
 
-    # SIGTERM (schedulers, `timeout`) unwinds like Ctrl-C: FAILED is written, workers stop
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    from areal_fast.launch.interrupt import RunInterrupted
+
+    # SIGTERM (schedulers, `timeout`) stops like Ctrl-C: one line, INTERRUPTED, exit 128 + N
+    signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         cfg = load_config(args.config, args.overrides)
         summary = run_experiment(cfg, show_progress=not args.no_progress)
+    except RunInterrupted as exc:
+        print(f"areal-fast: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt as exc:  # before the run began (reading the config)
+        print("areal-fast: interrupted before the run started", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except (ValueError, FileNotFoundError, ImportError, WorkerError, TimeoutError) as exc:
         if os.environ.get("AREAL_FAST_DEBUG"):
             raise
