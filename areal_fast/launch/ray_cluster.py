@@ -13,12 +13,16 @@ run needs a network weight transport; see README).
 A dead actor shows as the end of its socket, so the controller notices a death at once,
 exactly as with a local process.
 
-Ray puts the driver's current directory first on every worker's ``sys.path``. Started from a
-source checkout (``python -m areal_fast.launch.ray`` in the repository root) that would make
-the actors import the source tree, without the compiled extension, even where the driver
-imports the installed package. The driver therefore starts Ray from the folder that holds
-the ``areal_fast`` it imported itself, and each actor then changes to the driver's directory,
-so relative paths mean the same on both sides.
+Ray puts the driver's current directory first on every worker's ``sys.path``. Started in a
+source checkout (e.g. the repository root) by the ``areal-fast`` script, that made the actors
+import the source tree, without the compiled extension, while the driver imported the
+installed package. The driver therefore starts Ray from the folder that holds the
+``areal_fast`` it imported itself, so every actor imports that same package; each actor then
+changes to the driver's directory, so relative paths mean the same on both sides, and
+appends it to its ``sys.path`` (modules there, such as an agent beside the config, still
+import, after the package). ``python -m`` in a checkout makes the driver itself import the
+checkout (Python puts the current directory first); the actors then do too, and the native
+extension's warning names that folder and the installed package it shadows.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import contextlib
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import Client, Listener
@@ -49,6 +54,8 @@ class _WorkerActor:
         with contextlib.suppress(ValueError):  # not the main thread: nothing to do
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.chdir(cwd)
+        if cwd not in sys.path:  # modules beside the config (agents) import, after the package
+            sys.path.append(cwd)
         conn = Client(tuple(address), authkey=authkey)
         conn.send_bytes(msgpack.packb({"name": name, "pid": os.getpid()}))
         _worker_entry(target, conn, name, spec, authkey)
