@@ -13,9 +13,9 @@ run needs a network weight transport; see README).
 A dead actor shows as the end of its socket, so the controller notices a death at once,
 exactly as with a local process.
 
-Ray puts the driver's current directory first on every worker's ``sys.path``. Started in a
-source checkout (e.g. the repository root) by the ``areal-fast`` script, that made the actors
-import the source tree, without the compiled extension, while the driver imported the
+Ray puts the driver's current directory first on every worker's ``sys.path``: with the
+``areal-fast`` script started in a source checkout (e.g. the repository root), the actors
+would import the source tree, without the compiled extension, while the driver imports the
 installed package. The driver therefore starts Ray from the folder that holds the
 ``areal_fast`` it imported itself, so every actor imports that same package; each actor then
 changes to the driver's directory, so relative paths mean the same on both sides, and
