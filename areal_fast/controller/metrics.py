@@ -82,8 +82,10 @@ def plot_progress(records: list[dict], eval_points: dict[str, tuple[int, float]]
             label="train solve rate (≥1 correct per group)")
     for label, (step, acc) in eval_points.items():
         ax.scatter([step], [acc], s=60, zorder=3, label=f"held-out greedy accuracy ({label})")
+        last = bool(steps) and step >= max(steps)  # at the right edge: text to the left
         ax.annotate(f"{label}: {acc:.1%}", (step, acc), textcoords="offset points",
-                    xytext=(6, 6), fontsize=8)
+                    xytext=(-6, 6) if last else (6, 6), ha="right" if last else "left",
+                    fontsize=8)
     if title:
         ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")

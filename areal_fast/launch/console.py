@@ -99,21 +99,36 @@ class StepBar:
         else:
             self.steps_since_first += 1
         left = self.remaining(now)
+        eta = "…" if left is None else tqdm.format_interval(left)
+        self.bar.set_postfix_str(f"reward={record['reward_mean']:.3f}, "
+                                 f"loss={record['loss']:.4f}, eta={eta}", refresh=False)
         self.bar.update(1)
-        self.bar.set_postfix(reward=f"{record['reward_mean']:.3f}",
-                             loss=f"{record['loss']:.4f}",
-                             eta="…" if left is None else tqdm.format_interval(left))
 
     def close(self) -> None:
         self.bar.close()
 
 
-def end_summary(summary: dict, run_dir, final_model: bool) -> list[str]:
+def end_summary(summary: dict, run_dir, final_model: bool,
+                total_seconds: float | None = None) -> list[str]:
     """The lines printed when a run ends: steps and wall time, held-out accuracy before →
-    after, and where its files are."""
+    after, and where its files are.
+
+    Parameters
+    ----------
+    summary : dict
+        ``summary.json``'s content (``steps``, ``wall_seconds``: from the workers' start;
+        ``eval_before`` / ``eval_after`` / ``eval_problems`` when evaluated).
+    run_dir : str or Path
+    final_model : bool
+        ``checkpoint.final_model``.
+    total_seconds : float, optional
+        Seconds since the launch (data, tokenizer and workers included).
+    """
     steps = summary["steps"]
-    lines = [f"finished {steps} step{'s' if steps != 1 else ''} in "
-             f"{format_seconds(summary['wall_seconds'])}"]
+    took = format_seconds(summary["wall_seconds"])
+    if total_seconds is not None:
+        took = f"{format_seconds(total_seconds)} ({took} after the workers started)"
+    lines = [f"finished {steps} step{'s' if steps != 1 else ''} in {took}"]
     before, after = summary.get("eval_before"), summary.get("eval_after")
     n = summary.get("eval_problems", 0)
     if before is not None and after is not None:

@@ -10,7 +10,7 @@ import platform
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -273,6 +273,7 @@ class _Progress:
     phase: str = "loading the data and the tokenizer"
     version: int = 0  # steps trained
     run_dir: Optional[Path] = None  # set once the run directory is prepared
+    started: float = field(default_factory=time.perf_counter)  # at the launch
 
 
 def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
@@ -535,7 +536,8 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
     if log.records:
         summary["trained_tokens_per_s"] = log.records[-1]["trained_tokens_per_s"]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    for line in console.end_summary(summary, run_dir, cfg.checkpoint.final_model):
+    for line in console.end_summary(summary, run_dir, cfg.checkpoint.final_model,
+                                    time.perf_counter() - progress.started):
         console.say(line)
     return summary
 
