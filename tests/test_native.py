@@ -27,6 +27,7 @@ def test_warning_names_the_shadowing_source_tree(tmp_path, monkeypatch):
     installed = _fake_install(tmp_path, with_extension=True)
     monkeypatch.setattr(_native, "installed_package_dir", lambda: installed)
     monkeypatch.setitem(sys.modules, "areal_fast._C", None)  # the import fails
+    monkeypatch.delattr("areal_fast._C", raising=False)
     monkeypatch.delenv(_native.DISABLE_ENV, raising=False)
     _native._import_native.cache_clear()
     try:
