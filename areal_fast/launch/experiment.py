@@ -102,6 +102,10 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
     if not run_dir.exists():
         return
     if not cfg.overwrite:
+        if (run_dir / "INTERRUPTED").is_file():
+            raise ConfigError(f"run directory {run_dir} already exists and was interrupted; "
+                              f"pass resume=true to continue it, overwrite=true to replace "
+                              f"it, or choose another trial_name")
         raise ConfigError(f"run directory {run_dir} already exists; pass overwrite=true "
                           f"or choose another trial_name")
     if not (run_dir.is_dir() and (run_dir / "config.yaml").is_file()):

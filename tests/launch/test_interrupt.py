@@ -44,9 +44,16 @@ def _steps(run_dir: Path) -> list[int]:
     return [json.loads(line)["step"] for line in path.read_text().splitlines() if line]
 
 
-def _wait_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout=240.0) -> None:
+def _saving(run_dir: Path, step: int) -> bool:
+    """The checkpoint of ``step`` is begun (a temporary folder) or complete."""
+    root = run_dir / "checkpoints"
+    return any(root.glob(f".tmp-step-{step:08d}-*")) or (root / f"step-{step:08d}").is_dir()
+
+
+def _wait_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout=240.0,
+                until=lambda: True) -> None:
     deadline = time.monotonic() + timeout
-    while len(_steps(run_dir)) < steps:
+    while len(_steps(run_dir)) < steps or not until():
         if proc.poll() is not None:
             raise AssertionError(f"the job ended first:\n{proc.communicate()[1][-3000:]}")
         if time.monotonic() > deadline:
@@ -55,11 +62,11 @@ def _wait_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout=240.0
         time.sleep(0.02)
 
 
-def test_ctrl_c_stops_cleanly_and_resume_continues(tiny_model_dir, tmp_path):
+def test_ctrl_c_stops_cleanly_and_resume_continues(tiny_model_dir, tmp_path, capsys):
     run_dir = tmp_path / "grpo-arith" / "stop"
     proc = _start(_args(tiny_model_dir, tmp_path))
     # right after step 4 the checkpoint of step 4 is usually still a .tmp-step-* folder
-    _wait_steps(proc, run_dir, 4)
+    _wait_steps(proc, run_dir, 4, until=lambda: _saving(run_dir, 4))
     os.killpg(proc.pid, signal.SIGINT)
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, err[-3000:]
@@ -79,6 +86,10 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(tiny_model_dir, tmp_path):
                               f"from step {latest}")
     assert not (run_dir / "summary.json").exists() and not (run_dir / "shards").exists()
 
+    from areal_fast.cli import main
+
+    assert main(_args(tiny_model_dir, tmp_path)) == 2  # neither resume nor overwrite
+    assert "was interrupted; pass resume=true to continue it" in capsys.readouterr().err
     total = latest + 2
     done = subprocess.run([sys.executable, "-m", "areal_fast.cli",
                            *_args(tiny_model_dir, tmp_path, "resume=true",
