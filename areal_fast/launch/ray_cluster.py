@@ -78,6 +78,19 @@ def _in_package_parent():
         os.chdir(here)
 
 
+@contextlib.contextmanager
+def _sigterm_kept():
+    """Keep the launcher's SIGTERM handler (a clean stop, see
+    :mod:`areal_fast.launch.interrupt`): ``ray.init`` replaces it with ``sys.exit``."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+
+
 def _remote_actor():
     global _REMOTE_ACTOR
     if _REMOTE_ACTOR is None:
@@ -179,7 +192,7 @@ class RayCluster(Cluster):
 
         if not ray.is_initialized():
             local = self.scheduler.ray_address is None
-            with _in_package_parent():
+            with _in_package_parent(), _sigterm_kept():
                 ray.init(address=self.scheduler.ray_address, include_dashboard=False,
                          log_to_driver=True,
                          num_cpus=self.scheduler.ray_num_cpus if local else None)

@@ -1,6 +1,7 @@
 """Ray actors import the same ``areal_fast`` as the driver, even when the driver runs in a
 source checkout that would shadow it (Ray puts the driver's directory on their path); they
-work in the driver's directory and can still import modules from it."""
+work in the driver's directory and can still import modules from it; the launcher keeps its
+SIGTERM handler across ``ray.init``."""
 
 from __future__ import annotations
 
@@ -18,18 +19,23 @@ REPO = Path(__file__).resolve().parents[2]
 # runs in the checkout, as the `areal-fast` script would (the current directory is not on the
 # driver's path); its worker target is a module in that directory (like an agent file)
 DRIVER = """
-import json, os, secrets, sys, threading
+import json, os, secrets, signal, sys, threading
 from multiprocessing.connection import Listener
 import areal_fast, ray
-from areal_fast.launch.ray_cluster import _in_package_parent, _remote_actor
+from areal_fast.launch.ray_cluster import _in_package_parent, _remote_actor, _sigterm_kept
 sys.path.append(os.getcwd())
 import probe
 ray.cloudpickle.register_pickle_by_value(probe)  # arguments load before the actor's chdir
 
+def on_sigterm(signum, frame):
+    pass
+
+signal.signal(signal.SIGTERM, on_sigterm)
 here = os.getcwd()
-with _in_package_parent():
+with _in_package_parent(), _sigterm_kept():
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
 assert os.getcwd() == here
+assert signal.getsignal(signal.SIGTERM) is on_sigterm  # ray.init sets its own
 key = secrets.token_bytes(16)
 listener = Listener(("127.0.0.1", 0), authkey=key)
 threading.Thread(target=lambda: listener.accept().recv_bytes(), daemon=True).start()
