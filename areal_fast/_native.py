@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from pathlib import Path
 from types import ModuleType
 
 DISABLE_ENV = "AREAL_FAST_DISABLE_NATIVE"
@@ -29,14 +30,53 @@ def _import_native() -> ModuleType | None:
     try:
         from areal_fast import _C
     except ImportError as exc:
-        warnings.warn(
-            f"areal_fast native extension is unavailable ({exc!r}); using the slower Python "
-            f"implementations. Reinstall areal_fast with a C++ compiler to build it.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        warnings.warn(unavailable_message(exc), RuntimeWarning, stacklevel=3)
         return None
     return _C
+
+
+def _has_extension(package_dir: Path) -> bool:
+    return any(package_dir.glob("_C.*")) or any(package_dir.glob("_C*.so"))
+
+
+def installed_package_dir() -> Path | None:
+    """Folder of the installed ``areal_fast`` distribution's package, or None when no
+    distribution is installed (e.g. a source checkout on ``PYTHONPATH``)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("areal_fast")
+    except metadata.PackageNotFoundError:
+        return None
+    path = Path(str(dist.locate_file("areal_fast")))
+    return path if (path / "__init__.py").is_file() else None
+
+
+def unavailable_message(exc: BaseException) -> str:
+    """Why ``areal_fast._C`` could not be imported and what to do, in one line.
+
+    Names the folder this process imported ``areal_fast`` from. When that folder is not the
+    installed distribution's and the installed one has the extension, the cause is a source
+    tree shadowing it (typically the current directory on ``sys.path``: running
+    ``python -m ...`` from a checkout), not a missing compiler.
+
+    Parameters
+    ----------
+    exc : BaseException
+        The import error.
+    """
+    import areal_fast
+
+    imported = Path(areal_fast.__file__).resolve().parent
+    head = (f"areal_fast native extension is unavailable ({exc!r}); using the slower Python "
+            f"implementations. areal_fast was imported from {imported}")
+    installed = installed_package_dir()
+    if installed is not None and installed.resolve() != imported and _has_extension(installed):
+        return (f"{head}, which shadows the installed areal_fast at {installed} (it has the "
+                f"extension): run from another directory or remove {imported.parent} from "
+                f"sys.path / PYTHONPATH.")
+    return (f"{head}, which has no built extension: reinstall areal_fast with a C++ compiler "
+            f"(pip install .) to build it.")
 
 
 def load_native() -> ModuleType | None:

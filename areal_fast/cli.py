@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -51,8 +50,10 @@ def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-def _raise_system_exit(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+def _raise_interrupted(signum, frame) -> None:
+    from areal_fast.launch.interrupt import Interrupted
+
+    raise Interrupted(signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,9 +84,10 @@ def main(argv: list[str] | None = None) -> int:
         transformers.utils.logging.disable_progress_bar()
     from areal_fast.controller.workers import WorkerError
     from areal_fast.launch.config import load_config
+    from areal_fast.launch.interrupt import RunInterrupted
 
-    # SIGTERM (schedulers, `timeout`) unwinds like Ctrl-C: FAILED is written, workers stop
-    signal.signal(signal.SIGTERM, _raise_system_exit)
+    # SIGTERM (schedulers, `timeout`) stops like Ctrl-C: one line, INTERRUPTED, exit 128 + N
+    signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         cfg = load_config(args.config, args.overrides)
         if args.command == "eval":
@@ -96,6 +98,12 @@ def main(argv: list[str] | None = None) -> int:
             from areal_fast.launch.experiment import run_experiment
 
             summary = run_experiment(cfg, show_progress=not args.no_progress)
+    except RunInterrupted as exc:
+        print(f"areal-fast: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt as exc:  # before the run began (reading the config)
+        print("areal-fast: interrupted before the run started", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
     except (ValueError, FileNotFoundError, ImportError, WorkerError, TimeoutError) as exc:
         if os.environ.get("AREAL_FAST_DEBUG"):
             raise
@@ -107,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         print(accuracy_line(summary))
         print(f"evaluation directory: {summary['eval_dir']}")
         return 0
-    print(json.dumps(summary, indent=2))
-    print(f"run directory: {cfg.run_dir}")
-    return 0
+    return 0  # the console summary named the run directory; summary.json holds the rest
 
 
 if __name__ == "__main__":

@@ -29,10 +29,15 @@ class Timeouts:
 
 @dataclass
 class CheckpointConfig:
-    """Recoverable checkpoints (trainer + controller state) under ``<run dir>/checkpoints``."""
+    """Recoverable checkpoints (trainer + controller state) under ``<run dir>/checkpoints``,
+    and the trained model written at the end under ``<run dir>/checkpoint``."""
 
     every_steps: int = 0  # save after every this many steps (0: off); the last step too
     keep: int = 2  # complete checkpoints kept
+    # write the trained model (HF format, the trainer's dtype: 4 bytes per parameter in
+    # float32, about 517 MB for SmolLM2-135M) to <run dir>/checkpoint at the end; false for
+    # trial runs that need only the metrics and held-out accuracies
+    final_model: bool = True
 
     def __post_init__(self):
         at_least("every_steps", self.every_steps, 0)

@@ -6,7 +6,6 @@ import json
 from pathlib import Path
 
 
-
 class MetricsLog:
     """Appends one JSON object per line to ``path`` and keeps the records in memory."""
 
@@ -41,17 +40,29 @@ class MetricsLog:
 
 
 def plot_progress(records: list[dict], eval_points: dict[str, tuple[int, float]],
-                  path: Path) -> None:
+                  path: Path, title: str = ""):
     """PNG of training reward, sample accuracy and solve rate per step, with held-out accuracy.
+
+    For a 0/1 reward the mean reward is the sample accuracy: the two are then drawn as one
+    line ("train reward mean = sample accuracy"); a reward that differs anywhere (e.g. a
+    format bonus) gets its own line. Each held-out point is labelled with its value.
 
     Parameters
     ----------
     records : list of dict
-        Per-step metrics with ``step``, ``reward_mean`` and ``accuracy``.
+        Per-step metrics with ``step``, ``reward_mean``, ``accuracy`` and ``solve_rate``
+        (fractions in [0, 1]).
     eval_points : dict
         Label -> (step, held-out accuracy), e.g. {"before": (0, 0.19), "after": (20, 0.3)}.
     path : Path
         Output PNG file.
+    title : str, optional
+        Figure title (the launcher gives the experiment/trial name and the model).
+
+    Returns
+    -------
+    matplotlib.figure.Figure
+        The saved figure (already closed: inspect it, do not show it).
     """
     import matplotlib
 
@@ -60,13 +71,23 @@ def plot_progress(records: list[dict], eval_points: dict[str, tuple[int, float]]
 
     fig, ax = plt.subplots(figsize=(7, 4))
     steps = [r["step"] for r in records]
-    ax.plot(steps, [r["reward_mean"] for r in records], marker=".", label="train reward mean")
-    ax.plot(steps, [r["accuracy"] for r in records], marker=".", linestyle="--",
-            label="train sample accuracy")
+    reward = [r["reward_mean"] for r in records]
+    accuracy = [r["accuracy"] for r in records]
+    if all(abs(a - b) <= 1e-9 for a, b in zip(reward, accuracy)):
+        ax.plot(steps, accuracy, marker=".", label="train reward mean = sample accuracy")
+    else:
+        ax.plot(steps, reward, marker=".", label="train reward mean")
+        ax.plot(steps, accuracy, marker=".", linestyle="--", label="train sample accuracy")
     ax.plot(steps, [r["solve_rate"] for r in records], marker=".", linestyle=":",
             label="train solve rate (≥1 correct per group)")
     for label, (step, acc) in eval_points.items():
         ax.scatter([step], [acc], s=60, zorder=3, label=f"held-out greedy accuracy ({label})")
+        last = bool(steps) and step >= max(steps)  # at the right edge: text to the left
+        ax.annotate(f"{label}: {acc:.1%}", (step, acc), textcoords="offset points",
+                    xytext=(-6, 6) if last else (6, 6), ha="right" if last else "left",
+                    fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")
     ax.set_ylabel("reward / accuracy")
     ax.set_ylim(-0.02, 1.02)
@@ -75,3 +96,4 @@ def plot_progress(records: list[dict], eval_points: dict[str, tuple[int, float]]
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+    return fig

@@ -18,7 +18,9 @@ import dataclasses
 import json
 import os
 import secrets
+import signal
 import socket
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,7 +238,19 @@ class Cluster:
 
 
 class LocalCluster(Cluster):
-    """Every worker as a ``spawn`` process on this machine."""
+    """Every worker as a ``spawn`` process on this machine.
+
+    Each ignores SIGINT: a Ctrl-C in the terminal reaches the whole process group, and only
+    the launcher acts on it (it stops the workers), so the workers print no tracebacks. The
+    launcher ignores SIGINT while it starts a process (an ignored signal is the one
+    disposition that a new interpreter keeps); a Ctrl-C in that moment is lost.
+    """
 
     def _start_worker(self, name: str, target, spec) -> WorkerHandle:
-        return spawn_worker(name, target, spec, self.authkey)
+        if threading.current_thread() is not threading.main_thread():
+            return spawn_worker(name, target, spec, self.authkey)
+        handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return spawn_worker(name, target, spec, self.authkey)
+        finally:
+            signal.signal(signal.SIGINT, handler)

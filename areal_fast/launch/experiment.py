@@ -10,12 +10,12 @@ import platform
 import random
 import shutil
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
-
-from tqdm import tqdm
 
 from areal_fast.controller.async_loop import AsyncController, RunPlan
 from areal_fast.controller.checkpoint_manager import Checkpoint, CheckpointManager
@@ -27,9 +27,13 @@ from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.controller.workers import WorkerError, wait_messages
 from areal_fast.data.rewards import math_reward
 from areal_fast.data.tasks import drop_eval_overlap, load_problems
+from areal_fast.launch import console
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
 from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
 from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster
+from areal_fast.launch.interrupt import (CHECKPOINT_WAIT_SECONDS, RunInterrupted,
+                                         describe_stop, finish_checkpoints, signal_of,
+                                         signals_deferred, write_interrupted)
 from areal_fast.models.loading import load_model_config, load_tokenizer
 from areal_fast.rollout.engine import SamplingParams
 
@@ -112,6 +116,10 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
     if not run_dir.exists():
         return
     if not cfg.overwrite:
+        if (run_dir / "INTERRUPTED").is_file():
+            raise ConfigError(f"run directory {run_dir} already exists and was interrupted; "
+                              f"pass resume=true to continue it, overwrite=true to replace "
+                              f"it, or choose another trial_name")
         raise ConfigError(f"run directory {run_dir} already exists; pass overwrite=true "
                           f"or choose another trial_name")
     if not (run_dir.is_dir() and (run_dir / "config.yaml").is_file()):
@@ -143,7 +151,7 @@ def prepare_run_dir(cfg: ExperimentConfig) -> Path:
     check_run_dir(cfg)
     run_dir = cfg.run_dir
     if cfg.resume:
-        for name in ("FAILED", "summary.json"):
+        for name in ("FAILED", "INTERRUPTED", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
         (run_dir / "config.resumed.yaml").write_text(to_yaml(cfg))  # the original stays
         return run_dir
@@ -321,20 +329,48 @@ def run_plan(cfg: ExperimentConfig) -> RunPlan:
     return RunPlan(cfg.total_steps, cfg.batch_size, max_seconds=cfg.max_seconds)
 
 
+@dataclass
+class _Progress:
+    """Where a run is, for the line an interrupted run prints."""
+
+    phase: str = "loading the data and the tokenizer"
+    version: int = 0  # steps trained
+    run_dir: Optional[Path] = None  # set once the run directory is prepared
+    started: float = field(default_factory=time.perf_counter)  # at the launch
+
+
 def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
     """Run one GRPO experiment end to end (asynchronous controller); returns the summary.
 
     Everything that can fail on bad input (data files, task names, model path) is loaded
     before the run directory is created and before any worker starts. The run directory gets
     ``config.yaml``, ``metrics.jsonl`` (one line per step), ``eval_before.jsonl`` /
-    ``eval_after.jsonl``, ``progress.png``, ``checkpoint/`` and, last of all,
-    ``summary.json``: a run directory without ``summary.json`` did not finish (a failed run
-    also gets ``FAILED`` with the error). With ``checkpoint.every_steps``, recoverable
+    ``eval_after.jsonl``, ``progress.png``, ``checkpoint/`` (the trained model, unless
+    ``checkpoint.final_model`` is false) and, last of all, ``summary.json``: a run directory
+    without ``summary.json`` did not finish (a failed run also gets ``FAILED`` with the
+    error, an interrupted one ``INTERRUPTED``). With ``checkpoint.every_steps``, recoverable
     checkpoints go to ``checkpoints/step-<version>``; ``resume=true`` continues from the last
     complete one. A dead or failed trainer rank restarts the job from there (at most
     ``recovery.max_trainer_restarts`` times); a dead rollout worker is replaced
     (``recovery.max_rollout_restarts``). ``workers.json`` maps worker names to process ids.
+    The console shows each held-out evaluation, a progress bar and a closing summary.
+
+    Raises
+    ------
+    RunInterrupted
+        Ctrl-C or SIGTERM (see :mod:`areal_fast.launch.interrupt`): the run stopped cleanly;
+        the exception's text says where and what ``resume=true`` will do.
     """
+    progress = _Progress()
+    try:
+        return _run_experiment(cfg, show_progress, progress)
+    except RunInterrupted:
+        raise
+    except KeyboardInterrupt as exc:  # before the workers started, or while stopping them
+        raise _stopped(cfg, progress, signal_of(exc)) from None
+
+
+def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progress) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
@@ -353,11 +389,12 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
     check_lengths(cfg, prompts, train_set + eval_set,
                   getattr(model_config, "max_position_embeddings", None))
     run_dir = prepare_run_dir(cfg)
+    progress.run_dir = run_dir
     data = (prompts, tokenizer, train_set, eval_set, removed)
     resume, restarts = cfg.resume, 0
     while True:
         try:
-            return _attempt(cfg, run_dir, data, resume, restarts, show_progress)
+            return _attempt(cfg, run_dir, data, resume, restarts, show_progress, progress)
         except WorkerError as exc:
             if not _trainer_fault(exc):
                 _mark_failed(run_dir, exc)
@@ -374,9 +411,33 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
                         "restart %d of at most %d, recovery.max_trainer_restarts)", exc,
                         restarts, cfg.recovery.max_trainer_restarts)
             resume = True
+        except KeyboardInterrupt as exc:
+            raise _stopped(cfg, progress, signal_of(exc)) from None
         except BaseException as exc:
             _mark_failed(run_dir, exc)
             raise
+
+
+def _stopped(cfg: ExperimentConfig, progress: _Progress, signum: int) -> RunInterrupted:
+    """Clean up after Ctrl-C / SIGTERM (the workers are stopped already): delete
+    uncommitted checkpoints and a partial final model, write ``INTERRUPTED``; returns the
+    exception to raise."""
+    with signals_deferred():
+        run_dir = progress.run_dir
+        if run_dir is None:
+            return RunInterrupted(f"interrupted while {progress.phase}; nothing was written",
+                                  signum)
+        checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.every_steps,
+                                        cfg.checkpoint.keep, cfg.total_steps)
+        discarded = any(checkpoints.root.glob(".tmp-step-*"))
+        checkpoints.remove_temporaries()
+        shutil.rmtree(run_dir / "shards", ignore_errors=True)  # pending groups: not resumed
+        if progress.phase == "saving the final model":
+            shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+        line = describe_stop(progress.phase, progress.version, cfg.total_steps, checkpoints,
+                             cfg.checkpoint.every_steps, discarded)
+        write_interrupted(run_dir, line, signum)
+        return RunInterrupted(line, signum)
 
 
 def _trainer_fault(exc: WorkerError) -> bool:
@@ -385,11 +446,15 @@ def _trainer_fault(exc: WorkerError) -> bool:
 
 
 def _mark_failed(run_dir: Path, exc: BaseException) -> None:
-    (run_dir / "FAILED").write_text(f"{type(exc).__name__}: {exc}\n")
+    """Write ``FAILED``: the error's type and first line (its type alone when it has no
+    message)."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    (run_dir / "FAILED").write_text(f"{type(exc).__name__}: {first}\n" if first else
+                                    f"{type(exc).__name__}\n")
 
 
 def _attempt(cfg: ExperimentConfig, run_dir: Path, data, resume: bool, restarts: int,
-             show_progress: bool) -> dict:
+             show_progress: bool, progress: _Progress) -> dict:
     """Start the workers (from the last complete checkpoint when ``resume``) and run."""
     checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.every_steps,
                                     cfg.checkpoint.keep, cfg.total_steps)
@@ -400,6 +465,8 @@ def _attempt(cfg: ExperimentConfig, run_dir: Path, data, resume: bool, restarts:
         if latest is None:
             log.warning("no complete checkpoint in %s: the run starts again from step 0",
                         checkpoints.root)
+    progress.version = latest.version if latest else 0
+    progress.phase = "starting the workers"
     shutil.rmtree(run_dir / "shards", ignore_errors=True)  # pending groups are not resumed
     if latest is not None and latest.version >= cfg.total_steps:
         log.warning("the checkpoint is of version %d, total_steps = %d: nothing to train",
@@ -414,7 +481,11 @@ def _attempt(cfg: ExperimentConfig, run_dir: Path, data, resume: bool, restarts:
         raise
     try:
         summary = _run(cfg, run_dir, cluster, *data, show_progress, checkpoints, latest,
-                       resume, restarts)
+                       resume, restarts, progress)
+    except KeyboardInterrupt as exc:
+        with signals_deferred():  # stopping the workers must not be cut short
+            cluster.__exit__(type(exc), exc, exc.__traceback__)
+        raise
     except BaseException as exc:
         cluster.__exit__(type(exc), exc, exc.__traceback__)
         raise
@@ -435,7 +506,7 @@ def warn_failed_exits(cluster: Cluster) -> None:
 
 def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed,
          show_progress, checkpoints: CheckpointManager, latest: Checkpoint | None,
-         resume: bool, restarts: int):
+         resume: bool, restarts: int, progress: _Progress):
     start = time.perf_counter()
     summary: dict = {"train_problems": len(train_set), "eval_problems": len(eval_set),
                      "train_removed_overlap": removed, "seed": cfg.seed,
@@ -454,13 +525,12 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
                           cluster.trainer.name)
     log = MetricsLog.resume(run_dir / "metrics.jsonl", version) if resume else \
         MetricsLog(run_dir / "metrics.jsonl")
-    bar = tqdm(total=cfg.total_steps, initial=version, desc="train",
-               disable=not show_progress)
+    bar: console.StepBar | None = None
 
     def on_step(record: dict) -> None:
         log.append(record)
-        bar.update(1)
-        bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}")
+        progress.version = record["step"]
+        bar.update(record)
 
     stream = ProblemStream(train_set, cfg.seed)
     if latest:  # the problems drawn before the checkpoint are not drawn again
@@ -475,23 +545,54 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
     eval_points = {}
     held_out = eval_requests(eval_set, prompts, cfg.eval.max_new_tokens)
     before_file = run_dir / "eval_before.jsonl"
-    if cfg.eval.before and latest and before_file.is_file():  # measured by the first attempt
-        records = [json.loads(line) for line in before_file.read_text().splitlines()]
-        summary["eval_before"] = sum(r["correct"] for r in records) / max(len(records), 1)
-        eval_points["before"] = (0, summary["eval_before"])
-    elif cfg.eval.before:
-        summary["eval_before"] = _evaluate(controller, held_out, before_file)
-        eval_points["before"] = (0, summary["eval_before"])
-    counts = controller.run()
-    bar.close()
-    if cfg.eval.after:
-        summary["eval_after"] = _evaluate(controller, held_out, run_dir / "eval_after.jsonl")
-        eval_points["after"] = (controller.version, summary["eval_after"])
-    if log.records:
-        plot_progress(log.records, eval_points, run_dir / "progress.png")
-    save_checkpoint(cluster, str(run_dir / "checkpoint"), cfg.launcher.timeouts.train_step)
+    eval_seconds = 0.0
+    try:
+        if cfg.eval.before and latest and before_file.is_file():  # measured by the 1st attempt
+            records = [json.loads(line) for line in before_file.read_text().splitlines()]
+            summary["eval_before"] = _accuracy(records)
+            console.say(console.eval_finished("before training", _correct(records),
+                                              len(records), None))
+            eval_points["before"] = (0, summary["eval_before"])
+        elif cfg.eval.before:
+            progress.phase = "evaluating before training"
+            t0 = time.perf_counter()
+            summary["eval_before"] = _evaluate(controller, held_out, before_file,
+                                               "before training", cfg.eval.max_new_tokens)
+            eval_seconds = time.perf_counter() - t0
+            eval_points["before"] = (0, summary["eval_before"])
+        progress.phase = "training"
+        elapsed_before = float(latest.controller.get("elapsed_seconds", 0.0)) if latest else 0.0
+        bar = console.StepBar(cfg.total_steps, version,
+                              extra_seconds=eval_seconds if cfg.eval.after else 0.0,
+                              max_seconds=cfg.max_seconds, elapsed_before=elapsed_before,
+                              enabled=show_progress)
+        try:
+            counts = controller.run()
+        finally:
+            bar.close()
+        if cfg.eval.after:
+            progress.phase = "evaluating after training"
+            summary["eval_after"] = _evaluate(controller, held_out, run_dir / "eval_after.jsonl",
+                                              f"after training (step {controller.version})",
+                                              cfg.eval.max_new_tokens)
+            eval_points["after"] = (controller.version, summary["eval_after"])
+        if log.records:
+            plot_progress(log.records, eval_points, run_dir / "progress.png",
+                          title=f"{cfg.experiment_name}/{cfg.trial_name} · {cfg.model.path}")
+        if cfg.checkpoint.final_model:
+            progress.phase = "saving the final model"
+            save_checkpoint(cluster, str(run_dir / "checkpoint"),
+                            cfg.launcher.timeouts.train_step)
+            tokenizer.save_pretrained(str(run_dir / "checkpoint"))
+        progress.phase = "writing the summary"
+    except KeyboardInterrupt:
+        if bar is not None:
+            bar.close()
+        finish_checkpoints(controller, cluster.trainer_ranks,
+                           min(CHECKPOINT_WAIT_SECONDS, cfg.launcher.timeouts.train_step),
+                           console.say)
+        raise
     shutil.rmtree(run_dir / "shards", ignore_errors=True)
-    tokenizer.save_pretrained(str(run_dir / "checkpoint"))
     summary.update(steps=controller.version, wall_seconds=time.perf_counter() - start,
                    max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                    **counts.as_dict(), torch=torch.__version__,
@@ -501,6 +602,9 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
         summary["trained_tokens_per_s_cumulative"] = \
             log.records[-1]["trained_tokens_per_s_cumulative"]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    for line in console.end_summary(summary, run_dir, cfg.checkpoint.final_model,
+                                    time.perf_counter() - progress.started):
+        console.say(line)
     return summary
 
 
@@ -520,9 +624,25 @@ def save_checkpoint(cluster: Cluster, path: str, timeout: float) -> None:
                 return
 
 
-def _evaluate(controller: AsyncController, requests, path: Path) -> float:
+def _accuracy(records: list[dict]) -> float:
+    return sum(r["correct"] for r in records) / max(len(records), 1)
+
+
+def _correct(records: list[dict]) -> int:
+    return int(round(sum(r["correct"] for r in records)))
+
+
+def _evaluate(controller: AsyncController, requests, path: Path, when: str,
+              max_new_tokens: int) -> float:
+    """Greedy held-out evaluation: one console line as it starts and one with the accuracy;
+    writes one JSON line per problem to ``path``; returns the accuracy (a fraction)."""
+    console.say(console.eval_started(when, len(requests), len(controller.workers),
+                                     max_new_tokens))
+    t0 = time.perf_counter()
     records = controller.evaluate(requests)
     with path.open("w") as fh:
         for record in records:
             fh.write(json.dumps(record) + "\n")
-    return sum(r["correct"] for r in records) / max(len(records), 1)
+    console.say(console.eval_finished(when, _correct(records), len(records),
+                                      time.perf_counter() - t0))
+    return _accuracy(records)

@@ -12,12 +12,26 @@ run needs a network weight transport; see docs/scale-out.md).
 
 A dead actor shows as the end of its socket, so the controller notices a death at once,
 exactly as with a local process.
+
+Ray puts the driver's current directory first on every worker's ``sys.path``: with the
+``areal-fast`` script started in a source checkout (e.g. the repository root), the actors
+would import the source tree, without the compiled extension, while the driver imports the
+installed package. The driver therefore starts Ray from the folder that holds the
+``areal_fast`` it imported itself, so every actor imports that same package; each actor then
+changes to the driver's directory, so relative paths mean the same on both sides, and
+appends it to its ``sys.path`` (modules there, such as an agent beside the config, still
+import, after the package). ``python -m`` in a checkout makes the driver itself import the
+checkout (Python puts the current directory first); the actors then do too, and the native
+extension's warning names that folder and the installed package it shadows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
+import signal
+import sys
 import threading
 import time
 from multiprocessing.connection import Client, Listener
@@ -33,14 +47,48 @@ from areal_fast.launch.cluster import Cluster, ClusterSpec, trainer_name
 class _WorkerActor:
     """Body of every worker actor: connect to the controller, then serve like a process."""
 
-    def run(self, name: str, target, spec, address, authkey: bytes) -> None:
-        """Connect to the controller at ``address``, say who this is, serve until shutdown."""
+    def run(self, name: str, target, spec, address, authkey: bytes, cwd: str) -> None:
+        """Work in the driver's directory ``cwd``, connect to the controller at ``address``,
+        say who this is, serve until shutdown (Ctrl-C is for the driver: it stops the
+        workers)."""
+        with contextlib.suppress(ValueError):  # not the main thread: nothing to do
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        os.chdir(cwd)
+        if cwd not in sys.path:  # modules beside the config (agents) import, after the package
+            sys.path.append(cwd)
         conn = Client(tuple(address), authkey=authkey)
         conn.send_bytes(msgpack.packb({"name": name, "pid": os.getpid()}))
         _worker_entry(target, conn, name, spec, authkey)
 
 
 _REMOTE_ACTOR = None
+
+
+@contextlib.contextmanager
+def _in_package_parent():
+    """Run the block in the folder holding the imported ``areal_fast`` package (Ray adds the
+    current directory to the workers' ``sys.path``; see the module docstring)."""
+    import areal_fast
+
+    here = os.getcwd()
+    os.chdir(os.path.dirname(os.path.dirname(os.path.abspath(areal_fast.__file__))))
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
+@contextlib.contextmanager
+def _sigterm_kept():
+    """Keep the launcher's SIGTERM handler (a clean stop, see
+    :mod:`areal_fast.launch.interrupt`): ``ray.init`` replaces it with ``sys.exit``."""
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
 
 
 def _remote_actor():
@@ -144,9 +192,10 @@ class RayCluster(Cluster):
 
         if not ray.is_initialized():
             local = self.scheduler.ray_address is None
-            ray.init(address=self.scheduler.ray_address, include_dashboard=False,
-                     log_to_driver=True,
-                     num_cpus=self.scheduler.ray_num_cpus if local else None)
+            with _in_package_parent(), _sigterm_kept():
+                ray.init(address=self.scheduler.ray_address, include_dashboard=False,
+                         log_to_driver=True,
+                         num_cpus=self.scheduler.ray_num_cpus if local else None)
             self._started_ray = True
         try:
             bundles = self._bundle_specs()
@@ -184,7 +233,8 @@ class RayCluster(Cluster):
             num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=bundle)).remote()
-        run_ref = actor.run.remote(name, target, spec, self.listener.address, self.authkey)
+        run_ref = actor.run.remote(name, target, spec, self.listener.address, self.authkey,
+                                   os.getcwd())
         conn, pid = self._accept(name, run_ref)
         return RayHandle(name, MessageChannel(conn), actor, run_ref, pid)
 

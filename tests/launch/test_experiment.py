@@ -285,3 +285,22 @@ def test_ray_resources_checked_before_placing():
         _check_resources(bundles, {"CPU": 2.0, "GPU": 1.0})
     with pytest.raises(WorkerError, match=r"need 1 GPUs .*gpus_per_trainer_rank.*has 0"):
         _check_resources(bundles, {"CPU": 8.0})
+
+
+def test_final_model_is_written_only_when_asked(tiny_model_dir, tmp_path, capsys):
+    """``checkpoint.final_model=false``: a trial run writes no ``checkpoint/`` (the trained
+    model); the metrics, plot and held-out results are all there, and the closing summary
+    says that no model was saved."""
+    args = [a for a in _args(tiny_model_dir, tmp_path, "no-model") if not a.startswith(
+        ("total_steps=", "checkpoint.every_steps="))]
+    assert main([*args, "total_steps=1", "checkpoint.final_model=false"]) == 0
+    run_dir = tmp_path / "grpo-arith" / "no-model"
+    assert not (run_dir / "checkpoint").exists() and not (run_dir / "checkpoints").exists()
+    assert (run_dir / "progress.png").is_file() and (run_dir / "eval_after.jsonl").is_file()
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 1
+    err = capsys.readouterr().err
+    assert "finished 1 step in" in err and "no final model saved" in err
+    assert f"run directory: {run_dir}" in err
+    assert main([*args, "total_steps=1", "trial_name=model"]) == 0
+    assert (tmp_path / "grpo-arith" / "model" / "checkpoint" / "model.safetensors").is_file()
+    assert "checkpoint/ (the trained model, HF format)" in capsys.readouterr().err

@@ -1,0 +1,163 @@
+"""Stopping a run on Ctrl-C (SIGINT) or SIGTERM, cleanly.
+
+The launcher alone handles these signals: worker processes are started with SIGINT blocked
+(Ray actors ignore it), so a Ctrl-C in the terminal, which reaches the whole process group,
+prints no worker tracebacks; the launcher stops them. On the signal, the run
+
+1. waits up to :data:`CHECKPOINT_WAIT_SECONDS` for a recoverable checkpoint the trainer is
+   writing and commits it (a second Ctrl-C discards it instead),
+2. stops every worker (further signals are held back meanwhile),
+3. deletes uncommitted checkpoint folders (``checkpoints/.tmp-step-*``) and a half-written
+   final model,
+4. writes ``INTERRUPTED`` in the run directory, one line saying where the run stopped and
+   what ``resume=true`` will do, and raises :class:`RunInterrupted` with that line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from pathlib import Path
+
+from areal_fast.controller.messages import StateSaved
+from areal_fast.controller.workers import WorkerError, wait_messages
+
+CHECKPOINT_WAIT_SECONDS = 60.0  # longest wait for a checkpoint in progress after Ctrl-C
+INTERRUPTED_FILE = "INTERRUPTED"
+
+
+class Interrupted(KeyboardInterrupt):
+    """A stop requested by a signal other than SIGINT (the CLI raises it on SIGTERM).
+
+    Attributes
+    ----------
+    signum : int
+        The signal's number.
+    """
+
+    def __init__(self, signum: int = signal.SIGINT):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The run stopped cleanly after a signal; ``str()`` is the one line to show.
+
+    Attributes
+    ----------
+    signum : int
+        SIGINT or SIGTERM.
+    exit_code : int
+        ``128 + signum`` (130 for Ctrl-C, 143 for SIGTERM), as a shell reports it.
+    """
+
+    def __init__(self, message: str, signum: int = signal.SIGINT):
+        super().__init__(message)
+        self.message, self.signum, self.exit_code = message, signum, 128 + signum
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def signal_of(exc: BaseException) -> int:
+    """The signal behind a ``KeyboardInterrupt`` (SIGINT unless it says otherwise)."""
+    return getattr(exc, "signum", signal.SIGINT)
+
+
+@contextlib.contextmanager
+def signals_deferred():
+    """Hold SIGINT and SIGTERM back in the block (cleanup must not be cut short); a signal
+    that arrives meanwhile is dropped: the run is stopping already. Does nothing outside the
+    main thread, where handlers cannot be set."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
+    """Commit the checkpoints the trainer is still writing, waiting at most ``timeout`` s.
+
+    Parameters
+    ----------
+    controller : AsyncController
+        Its ``saves.saving`` maps each checkpoint's temporary folder to (version, asked
+        at); a :class:`StateSaved` answer is committed through its message handler.
+    trainer_ranks : list of WorkerHandle
+    timeout : float
+        Seconds.
+    say : callable
+        Prints one console line.
+
+    Returns
+    -------
+    bool
+        True when nothing is left uncommitted; False when the wait ran out, the trainer
+        failed, or a second Ctrl-C came (the folders are then deleted by the caller).
+    """
+    saving = controller.saves.saving
+    if not saving:
+        return True
+    versions = ", ".join(f"step-{v}" for v, _ in sorted(saving.values()))
+    say(f"finishing checkpoint {versions} (at most {timeout:g} s; Ctrl-C again to discard it)")
+    deadline = time.monotonic() + timeout
+    try:
+        while saving:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            for handle, message in wait_messages(trainer_ranks, min(left, 1.0),
+                                                 "while finishing a checkpoint"):
+                if isinstance(message, StateSaved):
+                    controller.handle([(handle, message)])
+    except (KeyboardInterrupt, WorkerError, ValueError, OSError):
+        return False
+    return True
+
+
+def describe_stop(phase: str, version: int, total_steps: int, checkpoints,
+                  every_steps: int, discarded: bool) -> str:
+    """The one line an interrupted run prints and writes to ``INTERRUPTED``.
+
+    Parameters
+    ----------
+    phase : str
+        What the run was doing ("training", "evaluating before training", ...).
+    version : int
+        Steps trained when it stopped.
+    total_steps : int
+    checkpoints : CheckpointManager
+        The run's checkpoints (temporary folders already removed).
+    every_steps : int
+        ``checkpoint.every_steps``.
+    discarded : bool
+        A checkpoint in progress was deleted.
+    """
+    if phase == "training":
+        where = f"interrupted at step {version + 1} ({version} of {total_steps} trained)"
+    else:
+        where = f"interrupted while {phase} ({version} of {total_steps} steps trained)"
+    latest = checkpoints.latest()
+    if latest is not None:
+        what = (f"checkpoint step-{latest.version} is complete; resume=true continues from "
+                f"step {latest.version}")
+    elif every_steps == 0:
+        what = "checkpoints are off (checkpoint.every_steps = 0): resume=true starts at step 0"
+    else:
+        what = "no checkpoint is complete yet: resume=true starts at step 0"
+    if discarded:
+        what += " (the checkpoint in progress was discarded)"
+    return f"{where}; {what}"
+
+
+def write_interrupted(run_dir: Path, line: str, signum: int) -> None:
+    """Record the stop in ``<run_dir>/INTERRUPTED``: the line, then the signal's name."""
+    (Path(run_dir) / INTERRUPTED_FILE).write_text(
+        f"{line}\nsignal: {signal.Signals(signum).name}\n")

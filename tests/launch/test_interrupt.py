@@ -1,0 +1,175 @@
+"""Ctrl-C and SIGTERM stop a run cleanly: one line, no tracebacks (workers included), the
+checkpoint in progress finished, ``INTERRUPTED`` saying what ``resume=true`` does; and the
+console lines, progress ETA and end summary of a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from areal_fast.controller.checkpoint_manager import CheckpointManager
+from areal_fast.launch import console
+from areal_fast.launch.interrupt import describe_stop
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _args(model_dir, root, *extra):
+    return ["train", "--config", str(REPO / "examples" / "arith.yaml"), "--no-progress",
+            f"model.path={model_dir}", f"fileroot={root}", "trial_name=stop",
+            "total_steps=200", "batch_size=4", "rollout.group_size=2",
+            "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.eval_size=4",
+            "data.train_size=60", "rollout.max_head_offpolicyness=0", "threads=1",
+            "checkpoint.every_steps=2", "launcher.startup_timeout=120", *extra]
+
+
+def _start(args) -> subprocess.Popen:
+    # a session of its own: the signal goes to every process of the job, as Ctrl-C does
+    return subprocess.Popen([sys.executable, "-m", "areal_fast.cli", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            start_new_session=True)
+
+
+def _steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line]
+
+
+def _saving(run_dir: Path, step: int) -> bool:
+    """The checkpoint of ``step`` is begun (a temporary folder) or complete."""
+    root = run_dir / "checkpoints"
+    return any(root.glob(f".tmp-step-{step:08d}-*")) or (root / f"step-{step:08d}").is_dir()
+
+
+def _wait_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout=240.0,
+                until=lambda: True) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_steps(run_dir)) < steps or not until():
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended first:\n{proc.communicate()[1][-3000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise AssertionError("timed out waiting for the job")
+        time.sleep(0.02)
+
+
+def test_ctrl_c_stops_cleanly_and_resume_continues(tiny_model_dir, tmp_path, capsys):
+    run_dir = tmp_path / "grpo-arith" / "stop"
+    proc = _start(_args(tiny_model_dir, tmp_path))
+    # right after step 4 the checkpoint of step 4 is usually still a .tmp-step-* folder
+    _wait_steps(proc, run_dir, 4, until=lambda: _saving(run_dir, 4))
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    stopped = [line for line in err.splitlines() if line.startswith("areal-fast: interrupted")]
+    assert len(stopped) == 1, err[-3000:]
+    status = (run_dir / "INTERRUPTED").read_text().splitlines()
+    assert status[1] == "signal: SIGINT" and not (run_dir / "FAILED").exists()
+    assert stopped[0] == f"areal-fast: {status[0]}"
+    complete = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert not [n for n in complete if n.startswith(".tmp")]  # finished or discarded
+    latest = int(complete[-1].removeprefix("step-"))
+    trained = len(_steps(run_dir))
+    assert latest >= 4  # the checkpoint in progress at the signal was finished
+    assert status[0].startswith(f"interrupted at step {trained + 1} ({trained} of 200 trained)")
+    assert status[0].endswith(f"checkpoint step-{latest} is complete; resume=true continues "
+                              f"from step {latest}")
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "shards").exists()
+
+    from areal_fast.cli import main
+
+    assert main(_args(tiny_model_dir, tmp_path)) == 2  # neither resume nor overwrite
+    assert "was interrupted; pass resume=true to continue it" in capsys.readouterr().err
+    total = latest + 2
+    done = subprocess.run([sys.executable, "-m", "areal_fast.cli",
+                           *_args(tiny_model_dir, tmp_path, "resume=true",
+                                  f"total_steps={total}")],
+                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["resumed_from_version"] == latest and summary["steps"] == total
+    assert _steps(run_dir) == list(range(1, total + 1))
+    assert not (run_dir / "INTERRUPTED").exists()
+    assert "held-out accuracy before training:" in done.stderr
+    assert f"finished {total} steps in" in done.stderr
+
+
+def test_sigterm_stops_like_ctrl_c(tiny_model_dir, tmp_path):
+    """SIGTERM to the launcher alone (as a scheduler or `timeout` sends it)."""
+    run_dir = tmp_path / "grpo-arith" / "stop"
+    proc = _start(_args(tiny_model_dir, tmp_path, "checkpoint.every_steps=0",
+                        "checkpoint.final_model=false"))
+    _wait_steps(proc, run_dir, 1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    status = (run_dir / "INTERRUPTED").read_text().splitlines()
+    assert status[1] == "signal: SIGTERM"
+    assert status[0].endswith("checkpoints are off (checkpoint.every_steps = 0): resume=true "
+                              "starts at step 0")
+
+
+def test_describe_stop_names_the_complete_checkpoint(tmp_path):
+    from areal_fast.train.checkpoint import FORMAT, STATE_FILE
+
+    manager = CheckpointManager(tmp_path / "checkpoints", every_steps=2)
+    assert describe_stop("evaluating before training", 0, 20, manager, 2, False) == (
+        "interrupted while evaluating before training (0 of 20 steps trained); no checkpoint "
+        "is complete yet: resume=true starts at step 0")
+    tmp = manager.begin(6)
+    (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, "version": 6, "world_size": 1,
+                                                "scheduler": {}, "files": {}}))
+    manager.commit(tmp, 6, {"counts": {}})
+    assert describe_stop("training", 7, 20, manager, 2, True) == (
+        "interrupted at step 8 (7 of 20 trained); checkpoint step-6 is complete; resume=true "
+        "continues from step 6 (the checkpoint in progress was discarded)")
+
+
+def test_eval_lines_and_end_summary():
+    assert console.eval_started("before training", 200, 2, 32) == (
+        "held-out evaluation before training: 200 problems on 2 rollout workers (greedy, up "
+        "to 32 new tokens) ...")
+    assert console.eval_finished("before training", 41, 200, 44.2) == (
+        "held-out accuracy before training: 20.5% (41/200), 44 s")
+    assert console.format_seconds(598) == "9 min 58 s"
+    assert console.format_seconds(7500) == "2 h 05 min"
+    lines = console.end_summary({"steps": 20, "wall_seconds": 598.4, "eval_before": 0.205,
+                                 "eval_after": 0.31, "eval_problems": 200}, "runs/x", False)
+    assert lines[:3] == ["finished 20 steps in 9 min 58 s",
+                         "held-out accuracy: 20.5% → 31.0% (+10.5 points on 200 problems)",
+                         "run directory: runs/x"]
+    assert "no final model saved (checkpoint.final_model = false)" in lines[-1]
+
+
+def test_eta_leaves_out_the_first_steps_warm_up(monkeypatch):
+    """Step 1 takes 100 s (warm-up), later steps 10 s: after step 2 the estimate is 8 steps
+    of 10 s plus the 30 s evaluation still to come (tqdm's would start from 100 s/step)."""
+    now = [1000.0]
+    monkeypatch.setattr(console.time, "monotonic", lambda: now[0])
+    bar = console.StepBar(total=10, initial=0, extra_seconds=30.0, enabled=False)
+    record = {"reward_mean": 0.5, "loss": 0.1}
+    now[0] += 100.0
+    bar.update(record)
+    assert bar.remaining(now[0]) is None
+    now[0] += 10.0
+    bar.update(record)
+    assert bar.remaining(now[0]) == pytest.approx(8 * 10.0 + 30.0)
+    capped = console.StepBar(total=10, initial=0, max_seconds=150.0, enabled=False)
+    now[0] += 100.0
+    capped.update(record)
+    now[0] += 10.0
+    capped.update(record)
+    assert capped.remaining(now[0]) == pytest.approx(150.0 - 110.0)
+    bar.close()
+    capped.close()
