@@ -33,7 +33,7 @@ def test_train_writes_a_complete_run_dir(tiny_model_dir, tmp_path, capsys):
                 "response_length_mean", "gen_tokens_per_s_cumulative", "train_tokens_per_s",
                 "step_seconds", "grad_norm"):
         assert key in lines[0], key
-    assert lines[1]["policy_version"] == 2
+    assert lines[1]["step"] == 2
     assert (run / "progress.png").stat().st_size > 1000
     summary = json.loads((run / "summary.json").read_text())
     assert 0.0 <= summary["eval_before"] <= 1.0 and summary["eval_problems"] == 8

@@ -241,6 +241,7 @@ def test_tour_opens_at_most_eight_files():
     tour = text.split("## Follow one step", 1)[1].split("\n## ", 1)[0]
     files = set(re.findall(r"`(areal_fast/[\w/]+\.py)`", tour))
     assert 6 <= len(files) <= 8, sorted(files)
+    assert all((ROOT / f).is_file() for f in files), sorted(files)
 
 
 def test_readme_is_a_front_door():
@@ -279,3 +280,15 @@ def test_config_keys_named_in_the_docs_exist():
             if not any(name.startswith(m + ".") for m in free):
                 unknown.append(f"{path.relative_to(ROOT)}: {name}")
     assert not unknown, unknown
+
+
+def test_every_step_metric_is_documented():
+    """docs/async.md's metrics table lists every key of STEP_METRICS, and no other."""
+    from areal_fast.controller.step_record import STEP_METRICS
+
+    section = (ROOT / "docs" / "async.md").read_text().split("## Metrics", 1)[1]
+    table = section.split("\n\n| key |", 1)[1].split("\n\n", 1)[0]
+    documented = set(re.findall(r"^\| ([^|]+) \|", table, flags=re.M)) - {"---"}
+    documented = {k.strip("` ") for cell in documented for k in cell.split(",")}
+    in_code = {k.strip() for key in STEP_METRICS for k in key.replace(" and ", " / ").split(" / ")}
+    assert documented == in_code

@@ -16,8 +16,8 @@ from areal_fast.controller.ledger import Ledger, TrainingBatch
 
 STEP_METRICS: dict[str, str] = {
     # which step
-    "step": "training step (1, 2, ...); equals the policy version the step produced",
-    "policy_version": "version of the weights after this step (rollout workers load it next)",
+    "step": "training step (1, 2, ...) = the policy version it produced (rollout workers "
+            "load it next)",
     # the batch's rollouts
     "reward_mean": "mean reward over the batch's samples",
     "accuracy": "fraction of the batch's samples with reward 1",
@@ -66,7 +66,7 @@ STEP_METRICS: dict[str, str] = {
 }
 
 # keys of the trainer's stats that repeat a record key under another name
-_TRAINER_DUPLICATES = ("version",)  # = policy_version
+_TRAINER_DUPLICATES = ("version",)  # = step
 
 
 def step_record(batch: TrainingBatch, done: msg.StepDone, ledger: Ledger, *,
@@ -95,7 +95,7 @@ def step_record(batch: TrainingBatch, done: msg.StepDone, ledger: Ledger, *,
     lengths = [n for g in groups for n in g.completion_lengths]
     trainer = {k: v for k, v in done.stats.items() if k not in _TRAINER_DUPLICATES}
     return {
-        "step": done.version, "policy_version": done.version,
+        "step": done.version,
         "reward_mean": statistics.fmean(rewards),
         "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
         "solve_rate": sum(max(g.rewards) == 1.0 for g in groups) / len(groups),

@@ -156,7 +156,7 @@ def test_multiturn_example_trains_the_demo_model(tmp_path):
     assert main(args) == 0
     run = tmp_path / "agent-multiturn" / "trial0"
     [record] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert record["policy_version"] == 1 and record["agent/sessions"] >= 4
+    assert record["step"] == 1 and record["agent/sessions"] >= 4
     sessions = _sessions(run)
     assert sessions and all(1 <= len(s.calls) <= 3 for s in sessions)
     # a session that got a right answer stopped there; one that never did used all 3 turns

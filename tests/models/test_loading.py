@@ -31,7 +31,7 @@ def test_one_grpo_step_on_demo_model(tmp_path):
     assert main(args) == 0
     run = tmp_path / "grpo-arith" / "trial0"
     record = json.loads((run / "metrics.jsonl").read_text())
-    assert record["policy_version"] == 1 and record["num_micro_batches"] >= 1
+    assert record["step"] == 1 and record["num_micro_batches"] >= 1
     assert record["behav_logprob_abs_diff"] < 1e-3  # engine and trainer agree on log-probs
     trained = load_causal_lm(str(run / "checkpoint"))
     base = load_causal_lm(DEMO_MODEL)
