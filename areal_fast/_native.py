@@ -68,15 +68,21 @@ def unavailable_message(exc: BaseException) -> str:
     import areal_fast
 
     imported = Path(areal_fast.__file__).resolve().parent
-    head = (f"areal_fast native extension is unavailable ({exc!r}); using the slower Python "
-            f"implementations. areal_fast was imported from {imported}")
+    head = (
+        f"areal_fast native extension is unavailable ({exc!r}); using the slower Python "
+        f"implementations. areal_fast was imported from {imported}"
+    )
     installed = installed_package_dir()
     if installed is not None and installed.resolve() != imported and _has_extension(installed):
-        return (f"{head}, which shadows the installed areal_fast at {installed} (it has the "
-                f"extension): run from another directory or remove {imported.parent} from "
-                f"sys.path / PYTHONPATH.")
-    return (f"{head}, which has no built extension: reinstall areal_fast with a C++ compiler "
-            f"(pip install .) to build it.")
+        return (
+            f"{head}, which shadows the installed areal_fast at {installed} (it has the "
+            f"extension): run from another directory or remove {imported.parent} from "
+            f"sys.path / PYTHONPATH."
+        )
+    return (
+        f"{head}, which has no built extension: reinstall areal_fast with a C++ compiler "
+        f"(pip install .) to build it."
+    )
 
 
 def load_native() -> ModuleType | None:

@@ -1,8 +1,8 @@
 """areal-fast command line.
 
-    areal-fast train --config FILE [key=value ...]   asynchronous GRPO training
-    areal-fast eval  --config FILE model.path=...    greedy held-out accuracy of a model
-    areal-fast config [--markdown]                   every config key, its default and meaning
+areal-fast train --config FILE [key=value ...]   asynchronous GRPO training
+areal-fast eval  --config FILE model.path=...    greedy held-out accuracy of a model
+areal-fast config [--markdown]                   every config key, its default and meaning
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ import os
 import signal
 import sys
 
-_KEYS_HELP = ("config keys, by section (dotted, as key=value after the options;\n"
-              "`areal-fast config` prints each with its type, default and meaning):")
+_KEYS_HELP = (
+    "config keys, by section (dotted, as key=value after the options;\n"
+    "`areal-fast config` prints each with its type, default and meaning):"
+)
 
 
 def _keys_epilog() -> str:
@@ -24,29 +26,39 @@ def _keys_epilog() -> str:
 
 def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
     """The argument parser; ``with_keys`` adds the key index to the train/eval help."""
-    parser = argparse.ArgumentParser(prog="areal-fast", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="areal-fast", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     epilog = _keys_epilog() if with_keys else None
-    train = sub.add_parser("train", help="run asynchronous GRPO training (local launcher)",
-                           epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train = sub.add_parser(
+        "train",
+        help="run asynchronous GRPO training (local launcher)",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     evaluate = sub.add_parser(
-        "eval", help="greedy held-out accuracy of model.path (no training)", epilog=epilog,
+        "eval",
+        help="greedy held-out accuracy of model.path (no training)",
+        epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Evaluate model.path (a directory such as a run's checkpoint/, an HF id, "
-                    "or demo:...) greedily on the held-out set of data.*, on the same rollout "
-                    "workers as training; prints the accuracy and writes eval.jsonl and "
-                    "summary.json into --out (default fileroot/experiment_name/"
-                    "eval-<trial_name>).")
+        "or demo:...) greedily on the held-out set of data.*, on the same rollout "
+        "workers as training; prints the accuracy and writes eval.jsonl and "
+        "summary.json into --out (default fileroot/experiment_name/"
+        "eval-<trial_name>).",
+    )
     for command in (train, evaluate):
         command.add_argument("--config", help="YAML experiment config (e.g. examples/arith.yaml)")
         command.add_argument("--no-progress", action="store_true", help="hide progress bars")
         command.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    evaluate.add_argument("--out", help="evaluation directory (default: "
-                                        "fileroot/experiment_name/eval-<trial_name>)")
+    evaluate.add_argument(
+        "--out", help="evaluation directory (default: fileroot/experiment_name/eval-<trial_name>)"
+    )
     config = sub.add_parser("config", help="print every config key with its default")
-    config.add_argument("--markdown", action="store_true",
-                        help="print the markdown reference (docs/config.md)")
+    config.add_argument(
+        "--markdown", action="store_true", help="print the markdown reference (docs/config.md)"
+    )
     return parser
 
 

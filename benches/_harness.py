@@ -113,12 +113,22 @@ def git_commit() -> str | None:
     """Short commit of the checkout, with ``-dirty`` when tracked files under areal_fast/ or
     csrc/ differ from it; None outside a git checkout."""
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT,
-                                capture_output=True, text=True, timeout=10)
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         if commit.returncode != 0:
             return None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "areal_fast", "csrc"],
-                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "areal_fast", "csrc"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
         suffix = "-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else ""
         return commit.stdout.strip() + suffix
     except (OSError, subprocess.SubprocessError):

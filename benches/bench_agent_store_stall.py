@@ -16,7 +16,6 @@ the compression ratio of what was written.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -29,14 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import write_json  # noqa: E402
 
 from areal_fast.agent.session import Session  # noqa: E402
-from areal_fast.agent.store import (TrajectoryConfig, TrajectoryWriter,  # noqa: E402
-                                    read_trajectories)
+from areal_fast.agent.store import TrajectoryConfig, TrajectoryWriter, read_trajectories  # noqa: E402
 from areal_fast.controller.shard_io import shard_tensors  # noqa: E402
 
 
 def groups_of(sessions: list[Session], size: int) -> list[list[Session]]:
     """Consecutive groups of ``size`` sessions."""
-    return [sessions[i:i + size] for i in range(0, len(sessions) - size + 1, size)]
+    return [sessions[i : i + size] for i in range(0, len(sessions) - size + 1, size)]
 
 
 def loop_once(group: list[Session], writer) -> float:
@@ -67,9 +65,12 @@ def run(groups, writer, pace_s: float) -> list[float]:
 
 def summary(times: list[float]) -> dict:
     ordered = sorted(times)
-    return {"median_ms": 1e3 * statistics.median(ordered),
-            "p99_ms": 1e3 * ordered[int(0.99 * (len(ordered) - 1))],
-            "max_ms": 1e3 * ordered[-1], "total_s": sum(ordered)}
+    return {
+        "median_ms": 1e3 * statistics.median(ordered),
+        "p99_ms": 1e3 * ordered[int(0.99 * (len(ordered) - 1))],
+        "max_ms": 1e3 * ordered[-1],
+        "total_s": sum(ordered),
+    }
 
 
 def main(argv=None) -> int:
@@ -95,20 +96,29 @@ def main(argv=None) -> int:
             stall += writer.stats.stall_seconds
             raw += writer.stats.raw_bytes
             stored += writer.stats.stored_bytes
-    result = {"sessions": len(sessions) // args.repeat, "groups_per_round": len(groups),
-              "rounds": args.rounds, "pace_ms": args.pace_ms, "off": summary(off),
-              "on": summary(on), "put_stall_seconds": stall, "compression_ratio": raw / stored,
-              "raw_bytes_per_session": raw / (args.rounds * len(sessions)),
-              "machine": platform.processor() or platform.machine(),
-              "python": platform.python_version(),
-              "date": time.strftime("%Y-%m-%d")}
+    result = {
+        "sessions": len(sessions) // args.repeat,
+        "groups_per_round": len(groups),
+        "rounds": args.rounds,
+        "pace_ms": args.pace_ms,
+        "off": summary(off),
+        "on": summary(on),
+        "put_stall_seconds": stall,
+        "compression_ratio": raw / stored,
+        "raw_bytes_per_session": raw / (args.rounds * len(sessions)),
+        "machine": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
     extra = result["on"]["median_ms"] - result["off"]["median_ms"]
     print("| store | median ms/group | p99 ms | max ms |\n|---|---|---|---|")
     for mode in ("off", "on"):
         r = result[mode]
         print(f"| {mode} | {r['median_ms']:.2f} | {r['p99_ms']:.2f} | {r['max_ms']:.2f} |")
-    print(f"\nstore on adds {extra:.3f} ms per group (median); put waited {stall:.4f} s in "
-          f"all; compression {result['compression_ratio']:.2f}x")
+    print(
+        f"\nstore on adds {extra:.3f} ms per group (median); put waited {stall:.4f} s in "
+        f"all; compression {result['compression_ratio']:.2f}x"
+    )
     write_json(args.json, result, indent=2)
     return 0
 

@@ -52,41 +52,64 @@ from areal_fast.rollout.simulated import (  # noqa: E402
 )
 from areal_fast.train.simulated import SimulatedTrainerFactory  # noqa: E402
 
-WORKLOAD = dict(workers=4, seqs_per_worker=32, token_ms=1.0, prompts=32, group_size=4,
-                steps=20, median=512.0, sigma=0.8, cap=4096, train_us_per_token=14.0,
-                prompt_len=16)
+WORKLOAD = dict(
+    workers=4,
+    seqs_per_worker=32,
+    token_ms=1.0,
+    prompts=32,
+    group_size=4,
+    steps=20,
+    median=512.0,
+    sigma=0.8,
+    cap=4096,
+    train_us_per_token=14.0,
+    prompt_len=16,
+)
 
 
 def _cluster(scale: float, max_running: int, w: dict) -> ClusterSpec:
-    engine = SimulatedEngineConfig(token_seconds=w["token_ms"] * 1e-3 * scale,
-                                   max_running=max_running, median_length=w["median"],
-                                   sigma=w["sigma"], max_length=w["cap"])
+    engine = SimulatedEngineConfig(
+        token_seconds=w["token_ms"] * 1e-3 * scale,
+        max_running=max_running,
+        median_length=w["median"],
+        sigma=w["sigma"],
+        max_length=w["cap"],
+    )
     return ClusterSpec(
         rollout=RolloutWorkerSpec(SimulatedEngineFactory(engine), sim_reward, threads=1),
-        trainer=TrainerWorkerSpec(SimulatedTrainerFactory(w["train_us_per_token"] * 1e-6 * scale),
-                                  threads=1),
-        num_rollout_workers=w["workers"])
+        trainer=TrainerWorkerSpec(
+            SimulatedTrainerFactory(w["train_us_per_token"] * 1e-6 * scale), threads=1
+        ),
+        num_rollout_workers=w["workers"],
+    )
 
 
 def _requests(seed: int, w: dict):
     params = SamplingParams(n=w["group_size"], temperature=1.0, max_new_tokens=w["cap"])
 
     def next_request(group_id: int) -> GroupRequest:
-        return GroupRequest(group_id, [1] * w["prompt_len"], params,
-                            sample_seed(seed, group_id))
+        return GroupRequest(group_id, [1] * w["prompt_len"], params, sample_seed(seed, group_id))
+
     return next_request
 
 
-def run_case(eta: int, scale: float, seed: int, w: dict, max_concurrent: int,
-             max_running: int, steps: int) -> dict:
+def run_case(
+    eta: int, scale: float, seed: int, w: dict, max_concurrent: int, max_running: int, steps: int
+) -> dict:
     """One controller run; throughput in unscaled trained tokens per second."""
     records: list[dict] = []
     plan = RunPlan(total_steps=steps, batch_size=w["prompts"])
     rollout = RolloutConfig(max_head_offpolicyness=eta, max_concurrent_rollouts=max_concurrent)
     with LocalCluster(_cluster(scale, max_running, w)) as cluster:
-        controller = AsyncController(cluster.rollout_workers, cluster.trainer,
-                                     cluster.weight_buffers, _requests(seed, w), plan, rollout,
-                                     records.append)
+        controller = AsyncController(
+            cluster.rollout_workers,
+            cluster.trainer,
+            cluster.weight_buffers,
+            _requests(seed, w),
+            plan,
+            rollout,
+            records.append,
+        )
         cpu0, wall0 = time.process_time(), time.perf_counter()
         counts = controller.run()
         cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
@@ -94,15 +117,22 @@ def run_case(eta: int, scale: float, seed: int, w: dict, max_concurrent: int,
     elapsed = records[-1]["elapsed_seconds"]
     finished = counts.submitted - counts.dropped.get("in_flight_at_end", 0)
     trajectories = finished * w["group_size"]
-    return {"eta": eta, "steps": steps, "trained_samples": counts.trained * w["group_size"],
-            "trained_tokens": trained, "elapsed_s_scaled": elapsed,
-            "trained_tokens_per_s": trained / elapsed * scale,
-            "controller_cpu_s": cpu, "wall_s": wall,
-            "finished_trajectories": trajectories,
-            "controller_cpu_ms_per_trajectory": 1e3 * cpu / max(trajectories, 1),
-            "staleness_max": max(r.get("staleness_max", 0.0) for r in records),
-            "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in records) / len(records),
-            "interruptions": counts.interruptions, "counts": counts.as_dict()}
+    return {
+        "eta": eta,
+        "steps": steps,
+        "trained_samples": counts.trained * w["group_size"],
+        "trained_tokens": trained,
+        "elapsed_s_scaled": elapsed,
+        "trained_tokens_per_s": trained / elapsed * scale,
+        "controller_cpu_s": cpu,
+        "wall_s": wall,
+        "finished_trajectories": trajectories,
+        "controller_cpu_ms_per_trajectory": 1e3 * cpu / max(trajectories, 1),
+        "staleness_max": max(r.get("staleness_max", 0.0) for r in records),
+        "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in records) / len(records),
+        "interruptions": counts.interruptions,
+        "counts": counts.as_dict(),
+    }
 
 
 def simulated(args) -> dict:
@@ -111,8 +141,12 @@ def simulated(args) -> dict:
     # 64 prompt groups (256 sequences) in flight for 128 decode slots: a group holds its
     # place until its slowest sample ends, so the engines need queued samples to stay full
     groups_in_flight = 2 * slots // w["group_size"]
-    cases = [run_case(eta, args.time_scale, args.seed, w, groups_in_flight,
-                      w["seqs_per_worker"], w["steps"]) for eta in args.etas]
+    cases = [
+        run_case(
+            eta, args.time_scale, args.seed, w, groups_in_flight, w["seqs_per_worker"], w["steps"]
+        )
+        for eta in args.etas
+    ]
     eprint(json.dumps(cases, indent=1))
     gen_capacity = slots / (w["token_ms"] * 1e-3)
     train_capacity = 1.0 / (w["train_us_per_token"] * 1e-6)
@@ -122,37 +156,65 @@ def simulated(args) -> dict:
     # η = 9 allow (9 + 0 + 1) · 1000 = 10 000 at once; the engines take all of them (no
     # queueing) and the trainer takes no time, so the controller is as busy as it can be.
     overhead_w = dict(w, prompts=1000, median=128.0, cap=512, train_us_per_token=0.0)
-    overhead = run_case(9, args.time_scale, args.seed + 1, overhead_w, 10_000, 10_000,
-                        args.overhead_steps)
+    overhead = run_case(
+        9, args.time_scale, args.seed + 1, overhead_w, 10_000, 10_000, args.overhead_steps
+    )
     result = {
-        "workload": w, "time_scale": args.time_scale, "seed": args.seed,
+        "workload": w,
+        "time_scale": args.time_scale,
+        "seed": args.seed,
         "generation_capacity_tokens_per_s": gen_capacity,
         "trainer_capacity_tokens_per_s": train_capacity,
-        "pipelined_bound_tokens_per_s": bound, "cases": cases, "overhead_case": overhead,
+        "pipelined_bound_tokens_per_s": bound,
+        "cases": cases,
+        "overhead_case": overhead,
         "controller_overhead_ms_per_trajectory": overhead["controller_cpu_ms_per_trajectory"],
         "meta": base_metadata(),
     }
     if 0 in by_eta and 4 in by_eta:
-        result["throughput_ratio_async_vs_sync"] = (by_eta[4]["trained_tokens_per_s"]
-                                                    / by_eta[0]["trained_tokens_per_s"])
+        result["throughput_ratio_async_vs_sync"] = (
+            by_eta[4]["trained_tokens_per_s"] / by_eta[0]["trained_tokens_per_s"]
+        )
         result["async_efficiency_vs_bound"] = by_eta[4]["trained_tokens_per_s"] / bound
     return result
 
 
 def table(result: dict) -> str:
-    rows = [[c["eta"], c["trained_samples"], fmt(c["trained_tokens_per_s"], ",.0f"),
-             fmt(c["trained_tokens_per_s"] / result["pipelined_bound_tokens_per_s"], ".3f"),
-             fmt(c["staleness_mean"], ".2f"), fmt(c["staleness_max"], ".0f"),
-             c["interruptions"]] for c in result["cases"]]
-    text = markdown_table(["η", "trained samples", "trained tok/s", "of bound",
-                           "staleness mean", "staleness max", "interruptions"], rows)
-    extra = [f"pipelined bound {result['pipelined_bound_tokens_per_s']:,.0f} tok/s; "
-             f"controller overhead {result['controller_overhead_ms_per_trajectory']:.4f} ms "
-             f"per trajectory (10 000 rollouts in flight)"]
+    rows = [
+        [
+            c["eta"],
+            c["trained_samples"],
+            fmt(c["trained_tokens_per_s"], ",.0f"),
+            fmt(c["trained_tokens_per_s"] / result["pipelined_bound_tokens_per_s"], ".3f"),
+            fmt(c["staleness_mean"], ".2f"),
+            fmt(c["staleness_max"], ".0f"),
+            c["interruptions"],
+        ]
+        for c in result["cases"]
+    ]
+    text = markdown_table(
+        [
+            "η",
+            "trained samples",
+            "trained tok/s",
+            "of bound",
+            "staleness mean",
+            "staleness max",
+            "interruptions",
+        ],
+        rows,
+    )
+    extra = [
+        f"pipelined bound {result['pipelined_bound_tokens_per_s']:,.0f} tok/s; "
+        f"controller overhead {result['controller_overhead_ms_per_trajectory']:.4f} ms "
+        f"per trajectory (10 000 rollouts in flight)"
+    ]
     if "throughput_ratio_async_vs_sync" in result:
-        extra.append(f"throughput_ratio_async_vs_sync = "
-                     f"{result['throughput_ratio_async_vs_sync']:.2f}, async_efficiency_vs_bound"
-                     f" = {result['async_efficiency_vs_bound']:.3f}")
+        extra.append(
+            f"throughput_ratio_async_vs_sync = "
+            f"{result['throughput_ratio_async_vs_sync']:.2f}, async_efficiency_vs_bound"
+            f" = {result['async_efficiency_vs_bound']:.3f}"
+        )
     return text + "\n\n" + "\n".join(extra)
 
 
@@ -167,11 +229,22 @@ def real(args) -> dict:
     root = Path(args.run_root or tempfile.mkdtemp(prefix="areal_fast_bench_"))
     for eta in args.etas:
         trial = f"eta{eta}"
-        cmd = [sys.executable, "-m", "areal_fast.cli", "train", "--config",
-               str(Path(__file__).resolve().parent.parent / "examples" / "arith.yaml"),
-               "--no-progress", f"fileroot={root}", f"trial_name={trial}", "overwrite=true",
-               f"seed={args.seed + 1}", f"rollout.max_head_offpolicyness={eta}",
-               *REAL_OVERRIDES, *args.override]
+        cmd = [
+            sys.executable,
+            "-m",
+            "areal_fast.cli",
+            "train",
+            "--config",
+            str(Path(__file__).resolve().parent.parent / "examples" / "arith.yaml"),
+            "--no-progress",
+            f"fileroot={root}",
+            f"trial_name={trial}",
+            "overwrite=true",
+            f"seed={args.seed + 1}",
+            f"rollout.max_head_offpolicyness={eta}",
+            *REAL_OVERRIDES,
+            *args.override,
+        ]
         eprint(" ".join(cmd))
         start = time.perf_counter()
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
@@ -182,34 +255,67 @@ def real(args) -> dict:
         train_s = steps[-1]["elapsed_seconds"]
         gain = summary["eval_after"] - summary["eval_before"]
         group_size = OmegaConf.load(run / "config.yaml").rollout.group_size
-        cases.append({
-            "eta": eta, "trained_samples": summary["rollouts_trained"] * group_size,
-            "trained_tokens": sum(r["trained_tokens"] for r in steps),
-            "train_wall_s": train_s, "command_wall_s": wall,
-            "trained_tokens_per_s": sum(r["trained_tokens"] for r in steps) / train_s,
-            "eval_before": summary["eval_before"], "eval_after": summary["eval_after"],
-            "accuracy_gain_per_train_minute": gain / (train_s / 60),
-            "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in steps) / len(steps),
-            "staleness_max": max(r.get("staleness_max", 0.0) for r in steps),
-            "interruptions": summary["sample_interruptions"],
-            "trainer_threads": summary["trainer_threads"],
-            "rollout_threads": summary["rollout_threads"],
-            "reward_mean_last": steps[-1]["reward_mean"], "counts": {
-                k: summary[k] for k in ("rollouts_submitted", "rollouts_trained",
-                                        "rollouts_dropped")}})
-    return {"mode": "real", "overrides": REAL_OVERRIDES + args.override, "cases": cases,
-            "meta": base_metadata()}
+        cases.append(
+            {
+                "eta": eta,
+                "trained_samples": summary["rollouts_trained"] * group_size,
+                "trained_tokens": sum(r["trained_tokens"] for r in steps),
+                "train_wall_s": train_s,
+                "command_wall_s": wall,
+                "trained_tokens_per_s": sum(r["trained_tokens"] for r in steps) / train_s,
+                "eval_before": summary["eval_before"],
+                "eval_after": summary["eval_after"],
+                "accuracy_gain_per_train_minute": gain / (train_s / 60),
+                "staleness_mean": sum(r.get("staleness_mean", 0.0) for r in steps) / len(steps),
+                "staleness_max": max(r.get("staleness_max", 0.0) for r in steps),
+                "interruptions": summary["sample_interruptions"],
+                "trainer_threads": summary["trainer_threads"],
+                "rollout_threads": summary["rollout_threads"],
+                "reward_mean_last": steps[-1]["reward_mean"],
+                "counts": {
+                    k: summary[k]
+                    for k in ("rollouts_submitted", "rollouts_trained", "rollouts_dropped")
+                },
+            }
+        )
+    return {
+        "mode": "real",
+        "overrides": REAL_OVERRIDES + args.override,
+        "cases": cases,
+        "meta": base_metadata(),
+    }
 
 
 def real_table(result: dict) -> str:
     """Markdown table of a ``--real`` result."""
-    rows = [[c["eta"], c["trained_samples"], fmt(c["train_wall_s"] / 60, ".2f"),
-             fmt(c["trained_tokens_per_s"], ".1f"), fmt(c["eval_before"], ".3f"),
-             fmt(c["eval_after"], ".3f"), fmt(c["accuracy_gain_per_train_minute"], "+.4f"),
-             fmt(c["staleness_mean"], ".2f"), c["interruptions"]] for c in result["cases"]]
-    return markdown_table(["η", "trained samples", "train minutes", "trained tok/s",
-                           "held-out before", "after", "gain per minute", "staleness mean",
-                           "interruptions"], rows)
+    rows = [
+        [
+            c["eta"],
+            c["trained_samples"],
+            fmt(c["train_wall_s"] / 60, ".2f"),
+            fmt(c["trained_tokens_per_s"], ".1f"),
+            fmt(c["eval_before"], ".3f"),
+            fmt(c["eval_after"], ".3f"),
+            fmt(c["accuracy_gain_per_train_minute"], "+.4f"),
+            fmt(c["staleness_mean"], ".2f"),
+            c["interruptions"],
+        ]
+        for c in result["cases"]
+    ]
+    return markdown_table(
+        [
+            "η",
+            "trained samples",
+            "train minutes",
+            "trained tok/s",
+            "held-out before",
+            "after",
+            "gain per minute",
+            "staleness mean",
+            "interruptions",
+        ],
+        rows,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -228,32 +334,54 @@ if pytest is not None:
         w = dict(WORKLOAD, steps=6)
         slots = w["workers"] * w["seqs_per_worker"]
         case = benchmark.pedantic(
-            run_case, args=(eta, 0.05, 0, w, 2 * slots // w["group_size"],
-                            w["seqs_per_worker"], w["steps"]),
-            rounds=1, iterations=1, warmup_rounds=0)
+            run_case,
+            args=(eta, 0.05, 0, w, 2 * slots // w["group_size"], w["seqs_per_worker"], w["steps"]),
+            rounds=1,
+            iterations=1,
+            warmup_rounds=0,
+        )
         assert case["staleness_max"] <= eta
         assert case["trained_samples"] == w["steps"] * w["prompts"] * w["group_size"]
         benchmark.extra_info.update(trained_tokens_per_s=case["trained_tokens_per_s"])
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--simulated", action="store_true",
-                      help="stand-in engines and trainer on the fixed workload")
-    mode.add_argument("--real", action="store_true",
-                      help="the demo model on this CPU through areal-fast train, once per η")
+    mode.add_argument(
+        "--simulated",
+        action="store_true",
+        help="stand-in engines and trainer on the fixed workload",
+    )
+    mode.add_argument(
+        "--real",
+        action="store_true",
+        help="the demo model on this CPU through areal-fast train, once per η",
+    )
     parser.add_argument("--run-root", help="--real: where the run directories go")
-    parser.add_argument("--override", nargs="*", default=[],
-                        help="--real: extra key=value config overrides for every run")
+    parser.add_argument(
+        "--override",
+        nargs="*",
+        default=[],
+        help="--real: extra key=value config overrides for every run",
+    )
     parser.add_argument("--json", help="write the result here")
-    parser.add_argument("--time-scale", type=float, default=1.0,
-                        help="multiply every simulated duration by this (≤ 1 runs faster)")
+    parser.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="multiply every simulated duration by this (≤ 1 runs faster)",
+    )
     parser.add_argument("--steps", type=int, default=WORKLOAD["steps"])
     parser.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4])
-    parser.add_argument("--overhead-steps", type=int, default=12,
-                        help="steps of the 10 000-rollouts-in-flight overhead case (B = 1000)")
+    parser.add_argument(
+        "--overhead-steps",
+        type=int,
+        default=12,
+        help="steps of the 10 000-rollouts-in-flight overhead case (B = 1000)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if not args.time_scale > 0:

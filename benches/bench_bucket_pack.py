@@ -51,8 +51,7 @@ import _harness as hx  # noqa: E402
 import torch  # noqa: E402
 
 from areal_fast import _native  # noqa: E402
-from areal_fast.sync.buckets import (TensorSpec, pack_bucket, plan_buckets,  # noqa: E402
-                                     unpack_bucket)
+from areal_fast.sync.buckets import TensorSpec, pack_bucket, plan_buckets, unpack_bucket  # noqa: E402
 
 MIB = 1024 * 1024
 SEED = 0
@@ -63,8 +62,16 @@ SEED = 0
 # ---------------------------------------------------------------------------
 
 
-def model_shapes(vocab: int, hidden: int, inter: int, layers: int, heads: int, kv_heads: int,
-                 head_dim: int, qkv_bias: bool) -> list[tuple[str, tuple[int, ...]]]:
+def model_shapes(
+    vocab: int,
+    hidden: int,
+    inter: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    qkv_bias: bool,
+) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of a Llama/Qwen2-style decoder's state dict with a tied LM head."""
     q, kv = heads * head_dim, kv_heads * head_dim
     out = [("model.embed_tokens.weight", (vocab, hidden))]
@@ -85,13 +92,31 @@ def model_shapes(vocab: int, hidden: int, inter: int, layers: int, heads: int, k
 
 
 MODELS = {
-    "qwen2.5-1.5b": dict(vocab=151936, hidden=1536, inter=8960, layers=28, heads=12,
-                         kv_heads=2, head_dim=128, qkv_bias=True),
-    "smollm2-135m": dict(vocab=49152, hidden=576, inter=1536, layers=30, heads=9, kv_heads=3,
-                         head_dim=64, qkv_bias=False),
+    "qwen2.5-1.5b": dict(
+        vocab=151936,
+        hidden=1536,
+        inter=8960,
+        layers=28,
+        heads=12,
+        kv_heads=2,
+        head_dim=128,
+        qkv_bias=True,
+    ),
+    "smollm2-135m": dict(
+        vocab=49152,
+        hidden=576,
+        inter=1536,
+        layers=30,
+        heads=9,
+        kv_heads=3,
+        head_dim=64,
+        qkv_bias=False,
+    ),
 }
-MODES = {"cast": (torch.float32, "bfloat16", torch.float32),
-         "copy": (torch.bfloat16, "bfloat16", torch.bfloat16)}  # source, wire, target
+MODES = {
+    "cast": (torch.float32, "bfloat16", torch.float32),
+    "copy": (torch.bfloat16, "bfloat16", torch.bfloat16),
+}  # source, wire, target
 
 
 def make_tensors(shapes, dtype, device) -> list[torch.Tensor]:
@@ -138,16 +163,37 @@ def timed_pair(fn, ref, repeats: int, device: str) -> tuple[list[float], list[fl
     return times, ref_times
 
 
-def row(mode: str, op: str, impl: str, threads, nbytes: int, times: list[float],
-        ref_times: list[float], ref_name: str, ref_bytes: int) -> dict:
+def row(
+    mode: str,
+    op: str,
+    impl: str,
+    threads,
+    nbytes: int,
+    times: list[float],
+    ref_times: list[float],
+    ref_name: str,
+    ref_bytes: int,
+) -> dict:
     stats = hx.summarize_times(times)
     ref_stats = hx.summarize_times(ref_times)
     gbps = nbytes / stats["median_s"] / 1e9
     ref_gbps = ref_bytes / ref_stats["median_s"] / 1e9
-    return {"name": f"{mode}/{op}/{impl}", "mode": mode, "op": op, "impl": impl,
-            "threads": threads, "bytes_written": nbytes, **stats, "times_s": times,
-            "gbps": gbps, "ref": ref_name, "ref_median_s": ref_stats["median_s"],
-            "ref_times_s": ref_times, "ref_gbps": ref_gbps, "ratio": gbps / ref_gbps}
+    return {
+        "name": f"{mode}/{op}/{impl}",
+        "mode": mode,
+        "op": op,
+        "impl": impl,
+        "threads": threads,
+        "bytes_written": nbytes,
+        **stats,
+        "times_s": times,
+        "gbps": gbps,
+        "ref": ref_name,
+        "ref_median_s": ref_stats["median_s"],
+        "ref_times_s": ref_times,
+        "ref_gbps": ref_gbps,
+        "ratio": gbps / ref_gbps,
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -160,8 +206,10 @@ def verify(plan, sources, buf, target_dtype, device) -> int:
     the number of tensors checked."""
     order = sorted(range(len(sources)), key=lambda i: sources[i].numel())
     sample = {order[0], order[len(order) // 2], order[-1], len(sources) - 1}
-    targets = [torch.empty_like(sources[i], dtype=target_dtype) if i in sample else None
-               for i in range(len(sources))]
+    targets = [
+        torch.empty_like(sources[i], dtype=target_dtype) if i in sample else None
+        for i in range(len(sources))
+    ]
     for k in range(plan.num_buckets):
         pack_bucket(plan, k, sources, buf)
         unpack_bucket(plan, k, buf, targets)
@@ -181,8 +229,10 @@ def run_mode(mode: str, shapes, args, impls, thread_counts, reference) -> list[d
     device = args.device
     specs = [TensorSpec(name, shape, wire) for name, shape in shapes]
     plan = plan_buckets(specs, args.bucket_mib * MIB)
-    hx.eprint(f"[{mode}] {len(specs)} tensors, {plan.num_buckets} buckets, "
-              f"{plan.total_bytes / 1e9:.3f} GB on the wire; building sources ...")
+    hx.eprint(
+        f"[{mode}] {len(specs)} tensors, {plan.num_buckets} buckets, "
+        f"{plan.total_bytes / 1e9:.3f} GB on the wire; building sources ..."
+    )
     sources = make_tensors(shapes, src_dtype, device)
     buf = torch.empty(plan.bucket_bytes, dtype=torch.uint8, device=device)
     with hx.native_disabled(False):
@@ -210,11 +260,11 @@ def run_mode(mode: str, shapes, args, impls, thread_counts, reference) -> list[d
 
     def pack_all(threads):
         for k in range(plan.num_buckets):
-            pack_bucket(plan, k, sources, buf, num_threads=threads)
+            pack_bucket(plan, k, sources, buf, num_threads=threads)  # noqa: F821 (del below)
 
     def unpack_all(threads):
         for k in range(plan.num_buckets):
-            unpack_bucket(plan, k, buf, targets, num_threads=threads)
+            unpack_bucket(plan, k, buf, targets, num_threads=threads)  # noqa: F821 (del below)
 
     for impl in impls:
         # The torch fallback as it runs in production: on torch's --threads threads.
@@ -222,15 +272,29 @@ def run_mode(mode: str, shapes, args, impls, thread_counts, reference) -> list[d
         with hx.native_disabled(impl == "torch"):
             for threads in counts:
                 ref, ref_name = reference(threads)
-                for op, fn, nbytes in (("pack", pack_all, wire_bytes),
-                                       ("unpack", unpack_all, target_bytes)):
-                    times, ref_times = timed_pair(lambda: run_with(fn, impl, threads), ref,
-                                                  args.repeats, device)
-                    r = row(mode, op, impl, threads, nbytes, times, ref_times, ref_name,
-                            reference.nbytes)
+                for op, fn, nbytes in (
+                    ("pack", pack_all, wire_bytes),
+                    ("unpack", unpack_all, target_bytes),
+                ):
+                    times, ref_times = timed_pair(
+                        lambda: run_with(fn, impl, threads), ref, args.repeats, device
+                    )
+                    r = row(
+                        mode,
+                        op,
+                        impl,
+                        threads,
+                        nbytes,
+                        times,
+                        ref_times,
+                        ref_name,
+                        reference.nbytes,
+                    )
                     rows.append(r)
-                    hx.eprint(f"  {r['name']} threads={threads}: {r['gbps']:.2f} GB/s, "
-                              f"{ref_name} {r['ref_gbps']:.2f} GB/s, ratio {r['ratio']:.2f}")
+                    hx.eprint(
+                        f"  {r['name']} threads={threads}: {r['gbps']:.2f} GB/s, "
+                        f"{ref_name} {r['ref_gbps']:.2f} GB/s, ratio {r['ratio']:.2f}"
+                    )
     del sources, targets, buf
     gc.collect()
     if device == "cuda":
@@ -261,26 +325,53 @@ class Reference:
                 self.dst.copy_(self.src)
             finally:
                 torch.set_num_threads(self.default_threads)
+
         return copy, f"copy_{threads}t"
 
 
 def render_table(data: dict) -> str:
     meta = data["metadata"]
-    lines = [f"# bucket pack/unpack, {meta['model']} ({meta['num_tensors']} tensors, "
-             f"{meta['wire_gb']:.3f} GB bf16 on the wire), buckets of {meta['bucket_mib']} MiB "
-             f"({meta['num_buckets']} buckets), device {meta['device']}, median of "
-             f"{meta['repeats']}",
-             f"{meta['date']} | {meta.get('gpu') or meta['cpu']}, {meta['nproc']} CPUs | torch "
-             f"{meta['torch']} | areal_fast {meta['areal_fast_commit']}", ""]
-    headers = ["mode", "op", "impl", "threads", "GB written", "median ms", "p20 ms", "p80 ms",
-               "GB/s", "reference", "ref GB/s", "ratio"]
+    lines = [
+        f"# bucket pack/unpack, {meta['model']} ({meta['num_tensors']} tensors, "
+        f"{meta['wire_gb']:.3f} GB bf16 on the wire), buckets of {meta['bucket_mib']} MiB "
+        f"({meta['num_buckets']} buckets), device {meta['device']}, median of "
+        f"{meta['repeats']}",
+        f"{meta['date']} | {meta.get('gpu') or meta['cpu']}, {meta['nproc']} CPUs | torch "
+        f"{meta['torch']} | areal_fast {meta['areal_fast_commit']}",
+        "",
+    ]
+    headers = [
+        "mode",
+        "op",
+        "impl",
+        "threads",
+        "GB written",
+        "median ms",
+        "p20 ms",
+        "p80 ms",
+        "GB/s",
+        "reference",
+        "ref GB/s",
+        "ratio",
+    ]
     rows = []
     for r in data["results"]:
-        rows.append([r["mode"], r["op"], r["impl"], r["threads"] or "",
-                     hx.fmt(r["bytes_written"] / 1e9, ".3f"), hx.fmt(r["median_s"] * 1e3, ".1f"),
-                     hx.fmt(r["p20_s"] * 1e3, ".1f"), hx.fmt(r["p80_s"] * 1e3, ".1f"),
-                     hx.fmt(r["gbps"], ".2f"), r["ref"], hx.fmt(r["ref_gbps"], ".2f"),
-                     hx.fmt(r["ratio"], ".2f")])
+        rows.append(
+            [
+                r["mode"],
+                r["op"],
+                r["impl"],
+                r["threads"] or "",
+                hx.fmt(r["bytes_written"] / 1e9, ".3f"),
+                hx.fmt(r["median_s"] * 1e3, ".1f"),
+                hx.fmt(r["p20_s"] * 1e3, ".1f"),
+                hx.fmt(r["p80_s"] * 1e3, ".1f"),
+                hx.fmt(r["gbps"], ".2f"),
+                r["ref"],
+                hx.fmt(r["ref_gbps"], ".2f"),
+                hx.fmt(r["ratio"], ".2f"),
+            ]
+        )
     lines.append(hx.markdown_table(headers, rows))
     return "\n".join(lines)
 
@@ -291,10 +382,18 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="write the results here")
     parser.add_argument("--small", action="store_true", help="SmolLM2-135M shapes")
     parser.add_argument("--bucket-mib", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed calls per row (default 3 on the CPU, 20 on CUDA)")
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                        help="CPU threads of the multi-threaded rows")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed calls per row (default 3 on the CPU, 20 on CUDA)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="CPU threads of the multi-threaded rows",
+    )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--impls", default="native,torch")
     parser.add_argument("--table", metavar="JSON", help="print the table of an earlier run")
@@ -320,11 +419,18 @@ def main(argv=None) -> int:
     meta = hx.base_metadata(args.threads if args.device == "cpu" else None)
     specs = [TensorSpec(n, s, "bfloat16") for n, s in shapes]
     plan = plan_buckets(specs, args.bucket_mib * MIB)
-    meta.update(device=args.device, model=model, num_tensors=len(shapes),
-                num_params=sum(s.numel for s in specs), wire_gb=plan.total_bytes / 1e9,
-                bucket_mib=args.bucket_mib, num_buckets=plan.num_buckets, repeats=args.repeats,
-                native_build=native.build_info() if native is not None else None,
-                code_fingerprint=hx.code_fingerprint())
+    meta.update(
+        device=args.device,
+        model=model,
+        num_tensors=len(shapes),
+        num_params=sum(s.numel for s in specs),
+        wire_gb=plan.total_bytes / 1e9,
+        bucket_mib=args.bucket_mib,
+        num_buckets=plan.num_buckets,
+        repeats=args.repeats,
+        native_build=native.build_info() if native is not None else None,
+        code_fingerprint=hx.code_fingerprint(),
+    )
     if args.device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
         meta["cuda_kernel"] = bool(native is not None and getattr(native, "has_cuda", False))

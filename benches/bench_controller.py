@@ -68,8 +68,8 @@ from _harness import REPO_ROOT, base_metadata, eprint, fmt, markdown_table, writ
 
 from areal_fast.controller import messages as msg  # noqa: E402
 from areal_fast.controller.async_loop import AsyncController, RunPlan  # noqa: E402
-from areal_fast.controller.shards import ShardMetadata, TensorMetadata  # noqa: E402
 from areal_fast.controller.codec import MessageChannel, encode_message  # noqa: E402
+from areal_fast.controller.shards import ShardMetadata, TensorMetadata  # noqa: E402
 from areal_fast.controller.workers import ProcessHandle  # noqa: E402
 from areal_fast.rollout.config import RolloutConfig  # noqa: E402
 from areal_fast.rollout.engine import SamplingParams  # noqa: E402
@@ -81,8 +81,13 @@ GROUP_SIZE = 4
 PROMPT_LEN = 100  # tokens, ± 10
 COMPLETION_MEDIAN, COMPLETION_SIGMA, COMPLETION_CAP = 200.0, 0.5, 512
 DELAY_SIGMA = 0.25
-TOKEN_FIELDS = (("input_ids", "int64"), ("labels", "int64"), ("loss_mask", "bool"),
-                ("behav_logprobs", "float32"), ("versions", "int32"))
+TOKEN_FIELDS = (
+    ("input_ids", "int64"),
+    ("labels", "int64"),
+    ("loss_mask", "bool"),
+    ("behav_logprobs", "float32"),
+    ("versions", "int32"),
+)
 SEQ_FIELDS = (("seq_lens", "int64"), ("rewards", "float32"), ("group_ids", "int64"))
 
 
@@ -104,19 +109,27 @@ def _pack(data: dict) -> bytes:
     return msgpack.packb(data, use_bin_type=True)
 
 
-def _sample_group_done(name: str, group_id: int, prompt_len: int, lengths: list[int],
-                       rewards: list[float]) -> msg.GroupDone:
+def _sample_group_done(
+    name: str, group_id: int, prompt_len: int, lengths: list[int], rewards: list[float]
+) -> msg.GroupDone:
     """The production dataclass of one finished group (used to check the templates)."""
     tokens = sum(prompt_len + n for n in lengths)
     fields = {k: TensorMetadata((tokens,), d) for k, d in TOKEN_FIELDS}
     fields.update({k: TensorMetadata((len(lengths),), d) for k, d in SEQ_FIELDS})
     shard = ShardMetadata(name, "127.0.0.1:40000", group_id, len(lengths), 0, fields)
-    return msg.GroupDone(shard, group_id, rewards, lengths,
-                         ["length" if n >= COMPLETION_CAP else "stop" for n in lengths], 0)
+    return msg.GroupDone(
+        shard,
+        group_id,
+        rewards,
+        lengths,
+        ["length" if n >= COMPLETION_CAP else "stop" for n in lengths],
+        0,
+    )
 
 
-def _fill_group_done(template: dict, group_id: int, prompt_len: int, lengths: list[int],
-                     rewards: list[float]) -> dict:
+def _fill_group_done(
+    template: dict, group_id: int, prompt_len: int, lengths: list[int], rewards: list[float]
+) -> dict:
     """``template`` (a GroupDone map) rewritten in place for one group."""
     tokens = sum(prompt_len + n for n in lengths)
     shard = template["shard"]
@@ -147,11 +160,13 @@ def check_templates() -> None:
 
 def dummy_weight_buffers() -> tuple[WeightBufferSpec, WeightBufferSpec]:
     """Two weight slots that nobody maps (the controller only forwards them)."""
-    entries = (WeightEntry("model.embed_tokens.weight", (49152, 576), "bfloat16", 0,
-                           49152 * 576 * 2),
-               WeightEntry("model.norm.weight", (576,), "bfloat16", 56623104, 1152))
-    return tuple(WeightBufferSpec(f"/dev/shm/bench-controller-slot{i}", 56624384, entries)
-                 for i in range(2))
+    entries = (
+        WeightEntry("model.embed_tokens.weight", (49152, 576), "bfloat16", 0, 49152 * 576 * 2),
+        WeightEntry("model.norm.weight", (576,), "bfloat16", 56623104, 1152),
+    )
+    return tuple(
+        WeightBufferSpec(f"/dev/shm/bench-controller-slot{i}", 56624384, entries) for i in range(2)
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -175,15 +190,21 @@ class _StandIn:
 
 def _group_reply(w: _StandIn, group_id: int, prompt_len: int) -> bytes:
     rng = w.rng
-    lengths = [min(COMPLETION_CAP, max(1, int(rng.lognormvariate(
-        math.log(COMPLETION_MEDIAN), COMPLETION_SIGMA)))) for _ in range(GROUP_SIZE)]
+    lengths = [
+        min(
+            COMPLETION_CAP,
+            max(1, int(rng.lognormvariate(math.log(COMPLETION_MEDIAN), COMPLETION_SIGMA))),
+        )
+        for _ in range(GROUP_SIZE)
+    ]
     rewards = [1.0, 0.0] + [float(rng.random() < 0.5) for _ in range(GROUP_SIZE - 2)]
     rng.shuffle(rewards)
     return _pack(_fill_group_done(w.done_map, group_id, prompt_len, lengths, rewards))
 
 
-def _helper_main(own: list[tuple[str, object, str]], close: list, delay_s: float,
-                 train_s: float, seed: int) -> None:
+def _helper_main(
+    own: list[tuple[str, object, str]], close: list, delay_s: float, train_s: float, seed: int
+) -> None:
     """Serve the stand-ins in ``own`` (name, raw Connection, "rollout"|"trainer") until each
     got Shutdown or lost its controller; ``close`` are inherited descriptors to drop."""
     for conn in close:
@@ -209,8 +230,12 @@ def _helper_main(own: list[tuple[str, object, str]], close: list, delay_s: float
 
     def step_done(w: _StandIn, batch_ids: list[int], tokens: int) -> None:
         w.version += 1
-        w.step_map.update(version=w.version, stats={"loss": 1.0 / w.version},
-                          group_ids=batch_ids, trained_tokens=tokens)
+        w.step_map.update(
+            version=w.version,
+            stats={"loss": 1.0 / w.version},
+            group_ids=batch_ids,
+            trained_tokens=tokens,
+        )
         w.conn.conn.send_bytes(_pack(w.step_map))
 
     while live:
@@ -227,8 +252,9 @@ def _helper_main(own: list[tuple[str, object, str]], close: list, delay_s: float
                     gid, plen = group["group_id"], len(group["prompt_ids"])
                     if delay_s > 0:
                         w.pending.add(gid)
-                        due = time.monotonic() + w.rng.lognormvariate(math.log(delay_s),
-                                                                      DELAY_SIGMA)
+                        due = time.monotonic() + w.rng.lognormvariate(
+                            math.log(delay_s), DELAY_SIGMA
+                        )
                         schedule(due, "group", gid, w, plen)
                     else:
                         w.conn.conn.send_bytes(_group_reply(w, gid, plen))
@@ -295,8 +321,7 @@ class StandInHandle(ProcessHandle):
 class StandInCluster:
     """``workers`` stand-in rollout workers and one trainer over ``helpers`` processes."""
 
-    def __init__(self, workers: int, helpers: int, delay_ms: float, train_ms: float,
-                 seed: int):
+    def __init__(self, workers: int, helpers: int, delay_ms: float, train_ms: float, seed: int):
         ctx = mp.get_context("fork")  # the helper needs the pipes' descriptors, nothing else
         names = [f"rollout-{i}" for i in range(workers)] + ["trainer"]
         pipes = [ctx.Pipe(duplex=True) for _ in names]
@@ -306,20 +331,22 @@ class StandInCluster:
         index = {n: i for i, n in enumerate(names)}
         self.processes = []
         for h, part in enumerate(share):
-            own = [(n, pipes[index[n]][1], "trainer" if n == "trainer" else "rollout")
-                   for n in part]
-            close = [p[0] for p in pipes] + [pipes[index[n]][1] for n in names
-                                              if n not in part]
-            proc = ctx.Process(target=_helper_main, name=f"stand-ins-{h}", daemon=True,
-                               args=(own, close, delay_ms * 1e-3, train_ms * 1e-3,
-                                     seed * 7919 + h))
+            own = [
+                (n, pipes[index[n]][1], "trainer" if n == "trainer" else "rollout") for n in part
+            ]
+            close = [p[0] for p in pipes] + [pipes[index[n]][1] for n in names if n not in part]
+            proc = ctx.Process(
+                target=_helper_main,
+                name=f"stand-ins-{h}",
+                daemon=True,
+                args=(own, close, delay_ms * 1e-3, train_ms * 1e-3, seed * 7919 + h),
+            )
             proc.start()
             self.processes.append((proc, set(part)))
         owner = {n: proc for proc, part in self.processes for n in part}
         for _, child in pipes:
             child.close()
-        handles = [StandInHandle(n, MessageChannel(pipes[index[n]][0]), owner[n])
-                   for n in names]
+        handles = [StandInHandle(n, MessageChannel(pipes[index[n]][0]), owner[n]) for n in names]
         self.rollout_workers, self.trainer = handles[:-1], handles[-1]
         self.weight_buffers: tuple = ()
         for handle in handles:
@@ -354,13 +381,22 @@ class StandInCluster:
 
 def _next_request(seed: int):
     rng = random.Random(seed)
-    prompts = [[rng.randrange(1000, 49152) for _ in range(PROMPT_LEN + rng.randint(-10, 10))]
-               for _ in range(64)]
+    prompts = [
+        [rng.randrange(1000, 49152) for _ in range(PROMPT_LEN + rng.randint(-10, 10))]
+        for _ in range(64)
+    ]
     params = SamplingParams(n=GROUP_SIZE, temperature=1.0, max_new_tokens=COMPLETION_CAP)
 
     def next_request(group_id: int) -> msg.GroupRequest:
-        return msg.GroupRequest(group_id, prompts[group_id % len(prompts)], params,
-                                seed * 1_000_003 + group_id, answer="42", uid=f"q{group_id}")
+        return msg.GroupRequest(
+            group_id,
+            prompts[group_id % len(prompts)],
+            params,
+            seed * 1_000_003 + group_id,
+            answer="42",
+            uid=f"q{group_id}",
+        )
+
     return next_request
 
 
@@ -391,9 +427,17 @@ def paced_delay_ms(workers: int, rate: float) -> float:
     return 1e3 * (ETA + 1) * batch_size_for(workers) / rate
 
 
-def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
-             train_ms: float = 0.0, seed: int = 0, profile: bool = False,
-             load: str = "saturated") -> dict:
+def run_case(
+    workers: int,
+    delay_ms: float,
+    steps: int,
+    *,
+    helpers: int = 1,
+    train_ms: float = 0.0,
+    seed: int = 0,
+    profile: bool = False,
+    load: str = "saturated",
+) -> dict:
     """Run the controller for ``steps`` steps against ``workers`` stand-ins."""
     batch = batch_size_for(workers)
     plan = RunPlan(total_steps=steps, batch_size=batch)
@@ -412,9 +456,14 @@ def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
     with StandInCluster(workers, helpers, delay_ms, train_ms, seed) as cluster:
         setup = time.perf_counter() - setup0
         controller = AsyncController(
-            rollout_workers=cluster.rollout_workers, trainer=cluster.trainer,
-            weight_buffers=cluster.weight_buffers, next_request=_next_request(seed),
-            plan=plan, rollout=rollout, on_step=on_step)
+            rollout_workers=cluster.rollout_workers,
+            trainer=cluster.trainer,
+            weight_buffers=cluster.weight_buffers,
+            next_request=_next_request(seed),
+            plan=plan,
+            rollout=rollout,
+            on_step=on_step,
+        )
         load0, delay0 = os.getloadavg()[0], _run_delay()
         cpu0, wall0 = time.process_time(), time.perf_counter()
         if profiler is not None:
@@ -427,20 +476,31 @@ def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
     helper_cpu = _children_cpu() - helper_cpu0
     finished = counts.submitted - counts.dropped.get("in_flight_at_end", 0)
     per_step = [b - a for a, b in zip([cpu0] + step_cpu[:-1], step_cpu)]
-    steady = per_step[ETA + 1:] or per_step  # the first steps also fill the pipeline
+    steady = per_step[ETA + 1 :] or per_step  # the first steps also fill the pipeline
     result = {
-        "workers": workers, "load": load, "delay_ms": delay_ms, "train_ms": train_ms,
+        "workers": workers,
+        "load": load,
+        "delay_ms": delay_ms,
+        "train_ms": train_ms,
         "helpers": helpers,
-        "batch_size": batch, "eta": ETA, "steps": len(records),
-        "groups_trained": counts.trained, "groups_finished": finished,
-        "groups_submitted": counts.submitted, "counts": counts.as_dict(),
-        "wall_s": wall, "controller_cpu_s": cpu, "controller_busy": cpu / wall,
-        "helper_cpu_s": helper_cpu, "helper_busy": helper_cpu / max(wall + setup, 1e-9),
+        "batch_size": batch,
+        "eta": ETA,
+        "steps": len(records),
+        "groups_trained": counts.trained,
+        "groups_finished": finished,
+        "groups_submitted": counts.submitted,
+        "counts": counts.as_dict(),
+        "wall_s": wall,
+        "controller_cpu_s": cpu,
+        "controller_busy": cpu / wall,
+        "helper_cpu_s": helper_cpu,
+        "helper_busy": helper_cpu / max(wall + setup, 1e-9),
         "setup_s": setup,
         # waiting runnable for a CPU (other load on the machine), not idle
         "controller_runqueue_wait_s": None if delay0 is None else delay1 - delay0,
         "loadavg_1min_before": load0,
-        "groups_per_s": counts.trained / wall, "finished_groups_per_s": finished / wall,
+        "groups_per_s": counts.trained / wall,
+        "finished_groups_per_s": finished / wall,
         "steps_per_s": len(records) / wall,
         "controller_cpu_ms_per_step": 1e3 * cpu / max(len(records), 1),
         "controller_cpu_ms_per_step_median": 1e3 * statistics.median(steady),
@@ -456,20 +516,52 @@ def run_case(workers: int, delay_ms: float, steps: int, *, helpers: int = 1,
 # function-name fragments). Rough by nature: e.g. getattr counts as codec (its callers are
 # the encoder's dataclass walks).
 PROFILE_CATEGORIES = (
-    ("waiting: connection.wait / selectors / poll",
-     ("connection.py:wait", "connection.py:poll", "connection.py:_poll", "selectors.py",
-      "select.poll", "fileno", "_fileobj_to_fd", "<string>:<lambda>", "sentinel",
-      "workers.py:wait_messages", "workers.py:<dictcomp>")),
-    ("worker choice: min(workers, key=in_flight) per group",
-     ("builtins.min", "async_loop.py:<lambda>")),
-    ("pipe I/O: send/recv system calls",
-     ("posix.write", "posix.read", "connection.py:")),
-    ("codec: msgpack + dataclass encode/decode",
-     ("codec.py", "msgpack", "dataclasses.py", "getattr", "<string>:__init__",
-      "'keys' of 'dict'")),
-    ("controller bookkeeping: async_loop, ledger, staleness, metrics",
-     ("async_loop.py", "ledger.py", "recovery.py", "drain.py", "step_record.py", "shards.py",
-      "staleness.py", "statistics.py", "workers.py")),
+    (
+        "waiting: connection.wait / selectors / poll",
+        (
+            "connection.py:wait",
+            "connection.py:poll",
+            "connection.py:_poll",
+            "selectors.py",
+            "select.poll",
+            "fileno",
+            "_fileobj_to_fd",
+            "<string>:<lambda>",
+            "sentinel",
+            "workers.py:wait_messages",
+            "workers.py:<dictcomp>",
+        ),
+    ),
+    (
+        "worker choice: min(workers, key=in_flight) per group",
+        ("builtins.min", "async_loop.py:<lambda>"),
+    ),
+    ("pipe I/O: send/recv system calls", ("posix.write", "posix.read", "connection.py:")),
+    (
+        "codec: msgpack + dataclass encode/decode",
+        (
+            "codec.py",
+            "msgpack",
+            "dataclasses.py",
+            "getattr",
+            "<string>:__init__",
+            "'keys' of 'dict'",
+        ),
+    ),
+    (
+        "controller bookkeeping: async_loop, ledger, staleness, metrics",
+        (
+            "async_loop.py",
+            "ledger.py",
+            "recovery.py",
+            "drain.py",
+            "step_record.py",
+            "shards.py",
+            "staleness.py",
+            "statistics.py",
+            "workers.py",
+        ),
+    ),
 )
 
 
@@ -491,11 +583,18 @@ def profile_summary(profiler: cProfile.Profile, cpu: float, top: int = 25) -> di
 
     def rows(key: int) -> list[dict]:
         entries = sorted(stats.stats.items(), key=lambda kv: kv[1][key], reverse=True)[:top]
-        return [{"function": f"{Path(f).name}:{line}({fn})", "calls": nc,
-                 "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4),
-                 "tottime_pct": round(100 * tt / total, 1),
-                 "cumtime_pct": round(100 * ct / total, 1)}
-                for (f, line, fn), (_, nc, tt, ct, _) in entries]
+        return [
+            {
+                "function": f"{Path(f).name}:{line}({fn})",
+                "calls": nc,
+                "tottime_s": round(tt, 4),
+                "cumtime_s": round(ct, 4),
+                "tottime_pct": round(100 * tt / total, 1),
+                "cumtime_pct": round(100 * ct / total, 1),
+            }
+            for (f, line, fn), (_, nc, tt, ct, _) in entries
+        ]
+
     categories: dict[str, float] = {}
     for (f, _, fn), (_, _, tt, _, _) in stats.stats.items():
         key = _category(f, fn)
@@ -503,10 +602,17 @@ def profile_summary(profiler: cProfile.Profile, cpu: float, top: int = 25) -> di
     text = io.StringIO()
     pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
     eprint(text.getvalue())
-    by_category = [{"category": k, "tottime_s": round(v, 4), "pct": round(100 * v / total, 1)}
-                   for k, v in sorted(categories.items(), key=lambda kv: -kv[1])]
-    return {"profiled_total_s": total, "controller_cpu_s_with_profiler": cpu,
-            "by_category": by_category, "by_tottime": rows(2), "by_cumtime": rows(3)}
+    by_category = [
+        {"category": k, "tottime_s": round(v, 4), "pct": round(100 * v / total, 1)}
+        for k, v in sorted(categories.items(), key=lambda kv: -kv[1])
+    ]
+    return {
+        "profiled_total_s": total,
+        "controller_cpu_s_with_profiler": cpu,
+        "by_category": by_category,
+        "by_tottime": rows(2),
+        "by_cumtime": rows(3),
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -515,17 +621,47 @@ def profile_summary(profiler: cProfile.Profile, cpu: float, top: int = 25) -> di
 
 
 def table(cases: list[dict]) -> str:
-    rows = [[c["workers"], c["load"], fmt(c["delay_ms"], ".4g"), c["batch_size"], c["steps"],
-             fmt(c["groups_per_s"], ",.0f"), fmt(c["steps_per_s"], ".2f"),
-             fmt(c["controller_cpu_ms_per_step"], ".2f"),
-             fmt(c["controller_cpu_us_per_group"], ".1f"), fmt(c["controller_busy"], ".2f"),
-             fmt(None if c["controller_runqueue_wait_s"] is None
-                 else c["controller_runqueue_wait_s"] / c["wall_s"], ".2f"),
-             fmt(c["helper_busy"], ".2f"), fmt(c["wall_s"], ".2f")] for c in cases]
-    return markdown_table(["workers", "load", "delay ms", "B", "steps", "groups/s", "steps/s",
-                           "controller CPU ms/step", "controller CPU µs/group",
-                           "controller busy", "waiting for a CPU", "helper busy", "wall s"],
-                          rows)
+    rows = [
+        [
+            c["workers"],
+            c["load"],
+            fmt(c["delay_ms"], ".4g"),
+            c["batch_size"],
+            c["steps"],
+            fmt(c["groups_per_s"], ",.0f"),
+            fmt(c["steps_per_s"], ".2f"),
+            fmt(c["controller_cpu_ms_per_step"], ".2f"),
+            fmt(c["controller_cpu_us_per_group"], ".1f"),
+            fmt(c["controller_busy"], ".2f"),
+            fmt(
+                None
+                if c["controller_runqueue_wait_s"] is None
+                else c["controller_runqueue_wait_s"] / c["wall_s"],
+                ".2f",
+            ),
+            fmt(c["helper_busy"], ".2f"),
+            fmt(c["wall_s"], ".2f"),
+        ]
+        for c in cases
+    ]
+    return markdown_table(
+        [
+            "workers",
+            "load",
+            "delay ms",
+            "B",
+            "steps",
+            "groups/s",
+            "steps/s",
+            "controller CPU ms/step",
+            "controller CPU µs/group",
+            "controller busy",
+            "waiting for a CPU",
+            "helper busy",
+            "wall s",
+        ],
+        rows,
+    )
 
 
 def raise_fd_limit(needed: int) -> tuple[int, int]:
@@ -554,40 +690,73 @@ if pytest is not None:
     @pytest.mark.parametrize("workers", [8, 64])
     def test_controller_scaling(benchmark, workers):
         check_templates()
-        case = benchmark.pedantic(run_case, args=(workers, 0.0, default_steps(workers, 512)),
-                                  rounds=1, iterations=1, warmup_rounds=0)
+        case = benchmark.pedantic(
+            run_case,
+            args=(workers, 0.0, default_steps(workers, 512)),
+            rounds=1,
+            iterations=1,
+            warmup_rounds=0,
+        )
         assert case["groups_trained"] == case["steps"] * case["batch_size"]
         benchmark.extra_info.update(
             groups_per_s=case["groups_per_s"],
-            controller_cpu_us_per_group=case["controller_cpu_us_per_group"])
+            controller_cpu_us_per_group=case["controller_cpu_us_per_group"],
+        )
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--workers", type=int, nargs="+", default=[8, 64, 512])
-    parser.add_argument("--delay-ms", type=float, nargs="+", default=[1.0, 0.0],
-                        help="median generation delay per group (one case each; 0 = reply "
-                             "at once)")
-    parser.add_argument("--steps", type=int, default=None,
-                        help="training steps per case (default: about --groups groups)")
-    parser.add_argument("--groups", type=int, default=8192,
-                        help="trained groups per case when --steps is not given")
-    parser.add_argument("--paced-rate", type=float, default=1000.0,
-                        help="also run each size with the delay at which the stand-ins offer "
-                             "this many groups/s (0 = off)")
-    parser.add_argument("--paced-groups", type=int, default=3072,
-                        help="trained groups per paced case (at least 12 steps)")
+    parser.add_argument(
+        "--delay-ms",
+        type=float,
+        nargs="+",
+        default=[1.0, 0.0],
+        help="median generation delay per group (one case each; 0 = reply at once)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="training steps per case (default: about --groups groups)",
+    )
+    parser.add_argument(
+        "--groups", type=int, default=8192, help="trained groups per case when --steps is not given"
+    )
+    parser.add_argument(
+        "--paced-rate",
+        type=float,
+        default=1000.0,
+        help="also run each size with the delay at which the stand-ins offer "
+        "this many groups/s (0 = off)",
+    )
+    parser.add_argument(
+        "--paced-groups",
+        type=int,
+        default=3072,
+        help="trained groups per paced case (at least 12 steps)",
+    )
     parser.add_argument("--train-ms", type=float, default=0.0, help="stand-in trainer step")
-    parser.add_argument("--helpers", type=int, default=1,
-                        help="helper processes hosting the stand-ins")
-    parser.add_argument("--profile", type=int, nargs="*", default=[], metavar="WORKERS",
-                        help="also run these sizes (first delay) under cProfile")
-    parser.add_argument("--small", action="store_true",
-                        help="CI: workers 8 64, fewer groups (< 20 s)")
+    parser.add_argument(
+        "--helpers", type=int, default=1, help="helper processes hosting the stand-ins"
+    )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="WORKERS",
+        help="also run these sizes (first delay) under cProfile",
+    )
+    parser.add_argument(
+        "--small", action="store_true", help="CI: workers 8 64, fewer groups (< 20 s)"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", default=str(DEFAULT_JSON),
-                        help="write the result here ('' for none)")
+    parser.add_argument(
+        "--json", default=str(DEFAULT_JSON), help="write the result here ('' for none)"
+    )
     args = parser.parse_args(argv)
     if args.small:
         args.workers, args.groups, args.paced_groups = [8, 64], 1024, 512
@@ -601,62 +770,102 @@ def main(argv=None) -> int:
     for delay in args.delay_ms:
         for workers in args.workers:
             steps = args.steps or default_steps(workers, args.groups)
-            case = run_case(workers, delay, steps, helpers=args.helpers,
-                            train_ms=args.train_ms, seed=args.seed)
-            eprint(f"workers {workers:4d} delay {delay:g} ms: {case['groups_per_s']:,.0f} "
-                   f"groups/s, {case['controller_cpu_us_per_group']:.1f} µs CPU/group, "
-                   f"busy {case['controller_busy']:.2f}, helper {case['helper_busy']:.2f}")
+            case = run_case(
+                workers, delay, steps, helpers=args.helpers, train_ms=args.train_ms, seed=args.seed
+            )
+            eprint(
+                f"workers {workers:4d} delay {delay:g} ms: {case['groups_per_s']:,.0f} "
+                f"groups/s, {case['controller_cpu_us_per_group']:.1f} µs CPU/group, "
+                f"busy {case['controller_busy']:.2f}, helper {case['helper_busy']:.2f}"
+            )
             cases.append(case)
     if args.paced_rate > 0:
         for workers in args.workers:
             delay = paced_delay_ms(workers, args.paced_rate)
-            case = run_case(workers, delay, default_steps(workers, args.paced_groups),
-                            helpers=args.helpers, train_ms=args.train_ms, seed=args.seed,
-                            load=f"paced {args.paced_rate:g}/s")
-            eprint(f"workers {workers:4d} paced, delay {delay:.4g} ms: "
-                   f"{case['groups_per_s']:,.0f} groups/s, "
-                   f"{case['controller_cpu_us_per_group']:.1f} µs CPU/group, "
-                   f"busy {case['controller_busy']:.2f}")
+            case = run_case(
+                workers,
+                delay,
+                default_steps(workers, args.paced_groups),
+                helpers=args.helpers,
+                train_ms=args.train_ms,
+                seed=args.seed,
+                load=f"paced {args.paced_rate:g}/s",
+            )
+            eprint(
+                f"workers {workers:4d} paced, delay {delay:.4g} ms: "
+                f"{case['groups_per_s']:,.0f} groups/s, "
+                f"{case['controller_cpu_us_per_group']:.1f} µs CPU/group, "
+                f"busy {case['controller_busy']:.2f}"
+            )
             cases.append(case)
     profiles = []
     for workers in args.profile:  # shorter runs: the profiler slows the controller 2-5x
         loads = [("saturated", args.delay_ms[0])]
         if args.paced_rate > 0:
-            loads.append((f"paced {args.paced_rate:g}/s",
-                          paced_delay_ms(workers, args.paced_rate)))
+            loads.append((f"paced {args.paced_rate:g}/s", paced_delay_ms(workers, args.paced_rate)))
         for load, delay in loads:
             steps = args.steps or default_steps(workers, args.groups // 4, least=6)
-            profiles.append(run_case(workers, delay, steps, helpers=args.helpers,
-                                     train_ms=args.train_ms, seed=args.seed, profile=True,
-                                     load=load))
+            profiles.append(
+                run_case(
+                    workers,
+                    delay,
+                    steps,
+                    helpers=args.helpers,
+                    train_ms=args.train_ms,
+                    seed=args.seed,
+                    profile=True,
+                    load=load,
+                )
+            )
     result = {
         "benchmark": "controller_scaling",
         "command": " ".join(["python", "benches/bench_controller.py", *(argv or sys.argv[1:])]),
-        "workload": {"eta": ETA, "batch_size": "max(16, workers)",
-                     "max_concurrent_rollouts": "(eta + 1) * batch_size",
-                     "group_size": GROUP_SIZE, "prompt_tokens": f"{PROMPT_LEN} ± 10",
-                     "completion_tokens": f"lognormal median {COMPLETION_MEDIAN:g}, "
-                                          f"sigma {COMPLETION_SIGMA}, cap {COMPLETION_CAP}",
-                     "delay": f"lognormal median delay_ms, sigma {DELAY_SIGMA}",
-                     "paced_rate_groups_per_s": args.paced_rate,
-                     "paced_groups": args.paced_groups, "train_ms": args.train_ms,
-                     "helpers": args.helpers,
-                     "groups_per_case": None if args.steps else args.groups,
-                     "steps": args.steps, "seed": args.seed},
-        "rlimit_nofile_soft": soft, "cases": cases, "profiles": profiles,
-        "meta": base_metadata()}
+        "workload": {
+            "eta": ETA,
+            "batch_size": "max(16, workers)",
+            "max_concurrent_rollouts": "(eta + 1) * batch_size",
+            "group_size": GROUP_SIZE,
+            "prompt_tokens": f"{PROMPT_LEN} ± 10",
+            "completion_tokens": f"lognormal median {COMPLETION_MEDIAN:g}, "
+            f"sigma {COMPLETION_SIGMA}, cap {COMPLETION_CAP}",
+            "delay": f"lognormal median delay_ms, sigma {DELAY_SIGMA}",
+            "paced_rate_groups_per_s": args.paced_rate,
+            "paced_groups": args.paced_groups,
+            "train_ms": args.train_ms,
+            "helpers": args.helpers,
+            "groups_per_case": None if args.steps else args.groups,
+            "steps": args.steps,
+            "seed": args.seed,
+        },
+        "rlimit_nofile_soft": soft,
+        "cases": cases,
+        "profiles": profiles,
+        "meta": base_metadata(),
+    }
     write_json(args.json, result)
     print(table(cases))
     for p in profiles:
         prof = p["profile"]
-        print(f"\ncProfile of the controller, {p['workers']} workers, {p['load']} (delay "
-              f"{p['delay_ms']:.4g} ms), {prof['profiled_total_s']:.2f} s profiled:")
-        print(markdown_table(["own time in", "s", "%"], [[r["category"], r["tottime_s"],
-                                                         r["pct"]] for r in prof["by_category"]]))
+        print(
+            f"\ncProfile of the controller, {p['workers']} workers, {p['load']} (delay "
+            f"{p['delay_ms']:.4g} ms), {prof['profiled_total_s']:.2f} s profiled:"
+        )
+        print(
+            markdown_table(
+                ["own time in", "s", "%"],
+                [[r["category"], r["tottime_s"], r["pct"]] for r in prof["by_category"]],
+            )
+        )
         print()
-        print(markdown_table(["function", "calls", "own s", "own %", "cum %"],
-                             [[r["function"], r["calls"], r["tottime_s"], r["tottime_pct"],
-                               r["cumtime_pct"]] for r in prof["by_tottime"][:12]]))
+        print(
+            markdown_table(
+                ["function", "calls", "own s", "own %", "cum %"],
+                [
+                    [r["function"], r["calls"], r["tottime_s"], r["tottime_pct"], r["cumtime_pct"]]
+                    for r in prof["by_tottime"][:12]
+                ],
+            )
+        )
     return 0
 
 

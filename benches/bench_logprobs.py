@@ -61,10 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _harness as hx  # noqa: E402
 
 SHAPES = {  # (T, H, V)
-    "cpu": {"small": [(512, 128, 5003)],
-            "large": [(4096, 576, 49152), (2048, 2048, 151936)]},
-    "cuda": {"small": [(2048, 512, 32000)],
-             "large": [(16384, 4096, 151936)]},
+    "cpu": {"small": [(512, 128, 5003)], "large": [(4096, 576, 49152), (2048, 2048, 151936)]},
+    "cuda": {"small": [(2048, 512, 32000)], "large": [(16384, 4096, 151936)]},
 }
 DTYPES = {"cpu": "float32", "cuda": "bfloat16"}
 MODES = ("fwd", "fwd_bwd")
@@ -72,12 +70,21 @@ LOGPROB_IMPLS = ("ours", "naive", "torch_lce")
 LOSS_IMPLS = ("fused_loss", "ours_loss", "naive_loss", "liger_grpo")
 DEFAULT_IMPLS = {
     "cpu": ("matmul", "ours", "naive", "torch_lce", "fused_loss", "ours_loss", "naive_loss"),
-    "cuda": ("matmul", "ours", "ours[torch]", "naive", "torch_lce", "fused_loss", "ours_loss",
-             "naive_loss", "liger_grpo"),
+    "cuda": (
+        "matmul",
+        "ours",
+        "ours[torch]",
+        "naive",
+        "torch_lce",
+        "fused_loss",
+        "ours_loss",
+        "naive_loss",
+        "liger_grpo",
+    ),
 }
 OURS_VARIANTS = ("auto", "torch", "native", "triton")
-NUM_SEQS = 8              # sequences per packed batch (equal lengths; cu_seqlens int32)
-OLD_LOGPROB_NOISE = 0.1   # old_logprobs = ours' logprobs + N(0, 0.1²): some ratios clip at 0.2
+NUM_SEQS = 8  # sequences per packed batch (equal lengths; cu_seqlens int32)
+OLD_LOGPROB_NOISE = 0.1  # old_logprobs = ours' logprobs + N(0, 0.1²): some ratios clip at 0.2
 SEED = 0
 # CPU children: glibc serves allocations of at least this many bytes with mmap and returns
 # them on free (a fixed threshold also stops glibc from raising it after large frees), so
@@ -131,9 +138,16 @@ def shape_entry(shape, dtype: str, grad_bytes: int) -> dict:
     """Result record of one shape: its sizes, the MB of the gradient outputs
     (hidden.grad + weight.grad at ``grad_bytes`` per element) and of fp32 [T, V] logits."""
     T, H, V = shape
-    return {"name": shape_name(shape), "T": T, "H": H, "V": V, "dtype": dtype,
-            "grad_buffers_mb": (T * H + V * H) * grad_bytes / hx.MIB,
-            "logits_fp32_mb": T * V * 4 / hx.MIB, "modes": {}}
+    return {
+        "name": shape_name(shape),
+        "T": T,
+        "H": H,
+        "V": V,
+        "dtype": dtype,
+        "grad_buffers_mb": (T * H + V * H) * grad_bytes / hx.MIB,
+        "logits_fp32_mb": T * V * 4 / hx.MIB,
+        "modes": {},
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -212,14 +226,17 @@ def build_op(impl: str, mode: str, inputs: dict):
         def logprobs():
             return af.linear_logprobs(h, w, y, **kwargs)
     elif base == "naive":
+
         def logprobs():
             return _naive_logprobs(h, w, y)
     elif base == "torch_lce":
         F = torch.nn.functional
-        if not (hasattr(F, "linear_cross_entropy")
-                and hasattr(torch.nn, "LinearCrossEntropyOptions")):
-            raise Skip(f"torch {torch.__version__} has no linear_cross_entropy / "
-                       "LinearCrossEntropyOptions")
+        if not (
+            hasattr(F, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+        ):
+            raise Skip(
+                f"torch {torch.__version__} has no linear_cross_entropy / LinearCrossEntropyOptions"
+            )
         options = torch.nn.LinearCrossEntropyOptions()
 
         def logprobs():
@@ -232,6 +249,7 @@ def build_op(impl: str, mode: str, inputs: dict):
             with torch.no_grad():
                 out = h @ w.t()
             return {"out_sum": float(out[0].float().sum())}  # a cheap check: row 0
+
         return fn, reset
     elif base in LOSS_IMPLS:
         return _build_loss_op(base, variant, inputs, reset)
@@ -239,20 +257,22 @@ def build_op(impl: str, mode: str, inputs: dict):
         raise ValueError(f"unknown implementation {impl!r}")
 
     if not backward:
+
         def fn():
             with torch.no_grad():
                 out = logprobs()
             return {"out_sum": float(out.double().sum())}
     else:
+
         def fn():
             out = logprobs()
             out.backward(g.to(out.dtype))
             return {"out_sum": float(out.detach().double().sum())}
+
     return fn, reset
 
 
 def _build_loss_op(base: str, variant: str | None, inputs: dict, reset):
-    import torch
 
     import areal_fast as af
 
@@ -274,6 +294,7 @@ def _build_loss_op(base: str, variant: str | None, inputs: dict, reset):
         def loss_fn():
             return fused(h, w, y, old, adv, mask, cu, config, **kwargs)[0]
     elif base in ("ours_loss", "naive_loss"):
+
         def loss_fn():
             lp = af.linear_logprobs(h, w, y) if base == "ours_loss" else _naive_logprobs(h, w, y)
             return af.grpo_loss(lp, old, adv, mask, cu, config)[0]
@@ -288,6 +309,7 @@ def _build_loss_op(base: str, variant: str | None, inputs: dict, reset):
         loss = loss_fn()
         loss.backward()
         return {"loss": float(loss.detach())}
+
     fn.info = getattr(loss_fn, "state", None)
     return fn, reset
 
@@ -309,24 +331,31 @@ def _liger_loss_fn(inputs: dict, config):
     old = inputs["old_logprobs"].view(B, L)
     mask = inputs["loss_mask"].view(B, L).to(torch.int64)
     adv, labels = inputs["advantages"], y.view(B, L)
-    common = dict(beta=0.0, use_ref_model=False, epsilon_low=config.eps_clip,
-                  epsilon_high=config.clip_high, loss_type="dapo", temperature=1.0)
+    common = dict(
+        beta=0.0,
+        use_ref_model=False,
+        epsilon_low=config.eps_clip,
+        epsilon_high=config.clip_high,
+        loss_type="dapo",
+        temperature=1.0,
+    )
     state = {"module": LigerFusedLinearGRPOLoss(compiled=True, **common), "compiled": True}
 
     def loss_fn():
         try:
-            out = state["module"](h.view(B, L, H), w, labels, mask, adv,
-                                  old_per_token_logps=old)
+            out = state["module"](h.view(B, L, H), w, labels, mask, adv, old_per_token_logps=old)
         except Exception as exc:
             if not state["compiled"]:
                 raise
-            hx.eprint(f"  liger_grpo: torch.compile path failed ({type(exc).__name__}: "
-                      f"{str(exc)[:200]}); using compiled=False")
+            hx.eprint(
+                f"  liger_grpo: torch.compile path failed ({type(exc).__name__}: "
+                f"{str(exc)[:200]}); using compiled=False"
+            )
             state["module"] = LigerFusedLinearGRPOLoss(compiled=False, **common)
             state["compiled"] = False
-            out = state["module"](h.view(B, L, H), w, labels, mask, adv,
-                                  old_per_token_logps=old)
+            out = state["module"](h.view(B, L, H), w, labels, mask, adv, old_per_token_logps=old)
         return out[0] if isinstance(out, tuple) else out
+
     loss_fn.state = state
     return loss_fn
 
@@ -349,9 +378,14 @@ def grad_checks(inputs: dict) -> dict:
 def run_child(args) -> dict:
     """Body of a child process; returns the result record (printed as one JSON line)."""
     shape = tuple(int(x) for x in args.shape.split(","))
-    record = {"impl": args.impl, "mode": args.mode, "shape": list(shape),
-              "dtype": args.dtype, "threads": args.threads,
-              "loadavg_start": os.getloadavg()[0]}
+    record = {
+        "impl": args.impl,
+        "mode": args.mode,
+        "shape": list(shape),
+        "dtype": args.dtype,
+        "threads": args.threads,
+        "loadavg_start": os.getloadavg()[0],
+    }
     if os.environ.get(SOURCE_ENV):
         use_source(os.environ[SOURCE_ENV])
     import torch
@@ -421,10 +455,19 @@ def make_snapshot() -> tuple[str, str]:
     import tarfile
     import tempfile
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=hx.REPO_ROOT,
-                            capture_output=True, text=True, check=True).stdout.strip()
-    archive = subprocess.run(["git", "archive", "--format=tar", "HEAD", "areal_fast", "kernels"],
-                             cwd=hx.REPO_ROOT, capture_output=True, check=True).stdout
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        cwd=hx.REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    archive = subprocess.run(
+        ["git", "archive", "--format=tar", "HEAD", "areal_fast", "kernels"],
+        cwd=hx.REPO_ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout
     root = tempfile.mkdtemp(prefix="areal_fast_bench_")
     with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
         tar.extractall(root, filter="data")
@@ -456,25 +499,53 @@ def use_source(path: str) -> None:
 
 
 def launch_child(impl, shape, mode, args) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "--impl", impl,
-           "--mode", mode, "--shape", ",".join(map(str, shape)), "--dtype", DTYPES["cpu"],
-           "--repeats", str(args.repeats), "--threads", str(args.threads),
-           "--seed", str(args.seed)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--child",
+        "--impl",
+        impl,
+        "--mode",
+        mode,
+        "--shape",
+        ",".join(map(str, shape)),
+        "--dtype",
+        DTYPES["cpu"],
+        "--repeats",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+        "--seed",
+        str(args.seed),
+    ]
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(MALLOC_MMAP_THRESHOLD))
     if args.source:
         env[SOURCE_ENV] = args.source
     start = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.child_timeout,
-                              cwd=hx.REPO_ROOT, env=env)
+        proc = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=args.child_timeout,
+            cwd=hx.REPO_ROOT,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
-        return {"impl": impl, "mode": mode, "shape": list(shape),
-                "error": f"timed out after {args.child_timeout} s"}
+        return {
+            "impl": impl,
+            "mode": mode,
+            "shape": list(shape),
+            "error": f"timed out after {args.child_timeout} s",
+        }
     wall = time.perf_counter() - start
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
-        why = (f"killed by signal {-proc.returncode} (out of memory?)" if proc.returncode < 0
-               else f"exit code {proc.returncode}")
+        why = (
+            f"killed by signal {-proc.returncode} (out of memory?)"
+            if proc.returncode < 0
+            else f"exit code {proc.returncode}"
+        )
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
         return {"impl": impl, "mode": mode, "shape": list(shape), "error": f"{why}: {tail}"}
     record = json.loads(lines[-1])
@@ -526,9 +597,13 @@ def run_cpu(args) -> dict:
 
 
 def _run_cpu_cases(args, shapes, meta) -> dict:
-    meta.update(device="cpu", dtype=DTYPES["cpu"], repeats=args.repeats,
-                memory="extra = VmHWM - VmRSS around the first call, fresh process per case",
-                malloc_mmap_threshold=MALLOC_MMAP_THRESHOLD)
+    meta.update(
+        device="cpu",
+        dtype=DTYPES["cpu"],
+        repeats=args.repeats,
+        memory="extra = VmHWM - VmRSS around the first call, fresh process per case",
+        malloc_mmap_threshold=MALLOC_MMAP_THRESHOLD,
+    )
     out = {"metadata": meta, "results": [], "notes": []}
     for shape in shapes:
         entry = shape_entry(shape, DTYPES["cpu"], grad_bytes=4)
@@ -552,12 +627,21 @@ def _run_cpu_cases(args, shapes, meta) -> dict:
     for entry in out["results"]:
         for mode in entry["modes"]:
             add_ratios(entry, tuple(entry[k] for k in "THV"), mode)
-    codes = sorted({rec["code"] for e in out["results"] for c in e["modes"].values()
-                    for rec in c.values() if rec.get("code")})
+    codes = sorted(
+        {
+            rec["code"]
+            for e in out["results"]
+            for c in e["modes"].values()
+            for rec in c.values()
+            if rec.get("code")
+        }
+    )
     meta["code_fingerprints"] = codes
     if len(codes) > 1:
-        out["notes"].append(f"areal_fast changed during the run: {len(codes)} different code "
-                            f"fingerprints across the cases ({', '.join(codes)})")
+        out["notes"].append(
+            f"areal_fast changed during the run: {len(codes)} different code "
+            f"fingerprints across the cases ({', '.join(codes)})"
+        )
     return out
 
 
@@ -567,8 +651,10 @@ def _one_line(rec: dict) -> str:
     if "error" in rec:
         return f"FAILED: {rec['error']}"
     mem = rec.get("extra_peak_mb")
-    return (f"median {rec['median_s']:.4f} s (p20 {rec['p20_s']:.4f}, p80 {rec['p80_s']:.4f}), "
-            f"extra peak {mem:.1f} MB, checks {rec.get('checks')}")
+    return (
+        f"median {rec['median_s']:.4f} s (p20 {rec['p20_s']:.4f}, p80 {rec['p80_s']:.4f}), "
+        f"extra peak {mem:.1f} MB, checks {rec.get('checks')}"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -610,16 +696,22 @@ def run_cuda(args) -> dict:
     import torch
 
     if not torch.cuda.is_available():
-        hx.eprint("bench_logprobs: error: --device cuda needs a CUDA device "
-                  f"(torch {torch.__version__} sees none)")
+        hx.eprint(
+            "bench_logprobs: error: --device cuda needs a CUDA device "
+            f"(torch {torch.__version__} sees none)"
+        )
         raise SystemExit(2)
     meta = hx.base_metadata()
     props = torch.cuda.get_device_properties(0)
-    meta.update(device="cuda", gpu=props.name, gpu_memory_gib=props.total_memory / 2**30,
-                cuda=torch.version.cuda, dtype=DTYPES["cuda"],
-                allow_tf32=torch.backends.cuda.matmul.allow_tf32,
-                memory="extra = max_memory_allocated - memory_allocated around one call "
-                       "after warm-up")
+    meta.update(
+        device="cuda",
+        gpu=props.name,
+        gpu_memory_gib=props.total_memory / 2**30,
+        cuda=torch.version.cuda,
+        dtype=DTYPES["cuda"],
+        allow_tf32=torch.backends.cuda.matmul.allow_tf32,
+        memory="extra = max_memory_allocated - memory_allocated around one call after warm-up",
+    )
     for mod in ("triton", "liger_kernel"):
         try:
             meta[mod] = __import__(mod).__version__
@@ -643,11 +735,17 @@ def run_cuda(args) -> dict:
                 try:
                     fn, reset = build_op(impl, mode, inputs)
                     warmup = 2 if impl == "liger_grpo" else 1
-                    checks, extra, times = _cuda_time(fn, reset, inputs, warmup=warmup,
-                                                      repeats=args.repeats,
-                                                      budget_s=args.case_budget)
-                    rec.update(hx.summarize_times(times), extra_peak_mb=extra, times_s=times,
-                               checks=checks)
+                    checks, extra, times = _cuda_time(
+                        fn,
+                        reset,
+                        inputs,
+                        warmup=warmup,
+                        repeats=args.repeats,
+                        budget_s=args.case_budget,
+                    )
+                    rec.update(
+                        hx.summarize_times(times), extra_peak_mb=extra, times_s=times, checks=checks
+                    )
                     info = getattr(fn, "info", None)
                     if info is not None:
                         rec["liger_compiled"] = info["compiled"]
@@ -664,8 +762,10 @@ def run_cuda(args) -> dict:
                 cases[impl] = rec
                 hx.eprint("    " + _one_line(rec))
                 if "skipped" in rec or "error" in rec:
-                    out["notes"].append(f"{shape_name(shape)} {mode} {impl}: "
-                                        + rec.get("skipped", rec.get("error", "")))
+                    out["notes"].append(
+                        f"{shape_name(shape)} {mode} {impl}: "
+                        + rec.get("skipped", rec.get("error", ""))
+                    )
                 add_ratios(entry, shape, mode)
                 hx.write_json(args.json, out)
         mm = entry["modes"].get("fwd", {}).get("matmul", {}).get("median_s")
@@ -686,16 +786,34 @@ def render_table(data: dict) -> str:
     meta = data["metadata"]
     cuda = meta.get("device") == "cuda"
     lines = []
-    hw = (f"{meta.get('gpu')}, CUDA {meta.get('cuda')}" if cuda
-          else f"{meta.get('cpu')}, {meta.get('nproc')} CPUs, {meta.get('threads')} threads")
-    lines.append(f"{meta['date'][:10]} | {hw} | torch {meta['torch']} | areal_fast "
-                 f"{meta.get('areal_fast_commit')} | {meta.get('dtype')}")
+    hw = (
+        f"{meta.get('gpu')}, CUDA {meta.get('cuda')}"
+        if cuda
+        else f"{meta.get('cpu')}, {meta.get('nproc')} CPUs, {meta.get('threads')} threads"
+    )
+    lines.append(
+        f"{meta['date'][:10]} | {hw} | torch {meta['torch']} | areal_fast "
+        f"{meta.get('areal_fast_commit')} | {meta.get('dtype')}"
+    )
     lines.append("")
     unit, scale = ("ms", 1e3) if cuda else ("s", 1.0)
     rate = "TFLOP/s" if cuda else "GFLOP/s"
-    headers = ["shape", "mode", "impl", f"median {unit}", f"p20 {unit}", f"p80 {unit}",
-               "extra peak MB", "warm MB", f"model {rate}", "× mm rate", "time / naive(_loss)",
-               "peak / naive(_loss)", "warm peak / naive(_loss)", "time / torch_lce (ours_loss)"]
+    headers = [
+        "shape",
+        "mode",
+        "impl",
+        f"median {unit}",
+        f"p20 {unit}",
+        f"p80 {unit}",
+        "extra peak MB",
+        "warm MB",
+        f"model {rate}",
+        "× mm rate",
+        "time / naive(_loss)",
+        "peak / naive(_loss)",
+        "warm peak / naive(_loss)",
+        "time / torch_lce (ours_loss)",
+    ]
     drop = {7, 12} if cuda else set()  # no warm measurement on CUDA (taken after warm-up)
     rows = []
     for entry in data["results"]:
@@ -709,39 +827,49 @@ def render_table(data: dict) -> str:
                 ref = baseline_of(impl)
                 second = "torch_lce" if not is_loss(impl) else "ours_loss"
                 gf = rec.get("model_gflops_per_s")
-                row += [hx.fmt(rec["median_s"] * scale, ".4g"), hx.fmt(rec["p20_s"] * scale, ".4g"),
-                        hx.fmt(rec["p80_s"] * scale, ".4g"),
-                        hx.fmt(rec.get("extra_peak_mb"), ".1f"),
-                        hx.fmt(rec.get("extra_peak_mb_warm"), ".1f"),
-                        hx.fmt(None if gf is None else (gf / 1e3 if cuda else gf), ".1f"),
-                        hx.fmt(rec.get("matmul_rate_fraction"), ".2f"),
-                        _ratio(rec, "time_ratio_vs_" + ref, ref, impl),
-                        _ratio(rec, "peak_mem_ratio_vs_" + ref, ref, impl),
-                        _ratio(rec, "peak_mem_ratio_vs_" + ref + "_warm", ref, impl),
-                        _ratio(rec, "time_ratio_vs_" + second, second, impl)]
+                row += [
+                    hx.fmt(rec["median_s"] * scale, ".4g"),
+                    hx.fmt(rec["p20_s"] * scale, ".4g"),
+                    hx.fmt(rec["p80_s"] * scale, ".4g"),
+                    hx.fmt(rec.get("extra_peak_mb"), ".1f"),
+                    hx.fmt(rec.get("extra_peak_mb_warm"), ".1f"),
+                    hx.fmt(None if gf is None else (gf / 1e3 if cuda else gf), ".1f"),
+                    hx.fmt(rec.get("matmul_rate_fraction"), ".2f"),
+                    _ratio(rec, "time_ratio_vs_" + ref, ref, impl),
+                    _ratio(rec, "peak_mem_ratio_vs_" + ref, ref, impl),
+                    _ratio(rec, "peak_mem_ratio_vs_" + ref + "_warm", ref, impl),
+                    _ratio(rec, "time_ratio_vs_" + second, second, impl),
+                ]
                 rows.append([c for i, c in enumerate(row) if i not in drop])
     headers = [c for i, c in enumerate(headers) if i not in drop]
     lines.append(hx.markdown_table(headers, rows))
     lines.append("")
-    memory = ("extra peak MB: peak allocated by one call after warm-up "
-              "(max_memory_allocated − memory_allocated)" if cuda else
-              "extra peak MB: VmHWM − VmRSS around the first call in a fresh process; warm MB: "
-              "the same around the first timed call (one-time costs already paid)")
-    lines.append(f"{memory}. Both include hidden.grad + weight.grad on fwd_bwd rows ("
-                 + ", ".join(f"{e['name']}: {e['grad_buffers_mb']:.0f} MB"
-                             for e in data["results"]) + "). Model rate counts 2·T·H·V flops "
-                 "per forward, 6·T·H·V per forward + backward; × mm rate divides it by the "
-                 "rate of `matmul` (hidden @ weightᵀ) of the same shape. Ratios are this row / "
-                 "the reference (lower is better): `naive` and `torch_lce` for log-prob rows, "
-                 "`naive_loss` and `ours_loss` for loss rows.")
+    memory = (
+        "extra peak MB: peak allocated by one call after warm-up "
+        "(max_memory_allocated − memory_allocated)"
+        if cuda
+        else "extra peak MB: VmHWM − VmRSS around the first call in a fresh process; warm MB: "
+        "the same around the first timed call (one-time costs already paid)"
+    )
+    lines.append(
+        f"{memory}. Both include hidden.grad + weight.grad on fwd_bwd rows ("
+        + ", ".join(f"{e['name']}: {e['grad_buffers_mb']:.0f} MB" for e in data["results"])
+        + "). Model rate counts 2·T·H·V flops "
+        "per forward, 6·T·H·V per forward + backward; × mm rate divides it by the "
+        "rate of `matmul` (hidden @ weightᵀ) of the same shape. Ratios are this row / "
+        "the reference (lower is better): `naive` and `torch_lce` for log-prob rows, "
+        "`naive_loss` and `ours_loss` for loss rows."
+    )
     checks = []
     for entry in data["results"]:
         for mode, cases in entry["modes"].items():
             for impl, rec in cases.items():
                 if rec.get("checks") and impl != "matmul":
                     c = rec["checks"]
-                    checks.append(f"{entry['name']} {mode} {impl}: "
-                                  + ", ".join(f"{k}={v:.6g}" for k, v in c.items()))
+                    checks.append(
+                        f"{entry['name']} {mode} {impl}: "
+                        + ", ".join(f"{k}={v:.6g}" for k, v in c.items())
+                    )
     if checks:
         lines.append("")
         lines.append("Agreement (same inputs in every case):")
@@ -770,23 +898,46 @@ def parse_args(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", help="write the results here (updated after every case)")
     parser.add_argument("--shapes", choices=("small", "large"), default="large")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed calls per case (default: 3 on CPU, 10 on CUDA)")
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1,
-                        help="torch intra-op threads of each CPU child")
-    parser.add_argument("--impls", default=None,
-                        help="comma-separated subset, e.g. ours,naive,ours[triton]")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed calls per case (default: 3 on CPU, 10 on CUDA)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="torch intra-op threads of each CPU child",
+    )
+    parser.add_argument(
+        "--impls", default=None, help="comma-separated subset, e.g. ours,naive,ours[triton]"
+    )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--seed", type=int, default=SEED)
-    parser.add_argument("--table", metavar="JSON",
-                        help="only print the markdown table of an earlier (or partial) run")
-    parser.add_argument("--child-timeout", type=float, default=3600.0,
-                        help="seconds before a CPU child is abandoned")
-    parser.add_argument("--snapshot", action="store_true",
-                        help="CPU: children import a copy of the committed areal_fast (git HEAD "
-                             "plus the installed compiled extension) instead of the checkout")
-    parser.add_argument("--case-budget", type=float, default=5.0,
-                        help="CUDA: stop timing a case after this many seconds (>= 3 calls)")
+    parser.add_argument(
+        "--table",
+        metavar="JSON",
+        help="only print the markdown table of an earlier (or partial) run",
+    )
+    parser.add_argument(
+        "--child-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds before a CPU child is abandoned",
+    )
+    parser.add_argument(
+        "--snapshot",
+        action="store_true",
+        help="CPU: children import a copy of the committed areal_fast (git HEAD "
+        "plus the installed compiled extension) instead of the checkout",
+    )
+    parser.add_argument(
+        "--case-budget",
+        type=float,
+        default=5.0,
+        help="CUDA: stop timing a case after this many seconds (>= 3 calls)",
+    )
     # child-process arguments (internal)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", help=argparse.SUPPRESS)
@@ -845,9 +996,14 @@ if __name__ != "__main__":
 
 if pytest is not None:
 
-    @pytest.mark.parametrize("impl,mode", [
-        (impl, mode) for impl in ("ours", "naive", "torch_lce", "fused_loss", "naive_loss")
-        for mode in modes_of(impl)])
+    @pytest.mark.parametrize(
+        "impl,mode",
+        [
+            (impl, mode)
+            for impl in ("ours", "naive", "torch_lce", "fused_loss", "naive_loss")
+            for mode in modes_of(impl)
+        ],
+    )
     def test_linear_logprobs(benchmark, impl, mode):
         shape = SHAPES["cpu"]["small"][0]
         inputs = make_inputs(shape, "float32", "cpu", SEED, is_loss(impl))

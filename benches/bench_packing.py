@@ -87,9 +87,13 @@ if pytest is not None:
         seqlens, group_ids, budget = make_workload(workload)
         with implementation(impl):
             mbs = benchmark.pedantic(
-                partition_balanced, args=(seqlens, budget),
+                partition_balanced,
+                args=(seqlens, budget),
                 kwargs=dict(method=method, group_ids=group_ids),
-                rounds=3 if impl == "python" else 10, iterations=1, warmup_rounds=0)
+                rounds=3 if impl == "python" else 10,
+                iterations=1,
+                warmup_rounds=0,
+            )
         num_mbs, max_load, min_load = summarize(mbs, seqlens)
         assert max_load <= budget
         benchmark.extra_info.update(num_mbs=num_mbs, max_load=max_load, min_load=min_load)
@@ -117,13 +121,19 @@ def main(argv=None) -> None:
 
     native = _native.load_native()
     info = native.build_info() if native is not None else {}
-    print(f"# partition_balanced, {args.n} sequences, lengths U[1, {MAX_LEN}], "
-          f"median of {args.repeats}")
-    print(f"{datetime.date.today()} | {platform.processor() or platform.machine()}, "
-          f"{os.cpu_count()} CPUs | Python {platform.python_version()} | numpy {np.__version__} "
-          f"| _C {info.get('version', 'missing')} ({info.get('compiler', '-')})\n")
-    print("| workload | budget | method | impl | median s | p20 s | p80 s | #micro-batches "
-          "| max load | min load | speedup |")
+    print(
+        f"# partition_balanced, {args.n} sequences, lengths U[1, {MAX_LEN}], "
+        f"median of {args.repeats}"
+    )
+    print(
+        f"{datetime.date.today()} | {platform.processor() or platform.machine()}, "
+        f"{os.cpu_count()} CPUs | Python {platform.python_version()} | numpy {np.__version__} "
+        f"| _C {info.get('version', 'missing')} ({info.get('compiler', '-')})\n"
+    )
+    print(
+        "| workload | budget | method | impl | median s | p20 s | p80 s | #micro-batches "
+        "| max load | min load | speedup |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for workload, (budget, grouped) in WORKLOADS.items():
         seqlens, group_ids, budget = make_workload(workload, args.n)
@@ -133,21 +143,29 @@ def main(argv=None) -> None:
                 if impl == "cpp" and native is None:
                     continue
                 with implementation(impl):
+
                     def run():
-                        return partition_balanced(seqlens, budget, method=method,
-                                                  group_ids=group_ids)
+                        return partition_balanced(
+                            seqlens, budget, method=method, group_ids=group_ids
+                        )
+
                     mbs = run()
                     repeats = args.repeats if impl == "cpp" else max(1, min(args.repeats, 3))
                     times = _time(run, repeats)
                 medians[impl] = statistics.median(times)
                 q = statistics.quantiles(times, n=5) if len(times) > 1 else [times[0]] * 4
                 num_mbs, max_load, min_load = summarize(mbs, seqlens)
-                speedup = (f"{medians['python'] / medians['cpp']:.1f}x"
-                           if impl == "python" and "cpp" in medians else "")
+                speedup = (
+                    f"{medians['python'] / medians['cpp']:.1f}x"
+                    if impl == "python" and "cpp" in medians
+                    else ""
+                )
                 label = f"{workload}{' (groups of 8)' if grouped else ''}"
-                print(f"| {label} | {budget} | {method} | {impl} | {medians[impl]:.4f} "
-                      f"| {q[0]:.4f} | {q[3]:.4f} | {num_mbs} | {max_load} | {min_load} "
-                      f"| {speedup} |")
+                print(
+                    f"| {label} | {budget} | {method} | {impl} | {medians[impl]:.4f} "
+                    f"| {q[0]:.4f} | {q[3]:.4f} | {num_mbs} | {max_load} | {min_load} "
+                    f"| {speedup} |"
+                )
                 sys.stdout.flush()
 
 

@@ -30,10 +30,22 @@ from _harness import base_metadata, write_json  # noqa: E402
 
 
 def _args(root: Path, trial: str, launcher: str) -> list[str]:
-    args = ["train", "--config", str(REPO / "examples" / "arith.yaml"), "--no-progress",
-            f"fileroot={root}", f"trial_name={trial}", "total_steps=4", "batch_size=4",
-            "rollout.group_size=2", "rollout.max_new_tokens=16", "eval.before=false",
-            "eval.after=false", "checkpoint.every_steps=1", "rollout.max_head_offpolicyness=1"]
+    args = [
+        "train",
+        "--config",
+        str(REPO / "examples" / "arith.yaml"),
+        "--no-progress",
+        f"fileroot={root}",
+        f"trial_name={trial}",
+        "total_steps=4",
+        "batch_size=4",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=16",
+        "eval.before=false",
+        "eval.after=false",
+        "checkpoint.every_steps=1",
+        "rollout.max_head_offpolicyness=1",
+    ]
     if launcher == "ray":
         args += ["scheduler.cpus_per_rollout_worker=0.5", "scheduler.cpus_per_trainer_rank=0.5"]
     return args
@@ -47,10 +59,15 @@ def _steps(run_dir: Path) -> int:
 def _run(root: Path, trial: str, launcher: str, victim: str, need_checkpoint: bool) -> dict:
     run_dir = root / "grpo-arith" / trial
     module = "areal_fast.launch.ray" if launcher == "ray" else "areal_fast.cli"
-    proc = subprocess.Popen([sys.executable, "-m", module, *_args(root, trial, launcher)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    while _steps(run_dir) < 1 or (need_checkpoint and not list(
-            (run_dir / "checkpoints").glob("step-*"))):
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *_args(root, trial, launcher)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    while _steps(run_dir) < 1 or (
+        need_checkpoint and not list((run_dir / "checkpoints").glob("step-*"))
+    ):
         if proc.poll() is not None:
             raise SystemExit(proc.stdout.read()[-3000:])
         time.sleep(0.05)
@@ -67,21 +84,23 @@ def _run(root: Path, trial: str, launcher: str, victim: str, need_checkpoint: bo
     if proc.returncode != 0:
         raise SystemExit(out[-3000:])
     summary = json.loads((run_dir / "summary.json").read_text())
-    return {"victim": victim, "launcher": launcher,
-            "rollout_recovery_seconds": summary["rollout_recovery_seconds"],
-            "trainer_restarts": summary["trainer_restarts"],
-            "resumed_from_version": summary.get("resumed_from_version"),
-            "kill_to_next_step_seconds": next_step,
-            "rollouts_trained": summary["rollouts_trained"],
-            "rollouts_dropped": summary["rollouts_dropped"]}
+    return {
+        "victim": victim,
+        "launcher": launcher,
+        "rollout_recovery_seconds": summary["rollout_recovery_seconds"],
+        "trainer_restarts": summary["trainer_restarts"],
+        "resumed_from_version": summary.get("resumed_from_version"),
+        "kill_to_next_step_seconds": next_step,
+        "rollouts_trained": summary["rollouts_trained"],
+        "rollouts_dropped": summary["rollouts_dropped"],
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launcher", choices=("local", "ray"), default="local")
     parser.add_argument("--trainer", action="store_true", help="also kill the trainer")
-    parser.add_argument("--json", default=str(REPO / "benches" / "results" /
-                                              "recovery_cpu.json"))
+    parser.add_argument("--json", default=str(REPO / "benches" / "results" / "recovery_cpu.json"))
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,8 +113,10 @@ def main() -> None:
     print("victim | launcher | death -> generation resumed (s) | kill -> next step (s)")
     for r in results:
         rec = r["rollout_recovery_seconds"]
-        print(f"{r['victim']} | {r['launcher']} | {rec[0] if rec else '-'} | "
-              f"{r['kill_to_next_step_seconds']}")
+        print(
+            f"{r['victim']} | {r['launcher']} | {rec[0] if rec else '-'} | "
+            f"{r['kill_to_next_step_seconds']}"
+        )
 
 
 if __name__ == "__main__":

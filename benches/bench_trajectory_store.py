@@ -47,11 +47,13 @@ from areal_fast.agent.store import TrajectoryConfig, TrajectoryWriter  # noqa: E
 VOCAB = 49152
 COMPRESSIONS = (("none", 0), ("zstd", 1), ("zstd", 3), ("zstd", 9))
 THREADS = (1, 4)
-WORDS = ("the a of to and in is that for it as with was on be by this are or from at an "
-         "which have not but can all will one their there has been if more when so what "
-         "answer question step first then we find number total each value equal solve "
-         "compute sum product divide remainder therefore result check final tool call "
-         "search python output error retry reasoning model policy reward").split()
+WORDS = (
+    "the a of to and in is that for it as with was on be by this are or from at an "
+    "which have not but can all will one their there has been if more when so what "
+    "answer question step first then we find number total each value equal solve "
+    "compute sum product divide remainder therefore result check final tool call "
+    "search python output error retry reasoning model policy reward"
+).split()
 
 
 def synth_records(n: int, seed: int = 0) -> list[dict]:
@@ -64,16 +66,23 @@ def synth_records(n: int, seed: int = 0) -> list[dict]:
         ranks = np.minimum(rng.zipf(1.15, n_prompt + n_completion), VOCAB) - 1
         ids = rank_to_id[ranks].tolist()
         logprobs = (-rng.exponential(0.6, n_completion)).astype(np.float32).tolist()
-        roles = ("system", "user", "assistant", "tool")[:int(rng.integers(2, 5))]
-        messages = [{"role": r, "content": " ".join(rng.choice(WORDS, int(rng.integers(10, 120))))}
-                    for r in roles]
-        records.append({
-            "session_id": f"s{i:08d}", "messages": messages,
-            "input_ids": ids[:n_prompt], "output_ids": ids[n_prompt:],
-            "output_logprobs": logprobs,
-            "output_versions": [int(v) for v in np.sort(rng.integers(40, 43, n_completion))],
-            "reward": float(rng.choice([0.0, 1.0])), "finish_reason": "stop",
-        })
+        roles = ("system", "user", "assistant", "tool")[: int(rng.integers(2, 5))]
+        messages = [
+            {"role": r, "content": " ".join(rng.choice(WORDS, int(rng.integers(10, 120))))}
+            for r in roles
+        ]
+        records.append(
+            {
+                "session_id": f"s{i:08d}",
+                "messages": messages,
+                "input_ids": ids[:n_prompt],
+                "output_ids": ids[n_prompt:],
+                "output_logprobs": logprobs,
+                "output_versions": [int(v) for v in np.sort(rng.integers(40, 43, n_completion))],
+                "reward": float(rng.choice([0.0, 1.0])),
+                "finish_reason": "stop",
+            }
+        )
     return records
 
 
@@ -92,11 +101,13 @@ def load_records(path: str, n: int) -> list[dict]:
     return list(itertools.islice(itertools.cycle(base), n))
 
 
-def run_case(records: list[dict], compression: str, level: int, threads: int,
-             pace_s: float | None) -> dict:
+def run_case(
+    records: list[dict], compression: str, level: int, threads: int, pace_s: float | None
+) -> dict:
     """Store ``records`` once; timings in seconds, sizes in bytes."""
-    cfg = TrajectoryConfig(write_threads=threads, compression=compression,
-                           compression_level=level or 3)
+    cfg = TrajectoryConfig(
+        write_threads=threads, compression=compression, compression_level=level or 3
+    )
     put_times = []
     with tempfile.TemporaryDirectory() as directory:
         writer = TrajectoryWriter(directory, cfg, name="bench")
@@ -115,49 +126,84 @@ def run_case(records: list[dict], compression: str, level: int, threads: int,
         stats = writer.stats
     return {
         "compression": compression if compression == "none" else f"zstd-{level}",
-        "threads": threads, "producer": "burst" if pace_s is None else "paced",
-        "records": len(records), "seconds": elapsed,
-        "records_per_s": len(records) / elapsed, "raw_mb_per_s": stats.raw_bytes / elapsed / 1e6,
-        "raw_bytes": stats.raw_bytes, "stored_bytes": stats.stored_bytes,
-        "compression_ratio": stats.compression_ratio, "stall_s": stats.stall_seconds,
-        "put_median_us": statistics.median(put_times) * 1e6, "put_max_ms": max(put_times) * 1e3,
+        "threads": threads,
+        "producer": "burst" if pace_s is None else "paced",
+        "records": len(records),
+        "seconds": elapsed,
+        "records_per_s": len(records) / elapsed,
+        "raw_mb_per_s": stats.raw_bytes / elapsed / 1e6,
+        "raw_bytes": stats.raw_bytes,
+        "stored_bytes": stats.stored_bytes,
+        "compression_ratio": stats.compression_ratio,
+        "stall_s": stats.stall_seconds,
+        "put_median_us": statistics.median(put_times) * 1e6,
+        "put_max_ms": max(put_times) * 1e3,
         "write_thread_s": stats.write_seconds,
     }
 
 
 def table(results: list[dict]) -> str:
-    headers = ["compression", "threads", "producer", "ratio", "records/s", "raw MB/s",
-               "stall s", "put median µs", "put max ms"]
-    rows = [[r["compression"], r["threads"], r["producer"], fmt(r["compression_ratio"], ".2f"),
-             fmt(r["records_per_s"], ".0f"), fmt(r["raw_mb_per_s"], ".1f"),
-             fmt(r["stall_s"], ".3f"), fmt(r["put_median_us"], ".1f"), fmt(r["put_max_ms"], ".2f")]
-            for r in results]
+    headers = [
+        "compression",
+        "threads",
+        "producer",
+        "ratio",
+        "records/s",
+        "raw MB/s",
+        "stall s",
+        "put median µs",
+        "put max ms",
+    ]
+    rows = [
+        [
+            r["compression"],
+            r["threads"],
+            r["producer"],
+            fmt(r["compression_ratio"], ".2f"),
+            fmt(r["records_per_s"], ".0f"),
+            fmt(r["raw_mb_per_s"], ".1f"),
+            fmt(r["stall_s"], ".3f"),
+            fmt(r["put_median_us"], ".1f"),
+            fmt(r["put_max_ms"], ".2f"),
+        ]
+        for r in results
+    ]
     return markdown_table(headers, rows)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=2000, help="records per burst case")
-    parser.add_argument("--paced-records", type=int, default=1000,
-                        help="records per paced case (takes records × pace)")
+    parser.add_argument(
+        "--paced-records",
+        type=int,
+        default=1000,
+        help="records per paced case (takes records × pace)",
+    )
     parser.add_argument("--pace-ms", type=float, default=2.0)
     parser.add_argument("--input", help="JSON lines file of real records")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
-    records = (load_records(args.input, args.records) if args.input
-               else synth_records(args.records))
+    records = load_records(args.input, args.records) if args.input else synth_records(args.records)
     results = []
     for (compression, level), threads in itertools.product(COMPRESSIONS, THREADS):
-        for pace_s, subset in ((None, records), (args.pace_ms / 1e3, records[:args.paced_records])):
+        for pace_s, subset in (
+            (None, records),
+            (args.pace_ms / 1e3, records[: args.paced_records]),
+        ):
             results.append(run_case(subset, compression, level, threads, pace_s))
             r = results[-1]
-            eprint(f"{r['compression']:>7} x{threads} {r['producer']:>5}: "
-                   f"ratio {r['compression_ratio']:.2f}, {r['records_per_s']:.0f} rec/s, "
-                   f"stall {r['stall_s']:.3f} s")
+            eprint(
+                f"{r['compression']:>7} x{threads} {r['producer']:>5}: "
+                f"ratio {r['compression_ratio']:.2f}, {r['records_per_s']:.0f} rec/s, "
+                f"stall {r['stall_s']:.3f} s"
+            )
     raw = results[0]["raw_bytes"] / results[0]["records"]
-    print(f"{len(records)} records ({'from ' + args.input if args.input else 'synthetic'}), "
-          f"{raw / 1024:.1f} KiB of JSON each, cache_size 1000\n")
+    print(
+        f"{len(records)} records ({'from ' + args.input if args.input else 'synthetic'}), "
+        f"{raw / 1024:.1f} KiB of JSON each, cache_size 1000\n"
+    )
     print(table(results))
     if args.json:
         import zstandard

@@ -27,7 +27,6 @@ the single-buffer baseline broadcasts that flat buffer. Reported per model: ``se
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import socket
 import statistics
@@ -52,19 +51,25 @@ def model_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
     shapes = [("model.embed_tokens.weight", (vocab, hidden))]
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes += [(p + "input_layernorm.weight", (hidden,)),
-                   (p + "self_attn.q_proj.weight", (heads * hd, hidden)),
-                   (p + "self_attn.k_proj.weight", (kv * hd, hidden)),
-                   (p + "self_attn.v_proj.weight", (kv * hd, hidden))]
+        shapes += [
+            (p + "input_layernorm.weight", (hidden,)),
+            (p + "self_attn.q_proj.weight", (heads * hd, hidden)),
+            (p + "self_attn.k_proj.weight", (kv * hd, hidden)),
+            (p + "self_attn.v_proj.weight", (kv * hd, hidden)),
+        ]
         if bias:
-            shapes += [(p + "self_attn.q_proj.bias", (heads * hd,)),
-                       (p + "self_attn.k_proj.bias", (kv * hd,)),
-                       (p + "self_attn.v_proj.bias", (kv * hd,))]
-        shapes += [(p + "self_attn.o_proj.weight", (hidden, heads * hd)),
-                   (p + "post_attention_layernorm.weight", (hidden,)),
-                   (p + "mlp.gate_proj.weight", (inter, hidden)),
-                   (p + "mlp.up_proj.weight", (inter, hidden)),
-                   (p + "mlp.down_proj.weight", (hidden, inter))]
+            shapes += [
+                (p + "self_attn.q_proj.bias", (heads * hd,)),
+                (p + "self_attn.k_proj.bias", (kv * hd,)),
+                (p + "self_attn.v_proj.bias", (kv * hd,)),
+            ]
+        shapes += [
+            (p + "self_attn.o_proj.weight", (hidden, heads * hd)),
+            (p + "post_attention_layernorm.weight", (hidden,)),
+            (p + "mlp.gate_proj.weight", (inter, hidden)),
+            (p + "mlp.up_proj.weight", (inter, hidden)),
+            (p + "mlp.down_proj.weight", (hidden, inter)),
+        ]
     shapes.append(("model.norm.weight", (hidden,)))
     if not tied:
         shapes.append(("lm_head.weight", (vocab, hidden)))
@@ -82,11 +87,11 @@ def _flat_tensors(shapes, dtype, fill: bool, device="cpu"):
         step = 1 << 24
         for start in range(0, total, step):  # chunked: no fp32 copy of the whole model
             n = min(step, total - start)
-            flat[start:start + n] = torch.randn(n, generator=gen).to(dtype).to(device)
+            flat[start : start + n] = torch.randn(n, generator=gen).to(dtype).to(device)
     views, offset = {}, 0
     for name, shape in shapes:
         n = int(torch.Size(shape).numel())
-        views[name] = flat[offset:offset + n].view(shape)
+        views[name] = flat[offset : offset + n].view(shape)
         offset += n
     return flat, views
 
@@ -106,16 +111,29 @@ class _Params:
         return iter(())
 
 
-def _rank_main(rank: int, world: int, port: int, model: str, transport_kind: str,
-               bucket_mb: int, repeats: int, threads: int, out):
+def _rank_main(
+    rank: int,
+    world: int,
+    port: int,
+    model: str,
+    transport_kind: str,
+    bucket_mb: int,
+    repeats: int,
+    threads: int,
+    out,
+):
     import torch
     import torch.distributed as dist
 
     from areal_fast.sync.receiver import WeightReceiver, check_against
     from areal_fast.sync.sender import WeightSender
     from areal_fast.sync.sources import ModuleSource
-    from areal_fast.sync.transports import (CudaIpcTransport, SharedMemoryTransport,
-                                            TorchDistTransport, init_sync_group)
+    from areal_fast.sync.transports import (
+        CudaIpcTransport,
+        SharedMemoryTransport,
+        TorchDistTransport,
+        init_sync_group,
+    )
 
     torch.set_num_threads(threads)
     device = "cuda" if transport_kind == "cuda-ipc" else "cpu"
@@ -146,8 +164,11 @@ def _rank_main(rank: int, world: int, port: int, model: str, transport_kind: str
         return time.perf_counter() - start
 
     source = ModuleSource(_Params(views)) if rank == 0 else None
-    sender = WeightSender(transport, bucket_bytes=bucket_mb << 20, timeout=timeout) \
-        if rank == 0 else None
+    sender = (
+        WeightSender(transport, bucket_bytes=bucket_mb << 20, timeout=timeout)
+        if rank == 0
+        else None
+    )
     receiver = WeightReceiver(transport, timeout=timeout) if rank else None
     targets = dict(views)
 
@@ -170,25 +191,31 @@ def _rank_main(rank: int, world: int, port: int, model: str, transport_kind: str
             times[mode].append(timed(fn))
     if rank:
         expected, _ = _flat_tensors(shapes, torch.bfloat16, fill=True, device=device)
-        assert torch.equal(flat.view(torch.int16), expected.view(torch.int16)), \
+        assert torch.equal(flat.view(torch.int16), expected.view(torch.int16)), (
             f"engine rank {rank}: received weights differ from the trainer's"
+        )
     if rank == 0:
-        out.put({"times": times, "bytes": flat.numel() * flat.element_size(),
-                 "tensors": len(shapes)})
+        out.put(
+            {"times": times, "bytes": flat.numel() * flat.element_size(), "tensors": len(shapes)}
+        )
     transport.close()
 
 
-def run_model(model: str, transport: str, bucket_mb: int, repeats: int, threads: int,
-              engines: int = 2) -> dict:
+def run_model(
+    model: str, transport: str, bucket_mb: int, repeats: int, threads: int, engines: int = 2
+) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_main,
-                         args=(r, engines + 1, port, model, transport, bucket_mb, repeats,
-                               threads, out))
-             for r in range(engines + 1)]
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(r, engines + 1, port, model, transport, bucket_mb, repeats, threads, out),
+        )
+        for r in range(engines + 1)
+    ]
     for p in procs:
         p.start()
     for p in procs:
@@ -198,10 +225,17 @@ def run_model(model: str, transport: str, bucket_mb: int, repeats: int, threads:
         raise SystemExit(f"bench_weight_sync: rank(s) {bad} failed for model {model}")
     result = out.get(timeout=10)
     med = {m: statistics.median(ts) for m, ts in result["times"].items()}
-    row = {"model": model, "transport": transport, "bucket_mb": bucket_mb, "engines": engines,
-           "gbytes": result["bytes"] / 1e9, "tensors": result["tensors"],
-           "seconds": med, "all_seconds": result["times"],
-           "gbytes_per_s": {m: result["bytes"] / 1e9 / s for m, s in med.items()}}
+    row = {
+        "model": model,
+        "transport": transport,
+        "bucket_mb": bucket_mb,
+        "engines": engines,
+        "gbytes": result["bytes"] / 1e9,
+        "tensors": result["tensors"],
+        "seconds": med,
+        "all_seconds": result["times"],
+        "gbytes_per_s": {m: result["bytes"] / 1e9 / s for m, s in med.items()},
+    }
     if "single_buffer" in med:
         row["bucketed_vs_single_buffer"] = med["single_buffer"] / med["bucketed"]
         row["bucketed_vs_per_tensor"] = med["per_tensor"] / med["bucketed"]
@@ -209,14 +243,31 @@ def run_model(model: str, transport: str, bucket_mb: int, repeats: int, threads:
 
 
 def table(rows: list[dict]) -> str:
-    headers = ["model", "GB (bf16)", "tensors", "single buffer s", "bucketed s", "per-tensor s",
-               "bucketed GB/s", "bucketed / single (goal ≥ 0.9)", "speed-up vs per-tensor"]
-    body = [[r["model"], fmt(r["gbytes"], ".2f"), r["tensors"],
-             fmt(r["seconds"].get("single_buffer"), ".3f"), fmt(r["seconds"]["bucketed"], ".3f"),
-             fmt(r["seconds"].get("per_tensor"), ".3f"),
-             fmt(r["gbytes_per_s"]["bucketed"], ".2f"),
-             fmt(r.get("bucketed_vs_single_buffer"), ".3f"),
-             fmt(r.get("bucketed_vs_per_tensor"), ".2f")] for r in rows]
+    headers = [
+        "model",
+        "GB (bf16)",
+        "tensors",
+        "single buffer s",
+        "bucketed s",
+        "per-tensor s",
+        "bucketed GB/s",
+        "bucketed / single (goal ≥ 0.9)",
+        "speed-up vs per-tensor",
+    ]
+    body = [
+        [
+            r["model"],
+            fmt(r["gbytes"], ".2f"),
+            r["tensors"],
+            fmt(r["seconds"].get("single_buffer"), ".3f"),
+            fmt(r["seconds"]["bucketed"], ".3f"),
+            fmt(r["seconds"].get("per_tensor"), ".3f"),
+            fmt(r["gbytes_per_s"]["bucketed"], ".2f"),
+            fmt(r.get("bucketed_vs_single_buffer"), ".3f"),
+            fmt(r.get("bucketed_vs_per_tensor"), ".2f"),
+        ]
+        for r in rows
+    ]
     return markdown_table(headers, body)
 
 
@@ -227,19 +278,32 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch/packing threads per process (3 processes share the cores)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch/packing threads per process (3 processes share the cores)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     rows = []
     for model in args.models:
         eprint(f"bench_weight_sync: {model} over {args.transport} ...")
-        rows.append(run_model(model, args.transport, args.bucket_mb, args.repeats, args.threads,
-                              args.engines))
+        rows.append(
+            run_model(
+                model, args.transport, args.bucket_mb, args.repeats, args.threads, args.engines
+            )
+        )
     print(table(rows))
-    write_json(args.json, {"meta": base_metadata(args.threads),
-                           "args": {k: str(v) for k, v in vars(args).items()},
-                           "models": {r["model"]: r for r in rows}}, indent=2)
+    write_json(
+        args.json,
+        {
+            "meta": base_metadata(args.threads),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "models": {r["model"]: r for r in rows},
+        },
+        indent=2,
+    )
     return 0
 
 

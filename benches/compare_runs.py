@@ -26,8 +26,9 @@ def _correct(path: Path) -> list[int]:
     return [int(json.loads(line)["correct"]) for line in path.read_text().splitlines()]
 
 
-def paired_bootstrap(before: list[int], after: list[int], resamples: int = 10_000,
-                     seed: int = 0) -> tuple[float, float]:
+def paired_bootstrap(
+    before: list[int], after: list[int], resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
     """95% percentile interval of mean(after − before) over problems resampled in pairs."""
     rng = random.Random(seed)
     n = len(before)
@@ -47,19 +48,25 @@ def main(run_dirs: list[str]) -> None:
         lo, hi = paired_bootstrap(before, after)
         se = (p1 * (1 - p1) / n) ** 0.5
         summary = json.loads((run / "summary.json").read_text())
-        rows.append(f"| {run.name} | {summary.get('seed')} | {n} | {p0:.1%} | {p1:.1%} | "
-                    f"{p1 - p0:+.1%} | [{lo:+.1%}, {hi:+.1%}] | {se:.1%} | "
-                    f"{summary.get('wall_seconds', float('nan')) / 60:.1f} |")
+        rows.append(
+            f"| {run.name} | {summary.get('seed')} | {n} | {p0:.1%} | {p1:.1%} | "
+            f"{p1 - p0:+.1%} | [{lo:+.1%}, {hi:+.1%}] | {se:.1%} | "
+            f"{summary.get('wall_seconds', float('nan')) / 60:.1f} |"
+        )
         gains.append(p1 - p0)
         afters.append(p1)
-    print("| run | seed | n | before | after | gain | gain 95% CI (paired bootstrap) "
-          "| binomial SE | wall min |")
+    print(
+        "| run | seed | n | before | after | gain | gain 95% CI (paired bootstrap) "
+        "| binomial SE | wall min |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if len(runs := afters) > 1:
-        print(f"\nacross {len(runs)} runs: after {statistics.fmean(afters):.1%} "
-              f"± {statistics.stdev(afters):.1%} (sample std), gain "
-              f"{statistics.fmean(gains):+.1%} ± {statistics.stdev(gains):.1%}")
+        print(
+            f"\nacross {len(runs)} runs: after {statistics.fmean(afters):.1%} "
+            f"± {statistics.stdev(afters):.1%} (sample std), gain "
+            f"{statistics.fmean(gains):+.1%} ± {statistics.stdev(gains):.1%}"
+        )
 
 
 if __name__ == "__main__":

@@ -23,12 +23,19 @@ from pathlib import Path
 import torch
 
 
-def evaluate(model_path: str, agent_path: str, kwargs: dict, problems, temperature: float,
-             max_tokens: int, batch: int) -> dict:
+def evaluate(
+    model_path: str,
+    agent_path: str,
+    kwargs: dict,
+    problems,
+    temperature: float,
+    max_tokens: int,
+    batch: int,
+) -> dict:
     """Run the agent once per problem; returns the summary (see the module docstring)."""
+    from areal_fast.agent.bridge import EngineBridge
     from areal_fast.agent.chat_format import ChatFormat
     from areal_fast.agent.client import ChatBackend, SessionDefaults
-    from areal_fast.agent.bridge import EngineBridge
     from areal_fast.agent.runner import AgentConfig, AgentRunner, load_agent
     from areal_fast.models.loading import load_causal_lm, load_tokenizer
     from areal_fast.rollout.hf_engine import HFEngine
@@ -46,25 +53,32 @@ def evaluate(model_path: str, agent_path: str, kwargs: dict, problems, temperatu
         done.extend(group.sessions)
         if len(done) == len(problems):
             finished.set()
-    runner = AgentRunner(load_agent(agent_path, kwargs), backend, AgentConfig(timeout=3600),
-                         on_done)
+
+    runner = AgentRunner(
+        load_agent(agent_path, kwargs), backend, AgentConfig(timeout=3600), on_done
+    )
     runner.start()
     start = time.perf_counter()
     defaults = SessionDefaults(temperature=temperature, max_tokens=max_tokens)
     for i, p in enumerate(problems):
-        runner.submit_group(i, {"question": p.question, "answer": p.answer, "uid": p.uid}, 1,
-                            i, defaults)
+        runner.submit_group(
+            i, {"question": p.question, "answer": p.answer, "uid": p.uid}, 1, i, defaults
+        )
     while not finished.is_set():
         holder["bridge"].pump(0.2)
     seconds = time.perf_counter() - start
     runner.close()
     engine.close()
     rewards = [s.reward or 0.0 for s in done]
-    return {"problems": len(done), "mean_reward": statistics.fmean(rewards),
-            "first_turn_accuracy": sum(r == 1.0 for r in rewards) / len(done),
-            "any_turn_accuracy": sum(r > 0 for r in rewards) / len(done),
-            "calls_per_session": statistics.fmean(len(s.calls) for s in done),
-            "dropped": sum(s.status != "done" for s in done), "seconds": seconds}
+    return {
+        "problems": len(done),
+        "mean_reward": statistics.fmean(rewards),
+        "first_turn_accuracy": sum(r == 1.0 for r in rewards) / len(done),
+        "any_turn_accuracy": sum(r > 0 for r in rewards) / len(done),
+        "calls_per_session": statistics.fmean(len(s.calls) for s in done),
+        "dropped": sum(s.status != "done" for s in done),
+        "seconds": seconds,
+    }
 
 
 def main(argv=None) -> int:
@@ -85,10 +99,18 @@ def main(argv=None) -> int:
     torch.manual_seed(cfg.seed)
     _, eval_set, _ = load_datasets(cfg)
     model = args.model or cfg.model.path
-    result = evaluate(model, args.agent, json.loads(args.kwargs), eval_set,
-                      args.temperature, cfg.eval.max_new_tokens, args.batch)
-    result.update(model=model, agent=args.agent, kwargs=json.loads(args.kwargs),
-                  temperature=args.temperature)
+    result = evaluate(
+        model,
+        args.agent,
+        json.loads(args.kwargs),
+        eval_set,
+        args.temperature,
+        cfg.eval.max_new_tokens,
+        args.batch,
+    )
+    result.update(
+        model=model, agent=args.agent, kwargs=json.loads(args.kwargs), temperature=args.temperature
+    )
     print(json.dumps(result))
     if args.json:
         with open(args.json, "a") as f:

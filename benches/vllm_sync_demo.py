@@ -38,7 +38,7 @@ def _logprobs(model, prompt_ids, completion_ids):
     with torch.no_grad():
         logps = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
     picked = logps.gather(-1, ids[0, 1:, None])[:, 0]
-    return picked[len(prompt_ids) - 1:].tolist()
+    return picked[len(prompt_ids) - 1 :].tolist()
 
 
 def _trainer(port, prompt_ids, completion_ids, updates, bucket_mb, wire_dtype, replies):
@@ -50,12 +50,17 @@ def _trainer(port, prompt_ids, completion_ids, updates, bucket_mb, wire_dtype, r
     from areal_fast.sync.sources import ModuleSource
     from areal_fast.sync.transports import TorchDistTransport, init_sync_group
 
-    model = AutoModelForCausalLM.from_pretrained(str(demo_model_dir()), dtype=torch.float32,
-                                                 attn_implementation="eager").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        str(demo_model_dir()), dtype=torch.float32, attn_implementation="eager"
+    ).eval()
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
     transport = TorchDistTransport(init_sync_group(0, 2, port, timeout=120.0))
-    sender = WeightSender(transport, bucket_bytes=bucket_mb << 20, timeout=120.0,
-                          wire_dtype=getattr(torch, wire_dtype) if wire_dtype else None)
+    sender = WeightSender(
+        transport,
+        bucket_bytes=bucket_mb << 20,
+        timeout=120.0,
+        wire_dtype=getattr(torch, wire_dtype) if wire_dtype else None,
+    )
     for version in range(1, updates + 1):
         gen = torch.Generator().manual_seed(version)
         with torch.no_grad():
@@ -64,16 +69,19 @@ def _trainer(port, prompt_ids, completion_ids, updates, bucket_mb, wire_dtype, r
         reference = _logprobs(model, prompt_ids, completion_ids)
         replies.put(("ready", version))
         stats = sender.send(ModuleSource(model), version)
-        replies.put(("sent", version, stats.seconds, stats.num_bytes, stats.num_buckets,
-                     reference))
+        replies.put(("sent", version, stats.seconds, stats.num_bytes, stats.num_buckets, reference))
     transport.close()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--wire-dtype", default=None, choices=["float32", "bfloat16"],
-                        help="cast on the trainer side (default: send fp32, engine casts)")
+    parser.add_argument(
+        "--wire-dtype",
+        default=None,
+        choices=["float32", "bfloat16"],
+        help="cast on the trainer side (default: send fp32, engine casts)",
+    )
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.15)
@@ -87,17 +95,23 @@ def main(argv=None) -> int:
 
     tok = AutoTokenizer.from_pretrained(str(demo_model_dir()))
     prompt = tok.encode(PROMPT)
-    completion = tok.encode(PROMPT + COMPLETION)[len(prompt):]
+    completion = tok.encode(PROMPT + COMPLETION)[len(prompt) :]
     start = time.perf_counter()
-    engine = VLLMEngine(str(demo_model_dir()), dtype=args.dtype, max_model_len=512,
-                        gpu_memory_utilization=args.gpu_memory_utilization)
+    engine = VLLMEngine(
+        str(demo_model_dir()),
+        dtype=args.dtype,
+        max_model_len=512,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
     build_s = time.perf_counter() - start
     ctx = mp.get_context("spawn")
     replies = ctx.Queue()
     port = _free_port()
-    trainer = ctx.Process(target=_trainer, daemon=True,
-                          args=(port, prompt, completion, args.updates, args.bucket_mb,
-                                args.wire_dtype, replies))
+    trainer = ctx.Process(
+        target=_trainer,
+        daemon=True,
+        args=(port, prompt, completion, args.updates, args.bucket_mb, args.wire_dtype, replies),
+    )
     trainer.start()
     rows = []
     try:
@@ -107,25 +121,44 @@ def main(argv=None) -> int:
             result = engine.update_weights(version).result(timeout=300)
             _, _, send_s, nbytes, nbuckets, reference = replies.get(timeout=300)
             got = engine.prompt_logprobs(prompt, completion)
-            rows.append({"version": result.version, "driver_s": result.seconds,
-                         "worker_s": result.worker_seconds[0], "trainer_send_s": send_s,
-                         "bytes": nbytes, "buckets": nbuckets, "tensors": result.num_tensors,
-                         "max_abs_logprob_diff": max(abs(a - b) for a, b in zip(got, reference))})
+            rows.append(
+                {
+                    "version": result.version,
+                    "driver_s": result.seconds,
+                    "worker_s": result.worker_seconds[0],
+                    "trainer_send_s": send_s,
+                    "bytes": nbytes,
+                    "buckets": nbuckets,
+                    "tensors": result.num_tensors,
+                    "max_abs_logprob_diff": max(abs(a - b) for a, b in zip(got, reference)),
+                }
+            )
     finally:
         trainer.join(timeout=30)
         engine.close()
-    print(f"engine dtype {args.dtype}, wire {args.wire_dtype or 'trainer dtype (fp32)'}, "
-          f"buckets of {args.bucket_mb} MiB; engine built in {build_s:.1f} s")
-    print("| version | MB | buckets | worker s (header→installed) | trainer send s | "
-          "driver s | max |Δ log-prob| |")
+    print(
+        f"engine dtype {args.dtype}, wire {args.wire_dtype or 'trainer dtype (fp32)'}, "
+        f"buckets of {args.bucket_mb} MiB; engine built in {build_s:.1f} s"
+    )
+    print(
+        "| version | MB | buckets | worker s (header→installed) | trainer send s | "
+        "driver s | max |Δ log-prob| |"
+    )
     print("|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['version']} | {r['bytes'] / 1e6:.0f} | {r['buckets']} | {r['worker_s']:.2f} "
-              f"| {r['trainer_send_s']:.2f} | {r['driver_s']:.2f} | "
-              f"{r['max_abs_logprob_diff']:.2e} |")
-    summary = {"dtype": args.dtype, "wire_dtype": args.wire_dtype, "bucket_mb": args.bucket_mb,
-               "engine_build_s": build_s, "updates": rows,
-               "median_worker_s": statistics.median(r["worker_s"] for r in rows)}
+        print(
+            f"| {r['version']} | {r['bytes'] / 1e6:.0f} | {r['buckets']} | {r['worker_s']:.2f} "
+            f"| {r['trainer_send_s']:.2f} | {r['driver_s']:.2f} | "
+            f"{r['max_abs_logprob_diff']:.2e} |"
+        )
+    summary = {
+        "dtype": args.dtype,
+        "wire_dtype": args.wire_dtype,
+        "bucket_mb": args.bucket_mb,
+        "engine_build_s": build_s,
+        "updates": rows,
+        "median_worker_s": statistics.median(r["worker_s"] for r in rows),
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)

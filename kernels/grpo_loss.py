@@ -92,12 +92,35 @@ def _expm1(x):
 
 @triton.jit
 def _grpo_token_loss_kernel(
-    logprobs_ptr, old_ptr, adv_ptr, weights_ptr, prox_ptr, ref_ptr, engine_ptr, entropy_ptr,
-    loss_ptr, grad_lp_ptr, grad_ent_ptr, clip_hit_ptr,
-    n_tokens, clip_low, clip_high, neg_dual_c, behav_cap, tis_cap, kl_coef, entropy_coef,
-    HAS_PROX: tl.constexpr, CAP_MODE: tl.constexpr, HAS_TIS: tl.constexpr,
-    HAS_DUAL: tl.constexpr, HAS_KL: tl.constexpr, KL_EST: tl.constexpr,
-    HAS_ENTROPY: tl.constexpr, STORE_LOSS: tl.constexpr, STORE_CLIP: tl.constexpr,
+    logprobs_ptr,
+    old_ptr,
+    adv_ptr,
+    weights_ptr,
+    prox_ptr,
+    ref_ptr,
+    engine_ptr,
+    entropy_ptr,
+    loss_ptr,
+    grad_lp_ptr,
+    grad_ent_ptr,
+    clip_hit_ptr,
+    n_tokens,
+    clip_low,
+    clip_high,
+    neg_dual_c,
+    behav_cap,
+    tis_cap,
+    kl_coef,
+    entropy_coef,
+    HAS_PROX: tl.constexpr,
+    CAP_MODE: tl.constexpr,
+    HAS_TIS: tl.constexpr,
+    HAS_DUAL: tl.constexpr,
+    HAS_KL: tl.constexpr,
+    KL_EST: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    STORE_LOSS: tl.constexpr,
+    STORE_CLIP: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -157,8 +180,8 @@ def _grpo_token_loss_kernel(
             kl = 0.5 * x * x
             d_kl = x
         else:
-            kl = _exp_tail2(-x)      # e^{−x} − 1 + x
-            d_kl = -_expm1(-x)       # 1 − e^{−x}
+            kl = _exp_tail2(-x)  # e^{−x} − 1 + x
+            d_kl = -_expm1(-x)  # 1 − e^{−x}
         loss = loss + kl_coef * kl
         grad = grad + kl_coef * d_kl
     if HAS_ENTROPY:
@@ -185,20 +208,29 @@ class TokenLossGrads(NamedTuple):
 
 def _check_vec(t: torch.Tensor, rows: int, device: torch.device, name: str) -> torch.Tensor:
     if t.shape != (rows,) or not t.is_floating_point() or t.device != device:
-        raise ValueError(f"{name} must be a floating [C={rows}] tensor on {device}, got "
-                         f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        raise ValueError(
+            f"{name} must be a floating [C={rows}] tensor on {device}, got "
+            f"{tuple(t.shape)} {t.dtype} on {t.device}"
+        )
     return t.detach().contiguous()
 
 
-def token_loss_grads(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                     advantages: torch.Tensor, weights: torch.Tensor, config, *,
-                     prox_logprobs: torch.Tensor | None = None,
-                     ref_logprobs: torch.Tensor | None = None,
-                     engine_logprobs: torch.Tensor | None = None,
-                     entropy: torch.Tensor | None = None,
-                     with_loss: bool = True,
-                     clip_hit_dtype: torch.dtype | None = torch.int8,
-                     block: int | None = None, num_warps: int | None = None) -> TokenLossGrads:
+def token_loss_grads(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    weights: torch.Tensor,
+    config,
+    *,
+    prox_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    engine_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    with_loss: bool = True,
+    clip_hit_dtype: torch.dtype | None = torch.int8,
+    block: int | None = None,
+    num_warps: int | None = None,
+) -> TokenLossGrads:
     """Weighted per-token GRPO-family loss and its gradients, forward and backward at once.
 
     For each of the C tokens (all trained), with ℓ_t the per-token loss of
@@ -255,19 +287,23 @@ def token_loss_grads(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
         missing ``ref_logprobs`` while ``kl_coef > 0``, or a bad ``block``.
     """
     if config.ratio_level != "token":
-        raise ValueError(f"token_loss_grads needs ratio_level='token', got "
-                         f"{config.ratio_level!r}")
+        raise ValueError(f"token_loss_grads needs ratio_level='token', got {config.ratio_level!r}")
     if logprobs.dim() != 1 or not logprobs.is_floating_point():
-        raise ValueError(f"logprobs must be a floating [C] tensor, got "
-                         f"{tuple(logprobs.shape)} {logprobs.dtype}")
+        raise ValueError(
+            f"logprobs must be a floating [C] tensor, got {tuple(logprobs.shape)} {logprobs.dtype}"
+        )
     rows, device = logprobs.shape[0], logprobs.device
     logprobs = logprobs.detach().contiguous()
     old = _check_vec(old_logprobs, rows, device, "old_logprobs")
     adv = _check_vec(advantages, rows, device, "advantages")
     weights = _check_vec(weights, rows, device, "weights")
     opt = {}
-    for name, t in (("prox_logprobs", prox_logprobs), ("ref_logprobs", ref_logprobs),
-                    ("engine_logprobs", engine_logprobs), ("entropy", entropy)):
+    for name, t in (
+        ("prox_logprobs", prox_logprobs),
+        ("ref_logprobs", ref_logprobs),
+        ("engine_logprobs", engine_logprobs),
+        ("entropy", entropy),
+    ):
         opt[name] = None if t is None else _check_vec(t, rows, device, name)
     if config.kl_coef > 0 and opt["ref_logprobs"] is None:
         raise ValueError("config.kl_coef > 0 needs ref_logprobs")
@@ -281,35 +317,54 @@ def token_loss_grads(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     has_entropy = opt["entropy"] is not None
     grad_ent = torch.empty(rows, **f32) if has_entropy else None
     loss = torch.empty(rows, **f32) if with_loss else None
-    clip_hit = None if clip_hit_dtype is None else torch.empty(rows, dtype=clip_hit_dtype,
-                                                               device=device)
+    clip_hit = (
+        None if clip_hit_dtype is None else torch.empty(rows, dtype=clip_hit_dtype, device=device)
+    )
     if rows == 0:
         return TokenLossGrads(loss, grad_lp, grad_ent, clip_hit)
 
     has_prox = opt["prox_logprobs"] is not None
     has_tis = opt["engine_logprobs"] is not None and config.tis_cap is not None
     has_kl = opt["ref_logprobs"] is not None and config.kl_coef != 0
-    cap_mode = _CAP_CODES[config.behav_weight_mode] \
-        if has_prox and config.behav_weight_cap is not None else 0
+    cap_mode = (
+        _CAP_CODES[config.behav_weight_mode]
+        if has_prox and config.behav_weight_cap is not None
+        else 0
+    )
     has_dual = config.dual_clip_c is not None
     # Absent tensors get a stand-in pointer that the disabled branches never dereference.
     stand_in = grad_lp
     _grpo_token_loss_kernel[(triton.cdiv(rows, block),)](
-        logprobs, old, adv, weights,
+        logprobs,
+        old,
+        adv,
+        weights,
         opt["prox_logprobs"] if has_prox else stand_in,
         opt["ref_logprobs"] if has_kl else stand_in,
         opt["engine_logprobs"] if has_tis else stand_in,
         opt["entropy"] if has_entropy else stand_in,
-        loss if with_loss else stand_in, grad_lp,
+        loss if with_loss else stand_in,
+        grad_lp,
         grad_ent if has_entropy else stand_in,
         clip_hit if clip_hit is not None else stand_in,
-        rows, float(1.0 - config.eps_clip), float(1.0 + config.clip_high),
+        rows,
+        float(1.0 - config.eps_clip),
+        float(1.0 + config.clip_high),
         float(-config.dual_clip_c) if has_dual else 0.0,
         float(config.behav_weight_cap) if cap_mode else 0.0,
         float(config.tis_cap) if has_tis else 0.0,
-        float(config.kl_coef), float(config.entropy_coef),
-        HAS_PROX=has_prox, CAP_MODE=cap_mode, HAS_TIS=has_tis, HAS_DUAL=has_dual,
-        HAS_KL=has_kl, KL_EST=_KL_CODES[config.kl_estimator], HAS_ENTROPY=has_entropy,
-        STORE_LOSS=with_loss, STORE_CLIP=clip_hit is not None, BLOCK=block,
-        num_warps=4 if num_warps is None else num_warps)
+        float(config.kl_coef),
+        float(config.entropy_coef),
+        HAS_PROX=has_prox,
+        CAP_MODE=cap_mode,
+        HAS_TIS=has_tis,
+        HAS_DUAL=has_dual,
+        HAS_KL=has_kl,
+        KL_EST=_KL_CODES[config.kl_estimator],
+        HAS_ENTROPY=has_entropy,
+        STORE_LOSS=with_loss,
+        STORE_CLIP=clip_hit is not None,
+        BLOCK=block,
+        num_warps=4 if num_warps is None else num_warps,
+    )
     return TokenLossGrads(loss, grad_lp, grad_ent, clip_hit)

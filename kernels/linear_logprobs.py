@@ -39,17 +39,27 @@ def _log1p(x):
     A degree-6 series below |x| < 1/16 (truncation < 1e-8 relative), ``log(1 + x)`` above.
     """
     small = tl.abs(x) < 0.0625
-    series = x * (1.0 + x * (-0.5 + x * (0.3333333333333333 + x * (
-        -0.25 + x * (0.2 - x * 0.16666666666666666)))))
+    series = x * (
+        1.0
+        + x * (-0.5 + x * (0.3333333333333333 + x * (-0.25 + x * (0.2 - x * 0.16666666666666666))))
+    )
     direct = tl.log(tl.where(small, 1.0, 1.0 + x))
     return tl.where(small, series, direct)
 
 
 @triton.jit
 def _linear_logprobs_fwd_kernel(
-    z_ptr, stride_z, labels_ptr, logprobs_ptr, entropy_ptr, lse_ptr,
-    V, inv_temp, ignore_index,
-    HAS_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr,
+    stride_z,
+    labels_ptr,
+    logprobs_ptr,
+    entropy_ptr,
+    lse_ptr,
+    V,
+    inv_temp,
+    ignore_index,
+    HAS_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
@@ -59,26 +69,27 @@ def _linear_logprobs_fwd_kernel(
     offs = tl.arange(0, BLOCK_V)
 
     m = float("-inf")  # running max of the raw logits z
-    r = -1.0           # Σ exp((z − m)·inv_temp) − 1 (the max's own 1 left out); −1 = empty
-    t = 0.0            # Σ exp(d)·d with d = (z − m)·inv_temp
+    r = -1.0  # Σ exp((z − m)·inv_temp) − 1 (the max's own 1 left out); −1 = empty
+    t = 0.0  # Σ exp(d)·d with d = (z − m)·inv_temp
     for start in range(0, V, BLOCK_V):
         cols = start + offs
         zt = tl.load(z_row + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(zt, axis=0))
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # finite reference
         d = (zt - ref) * inv_temp
-        e = tl.exp(d)                                       # 0 where z = −inf
-        top = zt == ref                                     # entries equal to the max
+        e = tl.exp(d)  # 0 where z = −inf
+        top = zt == ref  # entries equal to the max
         n_top = tl.sum(top.to(tl.float32), axis=0)
         rest = tl.sum(tl.where(top, 0.0, e), axis=0)
         moved = m_new > m
-        shift = (m - ref) * inv_temp                        # ≤ 0; −inf while m is −inf
+        shift = (m - ref) * inv_temp  # ≤ 0; −inf while m is −inf
         alpha = tl.exp(shift)
         if HAS_ENTROPY:
             # Rescale t to the new max: Σ e'·d' = alpha·(t + s·shift), s = 1 + r (0 if empty).
             carried = (1.0 + r) * tl.where(m == float("-inf"), 0.0, shift)
-            t = tl.where(moved, alpha * (t + carried), t) \
-                + tl.sum(e * tl.where(e > 0.0, d, 0.0), axis=0)
+            t = tl.where(moved, alpha * (t + carried), t) + tl.sum(
+                e * tl.where(e > 0.0, d, 0.0), axis=0
+            )
         # New max: the old max turns into an ordinary entry (alpha) and one new top entry is
         # the implicit 1. Same max: every top entry of the tile is an ordinary 1.
         r = tl.where(moved, alpha * (1.0 + r) + (n_top - 1.0), r + n_top) + rest
@@ -95,9 +106,18 @@ def _linear_logprobs_fwd_kernel(
 
 @triton.jit
 def _linear_logprobs_bwd_kernel(
-    z_ptr, stride_z, labels_ptr, lse_ptr, entropy_ptr, grad_logprobs_ptr, grad_entropy_ptr,
-    V, inv_temp, ignore_index,
-    HAS_GRAD_ENTROPY: tl.constexpr, BLOCK_V: tl.constexpr,
+    z_ptr,
+    stride_z,
+    labels_ptr,
+    lse_ptr,
+    entropy_ptr,
+    grad_logprobs_ptr,
+    grad_entropy_ptr,
+    V,
+    inv_temp,
+    ignore_index,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
@@ -156,19 +176,32 @@ def _check_rows(z: torch.Tensor, labels: torch.Tensor) -> tuple[int, int]:
     if z.shape[1] > 1 and z.stride(1) != 1:
         raise ValueError(f"z must have unit stride along V, got strides {z.stride()}")
     if labels.shape != (z.shape[0],) or labels.dtype != torch.int64:
-        raise ValueError(f"labels must be [C={z.shape[0]}] int64, got "
-                         f"{tuple(labels.shape)} {labels.dtype}")
+        raise ValueError(
+            f"labels must be [C={z.shape[0]}] int64, got {tuple(labels.shape)} {labels.dtype}"
+        )
     return z.shape[0], z.shape[1]
 
 
 def _check_vec(t: torch.Tensor, rows: int, name: str) -> None:
     if t.shape != (rows,) or t.dtype != torch.float32 or (rows > 1 and t.stride(0) != 1):
-        raise ValueError(f"{name} must be a contiguous [C={rows}] float32 tensor, got "
-                         f"{tuple(t.shape)} {t.dtype} stride {t.stride()}")
+        raise ValueError(
+            f"{name} must be a contiguous [C={rows}] float32 tensor, got "
+            f"{tuple(t.shape)} {t.dtype} stride {t.stride()}"
+        )
 
 
-def rows_forward(z, labels, inv_temp: float, ignore_index: int, logprobs_out, entropy_out,
-                 lse_out, *, block_v: int | None = None, num_warps: int | None = None) -> None:
+def rows_forward(
+    z,
+    labels,
+    inv_temp: float,
+    ignore_index: int,
+    logprobs_out,
+    entropy_out,
+    lse_out,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> None:
     """Log-prob of the label, entropy and logsumexp of each row of a logits chunk.
 
     With ``x = z · inv_temp`` (tempered logits), ``lse = logsumexp_v(x)`` and
@@ -211,15 +244,34 @@ def rows_forward(z, labels, inv_temp: float, ignore_index: int, logprobs_out, en
     block_v, num_warps = _launch_config(vocab, block_v, num_warps)
     has_entropy = entropy_out is not None
     _linear_logprobs_fwd_kernel[(rows,)](
-        z, z.stride(0), labels, logprobs_out,
+        z,
+        z.stride(0),
+        labels,
+        logprobs_out,
         entropy_out if has_entropy else logprobs_out,  # never dereferenced without entropy
-        lse_out, vocab, float(inv_temp), int(ignore_index),
-        HAS_ENTROPY=has_entropy, BLOCK_V=block_v, num_warps=num_warps)
+        lse_out,
+        vocab,
+        float(inv_temp),
+        int(ignore_index),
+        HAS_ENTROPY=has_entropy,
+        BLOCK_V=block_v,
+        num_warps=num_warps,
+    )
 
 
-def rows_backward_(z, labels, lse, entropy, grad_logprobs, grad_entropy, inv_temp: float,
-                   ignore_index: int, *, block_v: int | None = None,
-                   num_warps: int | None = None) -> None:
+def rows_backward_(
+    z,
+    labels,
+    lse,
+    entropy,
+    grad_logprobs,
+    grad_entropy,
+    inv_temp: float,
+    ignore_index: int,
+    *,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> None:
     """Overwrite a logits chunk with the gradient w.r.t. its raw logits.
 
     With ``x = z · inv_temp``, ``p = exp(x − lse)``, ``g = grad_logprobs[c]``,
@@ -273,9 +325,17 @@ def rows_backward_(z, labels, lse, entropy, grad_logprobs, grad_entropy, inv_tem
         return
     block_v, num_warps = _launch_config(vocab, block_v, num_warps)
     _linear_logprobs_bwd_kernel[(rows,)](
-        z, z.stride(0), labels, lse,
+        z,
+        z.stride(0),
+        labels,
+        lse,
         entropy if has_grad_entropy else lse,  # the stand-ins are never dereferenced
         grad_logprobs,
         grad_entropy if has_grad_entropy else grad_logprobs,
-        vocab, float(inv_temp), int(ignore_index),
-        HAS_GRAD_ENTROPY=has_grad_entropy, BLOCK_V=block_v, num_warps=num_warps)
+        vocab,
+        float(inv_temp),
+        int(ignore_index),
+        HAS_GRAD_ENTROPY=has_grad_entropy,
+        BLOCK_V=block_v,
+        num_warps=num_warps,
+    )

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import string
 from pathlib import Path
@@ -20,7 +19,8 @@ GSM8K_DIR = REPO.parent / "shared" / "data" / "gsm8k"
 
 _CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _tiny_tokenizer():
@@ -36,8 +36,12 @@ def _tiny_tokenizer():
     backend.pre_tokenizer = pre.Split(tokenizers.Regex(r"<\|[a-z_]+\|>|[\s\S]"), "isolated")
     backend.decoder = tokenizers.decoders.Fuse()
     tok = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="[UNK]", pad_token="<|pad|>",
-        eos_token="<|im_end|>", bos_token="<|im_start|>")
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        pad_token="<|pad|>",
+        eos_token="<|im_end|>",
+        bos_token="<|im_start|>",
+    )
     tok.chat_template = _CHAT_TEMPLATE
     return tok
 
@@ -48,11 +52,19 @@ def make_tiny_model_dir(path: Path, arch: str = "llama", tie: bool = True) -> Pa
 
     torch.manual_seed(1234)
     tok = _tiny_tokenizer()
-    common = dict(vocab_size=len(tok), hidden_size=48, intermediate_size=96,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=512, tie_word_embeddings=tie,
-                  pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                  bos_token_id=tok.bos_token_id)
+    common = dict(
+        vocab_size=len(tok),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=tie,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+    )
     if arch == "llama":
         config = transformers.LlamaConfig(**common)
     else:
@@ -91,7 +103,8 @@ def available_impls() -> list[str]:
     if _dispatch.native_has("logprob_rows_forward"):
         impls.append("native")
     if importlib.util.find_spec("triton") is not None and (
-            torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+    ):
         impls.append("triton")
     return impls
 

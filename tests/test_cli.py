@@ -11,11 +11,22 @@ from areal_fast.cli import main
 
 
 def _args(model_dir, root, *extra, config=None):
-    return ["train", "--config", str(config or _EXAMPLE), "--no-progress",
-            f"model.path={model_dir}", f"fileroot={root}", "total_steps=2", "batch_size=3",
-            "rollout.group_size=2",
-            "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.eval_size=8",
-            "data.train_size=50", *extra]
+    return [
+        "train",
+        "--config",
+        str(config or _EXAMPLE),
+        "--no-progress",
+        f"model.path={model_dir}",
+        f"fileroot={root}",
+        "total_steps=2",
+        "batch_size=3",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        "eval.max_new_tokens=6",
+        "data.eval_size=8",
+        "data.train_size=50",
+        *extra,
+    ]
 
 
 from pathlib import Path  # noqa: E402
@@ -29,9 +40,18 @@ def test_train_writes_a_complete_run_dir(tiny_model_dir, tmp_path, capsys):
     run = tmp_path / "grpo-arith" / "trial0"
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines] == [1, 2]
-    for key in ("reward_mean", "accuracy", "loss", "clip_fraction", "entropy_mean",
-                "response_length_mean", "gen_tokens_per_s_cumulative", "train_tokens_per_s",
-                "step_seconds", "grad_norm"):
+    for key in (
+        "reward_mean",
+        "accuracy",
+        "loss",
+        "clip_fraction",
+        "entropy_mean",
+        "response_length_mean",
+        "gen_tokens_per_s_cumulative",
+        "train_tokens_per_s",
+        "step_seconds",
+        "grad_norm",
+    ):
         assert key in lines[0], key
     assert lines[1]["step"] == 2
     assert (run / "progress.png").stat().st_size > 1000
@@ -43,39 +63,53 @@ def test_train_writes_a_complete_run_dir(tiny_model_dir, tmp_path, capsys):
 
 
 def test_kl_to_reference_and_qwen2(tiny_qwen_dir, tmp_path):
-    assert main(_args(tiny_qwen_dir, tmp_path, "actor.loss.kl_coef=0.05",
-                      "actor.pack_method=ffd", "actor.keep_groups=true")) == 0
+    assert (
+        main(
+            _args(
+                tiny_qwen_dir,
+                tmp_path,
+                "actor.loss.kl_coef=0.05",
+                "actor.pack_method=ffd",
+                "actor.keep_groups=true",
+            )
+        )
+        == 0
+    )
     first = json.loads((tmp_path / "grpo-arith/trial0/metrics.jsonl").read_text().splitlines()[0])
     assert first["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("actor.optim.lrr=1e-5", "actor.optim.lrr"),
-    ("actor.optim.lrr=1e-5", "did you mean 'actor.optim.lr'?"),
-    ("total_steps=0", "areal-fast eval --config FILE model.path="),
-    ("total_steps=abc", "total_steps"),
-    ("data.task=no_such_task", "no_such_task"),
-    ("actor.loss.aggregation=mean", "aggregation"),
-    ("rollout.group_size=1", "rollout.group_size"),
-    ("rollout.top_p=0", "rollout.top_p"),
-    ("rollout.temperature=inf", "rollout.temperature"),
-    ("actor.optim.lr=inf", "actor.optim.lr"),
-    ("actor.optim.beta1=1.5", "actor.optim.beta1"),
-    ("eval.max_new_tokens=0", "eval.max_new_tokens"),
-    ("rollout.max_head_offpolicyness=-1", "rollout.max_head_offpolicyness"),
-    ("actor.prox_logp_method=exact", "actor.prox_logp_method"),
-    ("launcher.timeouts.train_step=0", "launcher.timeouts.train_step"),
-    ("model.dtype=float64", "model.dtype"),
-    ("model.attn_implementation=fast", "model.attn_implementation"),
-    ("actor.ppo_n_minibatches=4", "actor.ppo_n_minibatches"),
-    ("threads=0", "threads"),
-    ("model.device=foo", "model.device"),
-    ("model.path=/no/such/dir", "/no/such/dir"),
-    ("actor.max_tokens_per_mb=8", "actor.max_tokens_per_mb"),
-    ("rollout.max_new_tokens=100000", "rollout.max_new_tokens"),
-])
-def test_bad_config_is_one_line_and_leaves_no_run_dir(tiny_model_dir, tmp_path, capsys,
-                                                      override, needle):
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("actor.optim.lrr=1e-5", "actor.optim.lrr"),
+        ("actor.optim.lrr=1e-5", "did you mean 'actor.optim.lr'?"),
+        ("total_steps=0", "areal-fast eval --config FILE model.path="),
+        ("total_steps=abc", "total_steps"),
+        ("data.task=no_such_task", "no_such_task"),
+        ("actor.loss.aggregation=mean", "aggregation"),
+        ("rollout.group_size=1", "rollout.group_size"),
+        ("rollout.top_p=0", "rollout.top_p"),
+        ("rollout.temperature=inf", "rollout.temperature"),
+        ("actor.optim.lr=inf", "actor.optim.lr"),
+        ("actor.optim.beta1=1.5", "actor.optim.beta1"),
+        ("eval.max_new_tokens=0", "eval.max_new_tokens"),
+        ("rollout.max_head_offpolicyness=-1", "rollout.max_head_offpolicyness"),
+        ("actor.prox_logp_method=exact", "actor.prox_logp_method"),
+        ("launcher.timeouts.train_step=0", "launcher.timeouts.train_step"),
+        ("model.dtype=float64", "model.dtype"),
+        ("model.attn_implementation=fast", "model.attn_implementation"),
+        ("actor.ppo_n_minibatches=4", "actor.ppo_n_minibatches"),
+        ("threads=0", "threads"),
+        ("model.device=foo", "model.device"),
+        ("model.path=/no/such/dir", "/no/such/dir"),
+        ("actor.max_tokens_per_mb=8", "actor.max_tokens_per_mb"),
+        ("rollout.max_new_tokens=100000", "rollout.max_new_tokens"),
+    ],
+)
+def test_bad_config_is_one_line_and_leaves_no_run_dir(
+    tiny_model_dir, tmp_path, capsys, override, needle
+):
     assert main(_args(tiny_model_dir, tmp_path, override)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("areal-fast: error:") and needle in err and "\n" not in err
@@ -85,8 +119,17 @@ def test_bad_config_is_one_line_and_leaves_no_run_dir(tiny_model_dir, tmp_path, 
 def test_missing_model_and_data_files(tmp_path, tiny_model_dir, capsys):
     assert main(_args(tmp_path / "nope", tmp_path)) == 2
     assert "nope" in capsys.readouterr().err
-    assert main(_args(tiny_model_dir, tmp_path, f"data.path={tmp_path / 'missing.jsonl'}",
-                      config=_GSM8K_EXAMPLE)) == 2
+    assert (
+        main(
+            _args(
+                tiny_model_dir,
+                tmp_path,
+                f"data.path={tmp_path / 'missing.jsonl'}",
+                config=_GSM8K_EXAMPLE,
+            )
+        )
+        == 2
+    )
     assert "missing.jsonl" in capsys.readouterr().err
     assert not (tmp_path / "grpo-arith").exists()
 
@@ -95,11 +138,23 @@ def test_bad_gsm8k_row_is_named(tmp_path, tiny_model_dir, capsys):
     data = tmp_path / "data"
     data.mkdir()
     good = json.dumps({"question": "1+1?", "answer": "2\n#### 2"})
-    (data / "train.jsonl").write_text(good + "\n" + json.dumps(
-        {"question": "q", "answer": "no number here"}) + "\n")
+    (data / "train.jsonl").write_text(
+        good + "\n" + json.dumps({"question": "q", "answer": "no number here"}) + "\n"
+    )
     (data / "test.jsonl").write_text("\n".join([good] * 3) + "\n")
-    assert main(_args(tiny_model_dir, tmp_path, f"data.path={data}", "data.train_size=null",
-                      "data.eval_size=1", config=_GSM8K_EXAMPLE)) == 2
+    assert (
+        main(
+            _args(
+                tiny_model_dir,
+                tmp_path,
+                f"data.path={data}",
+                "data.train_size=null",
+                "data.eval_size=1",
+                config=_GSM8K_EXAMPLE,
+            )
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "train.jsonl" in err and "line 2" in err
 
@@ -122,8 +177,7 @@ def test_bad_yaml_files(tmp_path, capsys):
     listing.write_text("- a\n- b\n")
     broken = tmp_path / "broken.yaml"
     broken.write_text("a: [1, 2\n")
-    for path, needle in ((listing, "mapping"), (broken, "cannot parse"),
-                         (tmp_path, "not a file")):
+    for path, needle in ((listing, "mapping"), (broken, "cannot parse"), (tmp_path, "not a file")):
         assert main(["train", "--config", str(path)]) == 2
         err = capsys.readouterr().err
         assert needle in err and str(path) in err
@@ -138,13 +192,15 @@ def test_existing_run_dir_is_not_overwritten(tiny_model_dir, tmp_path, capsys):
 
 
 def test_console_script_help():
-    out = subprocess.run([sys.executable, "-m", "areal_fast.cli", "train", "--help"],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "areal_fast.cli", "train", "--help"], capture_output=True, text=True
+    )
     assert out.returncode == 0 and "--config" in out.stdout
     assert "`areal-fast config` prints each" in out.stdout
     assert "  actor.optim: lr, weight_decay," in out.stdout and "max_seconds" in out.stdout
-    listing = subprocess.run([sys.executable, "-m", "areal_fast.cli", "config"],
-                             capture_output=True, text=True)
+    listing = subprocess.run(
+        [sys.executable, "-m", "areal_fast.cli", "config"], capture_output=True, text=True
+    )
     assert listing.returncode == 0
     assert "  actor.optim.lr  (float) = 1e-05\n" in listing.stdout
     assert "  scheduler.ray_num_cpus  (int | None) = null\n" in listing.stdout
@@ -157,14 +213,23 @@ def _accuracy_of(out: str) -> tuple[float, int, int]:
     return float(match.group(1)), int(match.group(2)), int(match.group(3))
 
 
-def test_eval_command_prints_the_accuracy_of_its_jsonl(tiny_model_dir, tmp_path, capsys,
-                                                      monkeypatch):
+def test_eval_command_prints_the_accuracy_of_its_jsonl(
+    tiny_model_dir, tmp_path, capsys, monkeypatch
+):
     """``areal-fast eval`` runs the held-out set on rollout workers alone (no trainer), prints
     the accuracy its eval.jsonl holds and writes nothing into the training run directory."""
     from areal_fast.launch import evaluation
 
-    args = ["eval", "--config", str(_EXAMPLE), "--no-progress", f"model.path={tiny_model_dir}",
-            f"fileroot={tmp_path}", "data.eval_size=8", "eval.max_new_tokens=6"]
+    args = [
+        "eval",
+        "--config",
+        str(_EXAMPLE),
+        "--no-progress",
+        f"model.path={tiny_model_dir}",
+        f"fileroot={tmp_path}",
+        "data.eval_size=8",
+        "eval.max_new_tokens=6",
+    ]
     assert main(args) == 0
     out = capsys.readouterr().out
     folder = tmp_path / "grpo-arith" / "eval-trial0"
@@ -200,8 +265,19 @@ def test_eval_refuses_a_training_run_directory(tiny_model_dir, tmp_path, capsys)
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text("old: run\n")
-    assert main(["eval", "--config", str(_EXAMPLE), f"model.path={tiny_model_dir}",
-                 f"--out={run}", "overwrite=true"]) == 2
+    assert (
+        main(
+            [
+                "eval",
+                "--config",
+                str(_EXAMPLE),
+                f"model.path={tiny_model_dir}",
+                f"--out={run}",
+                "overwrite=true",
+            ]
+        )
+        == 2
+    )
     assert "holds no earlier evaluation" in capsys.readouterr().err
     assert sorted(p.name for p in run.iterdir()) == ["config.yaml"]
 
@@ -211,9 +287,20 @@ def test_ray_resources_fail_before_the_run_directory(tmp_path, capsys):
     directory (so the corrected command runs), and no Ray instance started."""
     from areal_fast.launch.ray import main as ray_main
 
-    assert ray_main(["train", "--config", str(_EXAMPLE), f"fileroot={tmp_path}",
-                     "scheduler.train_world_size=2", "checkpoint.every_steps=5",
-                     "scheduler.ray_num_cpus=2"]) == 2
+    assert (
+        ray_main(
+            [
+                "train",
+                "--config",
+                str(_EXAMPLE),
+                f"fileroot={tmp_path}",
+                "scheduler.train_world_size=2",
+                "checkpoint.every_steps=5",
+                "scheduler.ray_num_cpus=2",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.strip()
     assert err.startswith("areal-fast: error: scheduler: the Ray workers need 3 CPUs")
     assert "\n" not in err and "scheduler.cpus_per_trainer_rank" in err
@@ -224,8 +311,14 @@ def test_failure_while_running_is_one_line(tiny_model_dir, tmp_path, capsys):
     """A worker that misses its deadline ends the run with one line naming it and the key,
     exit code 1, FAILED in the run directory and no weight files left in /dev/shm."""
     before = set(Path("/dev/shm").glob("areal_fast-weights-*"))
-    assert main(_args(tiny_model_dir, tmp_path, "launcher.timeouts.train_step=0.001",
-                      "eval.before=false")) == 1
+    assert (
+        main(
+            _args(
+                tiny_model_dir, tmp_path, "launcher.timeouts.train_step=0.001", "eval.before=false"
+            )
+        )
+        == 1
+    )
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("areal-fast: error:")
     assert "'trainer'" in last and "timeouts.train_step" in last

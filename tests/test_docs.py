@@ -31,7 +31,7 @@ LANGUAGES = {"python", "bash", "sh", "text", "yaml"}
 # Commands other than the configs, installs and test runs that the docs may show:
 # (program, first argument or None for any). Scripts named as first argument must exist.
 ALLOWED = {
-    ("areal-fast", "config"),           # prints every key with its default
+    ("areal-fast", "config"),  # prints every key with its default
     ("areal-fast", "--help"),
     ("python", "benches/compare_runs.py"),
     ("python", "benches/eval_agent.py"),
@@ -57,8 +57,9 @@ def _blocks() -> list:
         for match in FENCE.finditer(text):
             line = text.count("\n", 0, match.start()) + 1
             rel = path.relative_to(ROOT).as_posix()
-            params.append(pytest.param(rel, line, match.group(1), match.group(2),
-                                       id=f"{rel}:{line}"))
+            params.append(
+                pytest.param(rel, line, match.group(1), match.group(2), id=f"{rel}:{line}")
+            )
     return params
 
 
@@ -73,8 +74,10 @@ def test_docs_have_code_blocks():
 
 @pytest.mark.parametrize("path,line,lang,code", BLOCKS)
 def test_code_block_runs(path, line, lang, code, tmp_path, monkeypatch):
-    assert lang in LANGUAGES, (f"{path}:{line}: code block language {lang!r}; use one of "
-                               f"{sorted(LANGUAGES)} (```text for output that is not run)")
+    assert lang in LANGUAGES, (
+        f"{path}:{line}: code block language {lang!r}; use one of "
+        f"{sorted(LANGUAGES)} (```text for output that is not run)"
+    )
     if lang == "text":
         return
     if lang == "yaml":
@@ -91,6 +94,7 @@ def test_code_block_runs(path, line, lang, code, tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------- python
 
+
 def _run_python(path: str, line: int, code: str, tmp_path: Path, monkeypatch) -> None:
     first = code.splitlines()[0] if code.strip() else ""
     if first.startswith("# requires:"):
@@ -104,6 +108,7 @@ def _run_python(path: str, line: int, code: str, tmp_path: Path, monkeypatch) ->
 
 
 # --------------------------------------------------------------------------------- shell
+
 
 def _commands(code: str) -> list[list[str]]:
     """Shell commands of a block as token lists (comments and line continuations removed)."""
@@ -210,15 +215,18 @@ def test_relative_links_exist(path):
     assert not missing, f"{path}: links to missing files or headings {missing}"
 
 
-@pytest.mark.parametrize("code", [
-    "areal-fast trian --config examples/arith.yaml",                     # misspelt command
-    "areal-fast train --config examples/arith.yaml actor.optim.lrr=1",   # unknown key
-    "areal-fast train --config examples/arth.yaml",                      # missing file
-    "areal-fast train examples/arith.yaml",                              # no --config
-    "python benches/compare_run.py RUN",                                 # unknown script
-    "pip install . && pytest tests/no_such_test.py",                     # missing test file
-    "python -m areal_fast.launch.ray trian --config examples/arith.yaml",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "areal-fast trian --config examples/arith.yaml",  # misspelt command
+        "areal-fast train --config examples/arith.yaml actor.optim.lrr=1",  # unknown key
+        "areal-fast train --config examples/arth.yaml",  # missing file
+        "areal-fast train examples/arith.yaml",  # no --config
+        "python benches/compare_run.py RUN",  # unknown script
+        "pip install . && pytest tests/no_such_test.py",  # missing test file
+        "python -m areal_fast.launch.ray trian --config examples/arith.yaml",
+    ],
+)
 def test_command_check_catches_typos(code):
     with pytest.raises(Exception):  # noqa: B017 - AssertionError or the config's ValueError
         for command in _commands(code):
@@ -226,10 +234,12 @@ def test_command_check_catches_typos(code):
 
 
 def test_command_check_accepts_documented_forms():
-    code = ("AREAL_FAST_CUDA=0 pip install . && pytest tests  # comment\n"
-            "python -m areal_fast.launch.ray train --config examples/arith.yaml \\\n"
-            "    scheduler.train_world_size=2 checkpoint.every_steps=5\n"
-            "areal-fast train --config examples/arith.yaml --no-progress total_steps=1\n")
+    code = (
+        "AREAL_FAST_CUDA=0 pip install . && pytest tests  # comment\n"
+        "python -m areal_fast.launch.ray train --config examples/arith.yaml \\\n"
+        "    scheduler.train_world_size=2 checkpoint.every_steps=5\n"
+        "areal-fast train --config examples/arith.yaml --no-progress total_steps=1\n"
+    )
     commands = _commands(code)
     assert [c[0] for c in commands] == ["AREAL_FAST_CUDA=0", "pytest", "python", "areal-fast"]
     for command in commands:
@@ -266,6 +276,7 @@ def _config_keys() -> tuple[set[str], set[str], set[str]]:
                 else:
                     sections.add(name)
                     walk(child, name + ".")
+
     walk(OmegaConf.structured(ExperimentConfig))
     return keys, sections, free
 

@@ -36,16 +36,21 @@ def test_warning_names_the_shadowing_source_tree(tmp_path, monkeypatch):
     finally:
         _native._import_native.cache_clear()
     message = str(caught[0].message)
-    assert f"imported from {IMPORTED}, which shadows the installed areal_fast at {installed}" \
+    assert (
+        f"imported from {IMPORTED}, which shadows the installed areal_fast at {installed}"
         in message
+    )
     assert f"remove {IMPORTED.parent} from sys.path" in message
     assert "C++ compiler" not in message and "\n" not in message
 
 
 @pytest.mark.parametrize("install", ["none", "without extension", "same folder"])
 def test_warning_without_a_shadowed_install_says_to_rebuild(tmp_path, monkeypatch, install):
-    installed = {"none": None, "same folder": IMPORTED,
-                 "without extension": _fake_install(tmp_path, with_extension=False)}[install]
+    installed = {
+        "none": None,
+        "same folder": IMPORTED,
+        "without extension": _fake_install(tmp_path, with_extension=False),
+    }[install]
     monkeypatch.setattr(_native, "installed_package_dir", lambda: installed)
     message = _native.unavailable_message(ImportError("No module named 'areal_fast._C'"))
     assert f"imported from {IMPORTED}, which has no built extension" in message

@@ -4,10 +4,10 @@ endpoint, and a compressed trajectory store (see docs/agents.md).
 Light to import: the endpoint (aiohttp) and the store's zstandard are imported where used.
 """
 
+from areal_fast.agent.bridge import EngineBridge
 from areal_fast.agent.chat_format import ChatFormat
 from areal_fast.agent.client import AgentClient, ChatBackend, GenResult, SessionDefaults
 from areal_fast.agent.protocol import BadRequest, ChatRequest, parse_chat_request
-from areal_fast.agent.bridge import EngineBridge
 from areal_fast.agent.runner import (
     AgentConfig,
     AgentRunner,
@@ -23,8 +23,23 @@ from areal_fast.agent.store import (
 )
 
 __all__ = [
-    "AgentClient", "AgentConfig", "AgentRunner", "BadRequest", "ChatBackend", "ChatFormat",
-    "ChatRequest", "EngineBridge", "GenResult", "ModelCall", "Session", "SessionDefaults",
-    "TrajectoryConfig", "TrajectoryStoreError", "TrajectoryWriter", "current_client",
-    "load_agent", "parse_chat_request", "read_trajectories",
+    "AgentClient",
+    "AgentConfig",
+    "AgentRunner",
+    "BadRequest",
+    "ChatBackend",
+    "ChatFormat",
+    "ChatRequest",
+    "EngineBridge",
+    "GenResult",
+    "ModelCall",
+    "Session",
+    "SessionDefaults",
+    "TrajectoryConfig",
+    "TrajectoryStoreError",
+    "TrajectoryWriter",
+    "current_client",
+    "load_agent",
+    "parse_chat_request",
+    "read_trajectories",
 ]

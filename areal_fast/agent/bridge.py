@@ -45,13 +45,15 @@ class EngineBridge:
         self.lock = threading.Lock()
         self.resumed = 0
 
-    async def generate(self, input_ids: list[int], max_new_tokens: int, temperature: float,
-                       top_p: float, seed: int) -> GenResult:
+    async def generate(
+        self, input_ids: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> GenResult:
         """Sample one completion of ``input_ids`` (see :data:`~areal_fast.agent.client.
         GenerateFn`); cancelling the awaiting task forgets the request."""
         future = self.loop.create_future()
-        request = GenRequest(next(self.rids), list(input_ids), max_new_tokens, temperature,
-                             top_p, seed, 0)
+        request = GenRequest(
+            next(self.rids), list(input_ids), max_new_tokens, temperature, top_p, seed, 0
+        )
         with self.lock:
             self.pending[request.rid] = (future, request, GenResult([], [], [], ""))
         self.engine.submit([request])
@@ -80,9 +82,15 @@ class EngineBridge:
             acc.versions += out.versions
             done = len(acc.output_ids)
             if out.stop_reason == "abort" and done < request.max_new_tokens:
-                again = GenRequest(next(self.rids), request.input_ids + acc.output_ids,
-                                   request.max_new_tokens - done, request.temperature,
-                                   request.top_p, request.seed, done)
+                again = GenRequest(
+                    next(self.rids),
+                    request.input_ids + acc.output_ids,
+                    request.max_new_tokens - done,
+                    request.temperature,
+                    request.top_p,
+                    request.seed,
+                    done,
+                )
                 self.pending[again.rid] = (future, request, acc)
                 self.resumed += 1
                 return again
@@ -121,13 +129,28 @@ def completion_engine_generate(engine) -> GenerateFn:
         before temperature and top-p: equal to the sampling distribution's only at
         temperature 1 and top_p 1).
     """
-    async def generate(input_ids: list[int], max_new_tokens: int, temperature: float,
-                       top_p: float, seed: int) -> GenResult:
-        [[c]] = await asyncio.to_thread(engine.generate, [input_ids], 1, temperature,
-                                        max_new_tokens, True, top_p, seed % VLLM_SEED_RANGE)
-        return GenResult(list(c.token_ids), list(c.logprobs), [c.version] * len(c.token_ids),
-                         c.finish_reason or "length")
+
+    async def generate(
+        input_ids: list[int], max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> GenResult:
+        [[c]] = await asyncio.to_thread(
+            engine.generate,
+            [input_ids],
+            1,
+            temperature,
+            max_new_tokens,
+            True,
+            top_p,
+            seed % VLLM_SEED_RANGE,
+        )
+        return GenResult(
+            list(c.token_ids),
+            list(c.logprobs),
+            [c.version] * len(c.token_ids),
+            c.finish_reason or "length",
+        )
+
     return generate
 
 
-VLLM_SEED_RANGE = 2 ** 31  # seeds are folded into a 31-bit range, which every engine accepts
+VLLM_SEED_RANGE = 2**31  # seeds are folded into a 31-bit range, which every engine accepts

@@ -33,11 +33,13 @@ _SENTINEL = "\u2063areal-fast-reply\u2063"
 
 def _tools_system_text(tools: list[dict]) -> str:
     specs = "\n".join(json.dumps(t.get("function", t), ensure_ascii=False) for t in tools)
-    return ("You can call functions. Their JSON signatures are inside <tools></tools>:\n"
-            f"<tools>\n{specs}\n</tools>\n"
-            "To call one, reply with a JSON object holding its name and arguments inside "
-            "<tool_call></tool_call> tags:\n<tool_call>\n"
-            '{"name": "<function-name>", "arguments": {<arguments>}}\n</tool_call>')
+    return (
+        "You can call functions. Their JSON signatures are inside <tools></tools>:\n"
+        f"<tools>\n{specs}\n</tools>\n"
+        "To call one, reply with a JSON object holding its name and arguments inside "
+        "<tool_call></tool_call> tags:\n<tool_call>\n"
+        '{"name": "<function-name>", "arguments": {<arguments>}}\n</tool_call>'
+    )
 
 
 def tool_call_text(tool_calls: list[dict]) -> str:
@@ -46,8 +48,11 @@ def tool_call_text(tool_calls: list[dict]) -> str:
     for call in tool_calls:
         fn = call["function"]
         args = _as_obj(fn["arguments"])
-        blocks.append("<tool_call>\n" + json.dumps({"name": fn["name"], "arguments": args},
-                                                    ensure_ascii=False) + "\n</tool_call>")
+        blocks.append(
+            "<tool_call>\n"
+            + json.dumps({"name": fn["name"], "arguments": args}, ensure_ascii=False)
+            + "\n</tool_call>"
+        )
     return "\n".join(blocks)
 
 
@@ -77,9 +82,14 @@ def parse_tool_calls(text: str) -> tuple[str, list[dict]]:
         args = obj.get("arguments", {})
         if not isinstance(args, str):
             args = json.dumps(args, ensure_ascii=False)
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": obj["name"], "arguments": args}})
-        kept.append(text[last:match.start()])
+        calls.append(
+            {
+                "id": "call_" + uuid.uuid4().hex[:24],
+                "type": "function",
+                "function": {"name": obj["name"], "arguments": args},
+            }
+        )
+        kept.append(text[last : match.start()])
         last = match.end()
     kept.append(text[last:])
     return "".join(kept).strip(), calls
@@ -109,8 +119,9 @@ class ChatFormat:
         self.stop_ids = self._stop_ids()
 
     # ---- rendering ----------------------------------------------------------------------
-    def render(self, messages: list[dict], tools: Optional[list[dict]],
-               add_generation_prompt: bool) -> str:
+    def render(
+        self, messages: list[dict], tools: Optional[list[dict]], add_generation_prompt: bool
+    ) -> str:
         """Template text of a conversation.
 
         Parameters
@@ -138,26 +149,36 @@ class ChatFormat:
             else:
                 msgs.insert(0, {"role": "system", "content": extra})
         return self.tokenizer.apply_chat_template(
-            msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+            msgs, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+        )
 
     def _for_template(self, message: dict) -> dict:
         out = {"role": message["role"], "content": message.get("content") or ""}
         calls = message.get("tool_calls") or []
         if calls and self.native_tool_calls:
-            out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _as_obj(
-                c["function"]["arguments"])}} for c in calls]
+            out["tool_calls"] = [
+                {
+                    **c,
+                    "function": {**c["function"], "arguments": _as_obj(c["function"]["arguments"])},
+                }
+                for c in calls
+            ]
         elif calls:
-            out["content"] = (out["content"] + "\n" if out["content"] else "") + \
-                tool_call_text(calls)
+            out["content"] = (out["content"] + "\n" if out["content"] else "") + tool_call_text(
+                calls
+            )
         for key in ("tool_call_id", "name"):
             if message.get(key):
                 out[key] = message[key]
         return out
 
     def _turn_closing(self) -> str:
-        text = self.render([{"role": "user", "content": "q"},
-                            {"role": "assistant", "content": _SENTINEL}], None, False)
-        return text[text.rindex(_SENTINEL) + len(_SENTINEL):]
+        text = self.render(
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": _SENTINEL}],
+            None,
+            False,
+        )
+        return text[text.rindex(_SENTINEL) + len(_SENTINEL) :]
 
     def _stop_ids(self) -> set[int]:
         """End-of-sequence id, plus the special token that opens the turn closing (e.g.
@@ -189,9 +210,13 @@ class ChatFormat:
         """
         return self.encode_text(self.render(messages, tools, True))
 
-    def continuation_ids(self, history: list[dict], new_messages: list[dict],
-                         tools: Optional[list[dict]], output_ids: list[int]
-                         ) -> Optional[list[int]]:
+    def continuation_ids(
+        self,
+        history: list[dict],
+        new_messages: list[dict],
+        tools: Optional[list[dict]],
+        output_ids: list[int],
+    ) -> Optional[list[int]]:
         """Tokens that follow ``input_ids + output_ids`` of the call made with ``history``.
 
         The conversation is rendered with a placeholder in place of that call's reply; the
@@ -218,15 +243,16 @@ class ChatFormat:
             The environment's tokens, or None if the template does not render the
             placeholder exactly once (the caller then starts a fresh prompt).
         """
-        text = self.render(history + [{"role": "assistant", "content": _SENTINEL}]
-                           + new_messages, tools, True)
+        text = self.render(
+            history + [{"role": "assistant", "content": _SENTINEL}] + new_messages, tools, True
+        )
         if text.count(_SENTINEL) != 1:
             return None
-        env = text[text.index(_SENTINEL) + len(_SENTINEL):]
+        env = text[text.index(_SENTINEL) + len(_SENTINEL) :]
         if output_ids and output_ids[-1] in self.stop_ids:
             stop_text = self.tokenizer.decode([output_ids[-1]])
             if stop_text and env.startswith(stop_text):
-                env = env[len(stop_text):]
+                env = env[len(stop_text) :]
         return self.encode_text(env)
 
     # ---- outputs ------------------------------------------------------------------------
@@ -280,16 +306,20 @@ def normalize_message(message: Any, index: int) -> dict:
         raise ValueError(f"{where} must be an object, got {type(message).__name__}")
     role = message.get("role")
     if role not in ("system", "developer", "user", "assistant", "tool"):
-        raise ValueError(f"{where}.role = {role!r} is not system, developer, user, "
-                         f"assistant or tool")
-    out = {"role": "system" if role == "developer" else role,
-           "content": _content_text(message.get("content"), where)}
+        raise ValueError(
+            f"{where}.role = {role!r} is not system, developer, user, assistant or tool"
+        )
+    out = {
+        "role": "system" if role == "developer" else role,
+        "content": _content_text(message.get("content"), where),
+    }
     calls = message.get("tool_calls")
     if calls:
         if role != "assistant" or not isinstance(calls, list):
             raise ValueError(f"{where}.tool_calls must be a list on an assistant message")
-        out["tool_calls"] = [_normalize_tool_call(c, f"{where}.tool_calls[{i}]")
-                             for i, c in enumerate(calls)]
+        out["tool_calls"] = [
+            _normalize_tool_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)
+        ]
     if role == "tool":
         if not isinstance(message.get("tool_call_id"), str):
             raise ValueError(f"{where}.tool_call_id must be a string on a tool message")
@@ -307,10 +337,14 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, list):
         parts = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or \
-                    not isinstance(part.get("text"), str):
-                raise ValueError(f"{where}.content[{i}] must be a text part "
-                                 f'{{"type": "text", "text": ...}}')
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise ValueError(
+                    f'{where}.content[{i}] must be a text part {{"type": "text", "text": ...}}'
+                )
             parts.append(part["text"])
         return "".join(parts)
     raise ValueError(f"{where}.content must be a string or a list of text parts")
@@ -323,5 +357,8 @@ def _normalize_tool_call(call: Any, where: str) -> dict:
     args = fn.get("arguments", "{}")
     if not isinstance(args, str):
         args = json.dumps(args, ensure_ascii=False)
-    return {"id": str(call.get("id", "")), "type": "function",
-            "function": {"name": fn["name"], "arguments": args}}
+    return {
+        "id": str(call.get("id", "")),
+        "type": "function",
+        "function": {"name": fn["name"], "arguments": args},
+    }

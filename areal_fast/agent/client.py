@@ -100,8 +100,9 @@ class ChatBackend:
     def __init__(self, chat_format: ChatFormat, generate: GenerateFn):
         self.chat_format, self.generate = chat_format, generate
 
-    def _continued(self, session: Session, request: ChatRequest
-                   ) -> tuple[Optional[ModelCall], Optional[list[int]]]:
+    def _continued(
+        self, session: Session, request: ChatRequest
+    ) -> tuple[Optional[ModelCall], Optional[list[int]]]:
         """The call this request continues and the environment tokens after it.
 
         That is the call of the latest request whose messages start ``request.messages``,
@@ -112,17 +113,23 @@ class ChatBackend:
         candidates = sorted(session.calls, key=lambda c: (-c.request, c.choice))
         for call in candidates:
             k = len(call.messages)
-            if k + 1 >= len(msgs) or call.tools != request.tools or \
-                    msgs[:k] != call.messages or not call.is_reply(msgs[k]):
+            if (
+                k + 1 >= len(msgs)
+                or call.tools != request.tools
+                or msgs[:k] != call.messages
+                or not call.is_reply(msgs[k])
+            ):
                 continue
-            env = self.chat_format.continuation_ids(call.messages, msgs[k + 1:],
-                                                    request.tools, call.output_ids)
+            env = self.chat_format.continuation_ids(
+                call.messages, msgs[k + 1 :], request.tools, call.output_ids
+            )
             if env is not None:
                 return call, env
         return None, None
 
-    async def complete(self, session: Session, request: ChatRequest,
-                       defaults: SessionDefaults) -> dict:
+    async def complete(
+        self, session: Session, request: ChatRequest, defaults: SessionDefaults
+    ) -> dict:
         """Sample ``request.n`` choices, record them in ``session``, return the response.
 
         Parameters
@@ -146,59 +153,101 @@ class ChatBackend:
         input_ids, parent = self._prompt(session, request, defaults)
         max_tokens = request.max_tokens or defaults.max_tokens
         if max_tokens > defaults.max_tokens_cap:
-            raise BadRequest(f"max_tokens = {max_tokens} is above the cap of "
-                             f"{defaults.max_tokens_cap} (agent.max_tokens_cap, which defaults "
-                             f"to rollout.max_new_tokens)")
+            raise BadRequest(
+                f"max_tokens = {max_tokens} is above the cap of "
+                f"{defaults.max_tokens_cap} (agent.max_tokens_cap, which defaults "
+                f"to rollout.max_new_tokens)"
+            )
         number, session.next_call = session.next_call, session.next_call + 1
         base = sample_seed(defaults.seed, number)
         if request.seed is not None:  # mixed in, so the sessions of a group still differ
             base = sample_seed(base, request.seed)
-        temperature = defaults.temperature if request.temperature is None \
-            else request.temperature
+        temperature = defaults.temperature if request.temperature is None else request.temperature
         top_p = defaults.top_p if request.top_p is None else request.top_p
-        results = await asyncio.gather(*[
-            self.generate(input_ids, max_tokens, temperature, top_p, sample_seed(base, i))
-            for i in range(request.n)])
+        results = await asyncio.gather(
+            *[
+                self.generate(input_ids, max_tokens, temperature, top_p, sample_seed(base, i))
+                for i in range(request.n)
+            ]
+        )
         _check_running(session)
         response_id = f"chatcmpl-{session.session_id[:8]}-{number}"
-        choices = [self._record(session, request, response_id, number, i, input_ids, parent,
-                                res) for i, res in enumerate(results)]
-        return chat_completion(response_id, request.model or defaults.model, choices,
-                               len(input_ids), sum(len(r.output_ids) for r in results))
+        choices = [
+            self._record(session, request, response_id, number, i, input_ids, parent, res)
+            for i, res in enumerate(results)
+        ]
+        return chat_completion(
+            response_id,
+            request.model or defaults.model,
+            choices,
+            len(input_ids),
+            sum(len(r.output_ids) for r in results),
+        )
 
-    def _prompt(self, session: Session, request: ChatRequest, defaults: SessionDefaults
-                ) -> tuple[list[int], Optional[ModelCall]]:
+    def _prompt(
+        self, session: Session, request: ChatRequest, defaults: SessionDefaults
+    ) -> tuple[list[int], Optional[ModelCall]]:
         _check_running(session)
         parent, env = self._continued(session, request)
-        input_ids = parent.full_ids + env if parent is not None else \
-            self.chat_format.prompt_ids(request.messages, request.tools)
+        input_ids = (
+            parent.full_ids + env
+            if parent is not None
+            else self.chat_format.prompt_ids(request.messages, request.tools)
+        )
         if len(input_ids) > defaults.max_prompt_tokens:
-            raise BadRequest(f"the prompt has {len(input_ids)} tokens, more than "
-                             f"agent.max_prompt_tokens = {defaults.max_prompt_tokens}")
+            raise BadRequest(
+                f"the prompt has {len(input_ids)} tokens, more than "
+                f"agent.max_prompt_tokens = {defaults.max_prompt_tokens}"
+            )
         return input_ids, parent
 
-    def _record(self, session: Session, request: ChatRequest, response_id: str, number: int,
-                index: int, input_ids: list[int], parent: Optional[ModelCall],
-                res: GenResult) -> dict:
+    def _record(
+        self,
+        session: Session,
+        request: ChatRequest,
+        response_id: str,
+        number: int,
+        index: int,
+        input_ids: list[int],
+        parent: Optional[ModelCall],
+        res: GenResult,
+    ) -> dict:
         """Append choice ``index`` to the session; returns its response entry."""
         content, calls = self.chat_format.parse_output(
-            res.output_ids, parse_tools=bool(request.tools) and request.tool_choice != "none")
-        session.calls.append(ModelCall(
-            f"{response_id}:{index}", list(input_ids), res.output_ids, res.logprobs,
-            res.versions, res.stop_reason, request.messages, content, calls,
-            parent.call_id if parent else None, tools=request.tools, request=number,
-            choice=index))
+            res.output_ids, parse_tools=bool(request.tools) and request.tool_choice != "none"
+        )
+        session.calls.append(
+            ModelCall(
+                f"{response_id}:{index}",
+                list(input_ids),
+                res.output_ids,
+                res.logprobs,
+                res.versions,
+                res.stop_reason,
+                request.messages,
+                content,
+                calls,
+                parent.call_id if parent else None,
+                tools=request.tools,
+                request=number,
+                choice=index,
+            )
+        )
         finish = "tool_calls" if calls and res.stop_reason == "stop" else res.stop_reason
-        token_lps = list(zip(self.chat_format.token_texts(res.output_ids), res.logprobs)) \
-            if request.logprobs else None
+        token_lps = (
+            list(zip(self.chat_format.token_texts(res.output_ids), res.logprobs))
+            if request.logprobs
+            else None
+        )
         return choice(index, content, calls, finish, token_lps)
 
 
 def _check_running(session: Session) -> None:
     """BadRequest unless ``session`` is still running (a dropped one records nothing more)."""
     if session.status != "running":
-        raise BadRequest(f"session {session.session_id[:8]} has ended "
-                         f"({session.drop_reason or session.status})")
+        raise BadRequest(
+            f"session {session.session_id[:8]} has ended ({session.drop_reason or session.status})"
+        )
 
 
 def _response_object(response: dict):
@@ -228,12 +277,14 @@ class AgentClient:
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self._create))
 
     async def _create(self, **kwargs):
-        body = {k: v for k, v in kwargs.items()
-                if k not in ("extra_headers", "extra_query", "extra_body", "timeout")}
+        body = {
+            k: v
+            for k, v in kwargs.items()
+            if k not in ("extra_headers", "extra_query", "extra_body", "timeout")
+        }
         body.update(kwargs.get("extra_body") or {})  # as openai merges it into the JSON body
         request = parse_chat_request(body)
-        return _response_object(await self.backend.complete(self.session, request,
-                                                            self.defaults))
+        return _response_object(await self.backend.complete(self.session, request, self.defaults))
 
     def set_reward(self, completion_id: str, reward: float, index: int = 0) -> None:
         """Give choice ``index`` of a response its own (per-turn) reward.

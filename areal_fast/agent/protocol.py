@@ -23,11 +23,28 @@ from typing import Any, Optional
 from areal_fast.agent.chat_format import normalize_message
 
 MAX_CHOICES = 64
-_IGNORED = {"model", "user", "metadata", "store", "parallel_tool_calls", "service_tier",
-            "extra_body", "stream_options"}
-_REFUSED = {"stream": False, "stop": None, "logit_bias": None, "presence_penalty": 0,
-            "frequency_penalty": 0, "functions": None, "function_call": None, "audio": None,
-            "prediction": None, "modalities": None}
+_IGNORED = {
+    "model",
+    "user",
+    "metadata",
+    "store",
+    "parallel_tool_calls",
+    "service_tier",
+    "extra_body",
+    "stream_options",
+}
+_REFUSED = {
+    "stream": False,
+    "stop": None,
+    "logit_bias": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "functions": None,
+    "function_call": None,
+    "audio": None,
+    "prediction": None,
+    "modalities": None,
+}
 
 
 class BadRequest(ValueError):
@@ -74,8 +91,12 @@ class ChatRequest:
 
 
 # every top-level key a request may carry (served, ignored or refused with a message)
-REQUEST_KEYS = frozenset(ChatRequest.__dataclass_fields__) | _IGNORED | set(_REFUSED) | {
-    "max_completion_tokens", "top_logprobs", "response_format"}
+REQUEST_KEYS = (
+    frozenset(ChatRequest.__dataclass_fields__)
+    | _IGNORED
+    | set(_REFUSED)
+    | {"max_completion_tokens", "top_logprobs", "response_format"}
+)
 
 
 def _number(body: dict, key: str, low: float, high: float, integer: bool = False):
@@ -97,10 +118,16 @@ def _tools(body: dict) -> Optional[list[dict]]:
         raise BadRequest("tools must be a list")
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
-        if not isinstance(tool, dict) or tool.get("type") != "function" or \
-                not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise BadRequest(f'tools[{i}] must be {{"type": "function", "function": '
-                             f'{{"name": ..., "parameters": ...}}}}')
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(fn, dict)
+            or not isinstance(fn.get("name"), str)
+        ):
+            raise BadRequest(
+                f'tools[{i}] must be {{"type": "function", "function": '
+                f'{{"name": ..., "parameters": ...}}}}'
+            )
     return tools or None
 
 
@@ -109,8 +136,9 @@ def _refuse_unsupported(body: dict) -> None:
         if key in body and body[key] not in (neutral, None):
             raise BadRequest(f"{key} = {body[key]!r} is not supported by this endpoint")
     if body.get("top_logprobs"):
-        raise BadRequest("top_logprobs > 0 is not supported (only the chosen tokens' "
-                         "log-probs are returned)")
+        raise BadRequest(
+            "top_logprobs > 0 is not supported (only the chosen tokens' log-probs are returned)"
+        )
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise BadRequest(f"response_format = {fmt!r} is not supported")
@@ -152,8 +180,9 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise BadRequest(str(exc)) from None
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-    if max_tokens is not None and (isinstance(max_tokens, bool) or
-                                   not isinstance(max_tokens, int) or max_tokens < 1):
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
         raise BadRequest(f"{key} = {max_tokens!r} must be a positive integer")
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -162,15 +191,22 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if not isinstance(logprobs, bool):
         raise BadRequest(f"logprobs = {logprobs!r} must be true or false")
     return ChatRequest(
-        messages=normalized, tools=_tools(body), tool_choice=body.get("tool_choice") or "auto",
+        messages=normalized,
+        tools=_tools(body),
+        tool_choice=body.get("tool_choice") or "auto",
         n=_number(body, "n", 1, MAX_CHOICES, integer=True) or 1,
         temperature=_number(body, "temperature", 0.0, 2.0),
-        top_p=_number(body, "top_p", 1e-9, 1.0), max_tokens=max_tokens,
-        logprobs=logprobs, seed=seed, model=str(body.get("model") or ""))
+        top_p=_number(body, "top_p", 1e-9, 1.0),
+        max_tokens=max_tokens,
+        logprobs=logprobs,
+        seed=seed,
+        model=str(body.get("model") or ""),
+    )
 
 
-def chat_completion(response_id: str, model: str, choices: list[dict], prompt_tokens: int,
-                    completion_tokens: int) -> dict:
+def chat_completion(
+    response_id: str, model: str, choices: list[dict], prompt_tokens: int, completion_tokens: int
+) -> dict:
     """A ``chat.completion`` response object (a JSON-serialisable dict).
 
     Parameters
@@ -182,14 +218,28 @@ def chat_completion(response_id: str, model: str, choices: list[dict], prompt_to
     prompt_tokens, completion_tokens : int
         Token counts for ``usage`` (completion tokens over all choices).
     """
-    return {"id": response_id, "object": "chat.completion", "created": int(time.time()),
-            "model": model, "choices": choices, "system_fingerprint": None,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                      "total_tokens": prompt_tokens + completion_tokens}}
+    return {
+        "id": response_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": choices,
+        "system_fingerprint": None,
+        "usage": {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        },
+    }
 
 
-def choice(index: int, content: str, tool_calls: list[dict], finish_reason: str,
-           token_logprobs: Optional[list[tuple[str, float]]]) -> dict:
+def choice(
+    index: int,
+    content: str,
+    tool_calls: list[dict],
+    finish_reason: str,
+    token_logprobs: Optional[list[tuple[str, float]]],
+) -> dict:
     """One entry of ``choices``; ``token_logprobs`` is (token text, log-prob) per token or
     None when log-probs were not requested."""
     message = {"role": "assistant", "content": content or None if tool_calls else content}
@@ -197,8 +247,20 @@ def choice(index: int, content: str, tool_calls: list[dict], finish_reason: str,
         message["tool_calls"] = tool_calls
     logprobs = None
     if token_logprobs is not None:
-        logprobs = {"content": [{"token": text, "logprob": lp,
-                                 "bytes": list(text.encode("utf-8")), "top_logprobs": []}
-                                for text, lp in token_logprobs]}
-    return {"index": index, "message": message, "finish_reason": finish_reason,
-            "logprobs": logprobs}
+        logprobs = {
+            "content": [
+                {
+                    "token": text,
+                    "logprob": lp,
+                    "bytes": list(text.encode("utf-8")),
+                    "top_logprobs": [],
+                }
+                for text, lp in token_logprobs
+            ]
+        }
+    return {
+        "index": index,
+        "message": message,
+        "finish_reason": finish_reason,
+        "logprobs": logprobs,
+    }

@@ -107,19 +107,24 @@ class AgentConfig:
         if not self.timeout > 0:
             raise ValueError(f"agent.timeout = {self.timeout} must be > 0 seconds")
         if self.max_tokens_cap is not None and self.max_tokens_cap < 1:
-            raise ValueError(f"agent.max_tokens_cap = {self.max_tokens_cap} must be >= 1 "
-                             f"(or null: rollout.max_new_tokens)")
+            raise ValueError(
+                f"agent.max_tokens_cap = {self.max_tokens_cap} must be >= 1 "
+                f"(or null: rollout.max_new_tokens)"
+            )
         if self.max_prompt_tokens < 1:
             raise ValueError(f"agent.max_prompt_tokens = {self.max_prompt_tokens} must be >= 1")
         if self.dropped_reward is not None and (
-                isinstance(self.dropped_reward, bool) or
-                not isinstance(self.dropped_reward, (int, float)) or
-                not math.isfinite(self.dropped_reward)):
-            raise ValueError(f"agent.dropped_reward = {self.dropped_reward!r} must be a finite "
-                             f"number or null")
+            isinstance(self.dropped_reward, bool)
+            or not isinstance(self.dropped_reward, (int, float))
+            or not math.isfinite(self.dropped_reward)
+        ):
+            raise ValueError(
+                f"agent.dropped_reward = {self.dropped_reward!r} must be a finite number or null"
+            )
         if self.path and ":" not in self.path:
-            raise ValueError(f"agent.path = {self.path!r} must look like 'module:name' or "
-                             f"'file.py:name'")
+            raise ValueError(
+                f"agent.path = {self.path!r} must look like 'module:name' or 'file.py:name'"
+            )
 
     def tokens_cap(self, max_new_tokens: int) -> int:
         """The effective ``max_tokens`` cap: ``max_tokens_cap``, or ``max_new_tokens`` (the
@@ -184,14 +189,17 @@ def load_agent(path: str, kwargs: Optional[dict] = None, construct: bool = True)
         else:
             module = importlib.import_module(where)
     except Exception as exc:  # noqa: BLE001 - any import failure is the user's path
-        raise ValueError(f"agent.path = {path!r}: cannot import {where!r} "
-                         f"({type(exc).__name__}: {exc})") from exc
+        raise ValueError(
+            f"agent.path = {path!r}: cannot import {where!r} ({type(exc).__name__}: {exc})"
+        ) from exc
     target = getattr(module, name, None)
     if target is None:
         raise ValueError(f"agent.path = {path!r}: {where!r} has no {name!r}")
     if kwargs and not inspect.isclass(target):
-        raise ValueError(f"agent.kwargs = {kwargs!r} is set but agent.path = {path!r} names a "
-                         f"function, which takes no constructor arguments")
+        raise ValueError(
+            f"agent.kwargs = {kwargs!r} is set but agent.path = {path!r} names a "
+            f"function, which takes no constructor arguments"
+        )
     if inspect.isclass(target) and not construct:
         method = getattr(target, "run_agent_return_reward", None)
         raw = inspect.getattr_static(target, "run_agent_return_reward", None)
@@ -203,8 +211,10 @@ def load_agent(path: str, kwargs: Optional[dict] = None, construct: bool = True)
         try:
             instance = target(**(kwargs or {}))
         except Exception as exc:  # noqa: BLE001 - the user's constructor
-            raise ValueError(f"agent.path = {path!r}: cannot construct {name} with agent.kwargs "
-                             f"({type(exc).__name__}: {exc})") from exc
+            raise ValueError(
+                f"agent.path = {path!r}: cannot construct {name} with agent.kwargs "
+                f"({type(exc).__name__}: {exc})"
+            ) from exc
         target = getattr(instance, "run_agent_return_reward", None)
     _check_agent_function(path, target, 0)
     return target
@@ -214,11 +224,12 @@ def _check_agent_function(path: str, target, self_params: int) -> None:
     """ValueError naming ``agent.path`` unless ``target`` is an async function taking (data)
     or (data, client) after ``self_params`` leading parameters (1: an unbound method)."""
     if not inspect.iscoroutinefunction(target):
-        raise ValueError(f"agent.path = {path!r} is not an async function (or a class with "
-                         f"an async run_agent_return_reward method)")
+        raise ValueError(
+            f"agent.path = {path!r} is not an async function (or a class with "
+            f"an async run_agent_return_reward method)"
+        )
     if len(inspect.signature(target).parameters) - self_params not in (1, 2):
-        what = "(self, data) or (self, data, client)" if self_params else \
-            "(data) or (data, client)"
+        what = "(self, data) or (self, data, client)" if self_params else "(data) or (data, client)"
         raise ValueError(f"agent.path = {path!r} must take {what}")
 
 
@@ -247,8 +258,14 @@ class AgentRunner:
         still run before its group is reported without it (the session dropped as "timeout").
     """
 
-    def __init__(self, agent: Callable, backend_factory: Callable, config: AgentConfig,
-                 on_group_done: Callable[[GroupSessions], None], grace: float = CANCEL_GRACE_S):
+    def __init__(
+        self,
+        agent: Callable,
+        backend_factory: Callable,
+        config: AgentConfig,
+        on_group_done: Callable[[GroupSessions], None],
+        grace: float = CANCEL_GRACE_S,
+    ):
         self.agent, self.config, self.on_group_done = agent, config, on_group_done
         self.grace = grace
         self.takes_client = len(inspect.signature(agent).parameters) == 2
@@ -260,8 +277,7 @@ class AgentRunner:
         self._abandoned: set[asyncio.Task] = set()  # sessions that ignored cancellation
         self._tokens: dict[str, str] = {}  # session id -> endpoint token ("http" mode)
         self._stuck = False  # the loop did not answer in time once: close() does not wait
-        self.thread = threading.Thread(target=self.loop.run_forever, name="agent-loop",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self.loop.run_forever, name="agent-loop", daemon=True)
 
     def start(self) -> None:
         """Start the loop thread (and the endpoint in "http" mode)."""
@@ -272,8 +288,9 @@ class AgentRunner:
             self.server = AgentServer(self.backend, host=self.config.host)
             asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(60)
 
-    def submit_group(self, group_id: int, data: dict, n: int, seed: int,
-                     defaults: SessionDefaults) -> None:
+    def submit_group(
+        self, group_id: int, data: dict, n: int, seed: int, defaults: SessionDefaults
+    ) -> None:
         """Start ``n`` sessions of ``data`` (thread-safe).
 
         Parameters
@@ -294,22 +311,25 @@ class AgentRunner:
         cancels it): if its sessions cannot even start (e.g. ``data`` cannot be deep-copied),
         every session is dropped as "agent_error".
         """
+
         def start():
             try:
                 self._start_group(group_id, data, n, seed, defaults)
             except Exception as exc:  # noqa: BLE001 - reported as the group's failure
                 self._fail_group(group_id, data, n, exc)
+
         self.loop.call_soon_threadsafe(start)
 
-    def _start_group(self, group_id: int, data: dict, n: int, seed: int,
-                     defaults: SessionDefaults) -> None:
+    def _start_group(
+        self, group_id: int, data: dict, n: int, seed: int, defaults: SessionDefaults
+    ) -> None:
         inputs = [copy.deepcopy(data) for _ in range(n)]
         sessions = _new_sessions(group_id, data, n)
         self.tasks[group_id] = [
             self.loop.create_task(self._run(s, d, _with_seed(defaults, seed, i)))
-            for i, (s, d) in enumerate(zip(sessions, inputs))]
-        gatherer = self.loop.create_task(self._gather(group_id, sessions,
-                                                      self.tasks[group_id]))
+            for i, (s, d) in enumerate(zip(sessions, inputs))
+        ]
+        gatherer = self.loop.create_task(self._gather(group_id, sessions, self.tasks[group_id]))
         self._gatherers.add(gatherer)
         gatherer.add_done_callback(self._gatherers.discard)
 
@@ -334,16 +354,23 @@ class AgentRunner:
                 session = copy.deepcopy(session)  # what it does later changes nothing
             elif session.status == "running":  # _run itself failed
                 exc = None if task.cancelled() else task.exception()
-                why = "its task was cancelled" if exc is None else \
-                    f"{type(exc).__name__}: {_first_line(exc)}"
+                why = (
+                    "its task was cancelled"
+                    if exc is None
+                    else f"{type(exc).__name__}: {_first_line(exc)}"
+                )
                 self._drop(session, "agent_error", f"the session failed: {why}")
             reported.append(session)
         self.on_group_done(GroupSessions(group_id, reported))
 
     def _abandon(self, session: Session, task: asyncio.Task) -> None:
-        self._drop(session, "timeout", f"did not finish within agent.timeout = "
-                                       f"{self.config.timeout:g} s and ignored cancellation "
-                                       f"for {self.grace:g} s more")
+        self._drop(
+            session,
+            "timeout",
+            f"did not finish within agent.timeout = "
+            f"{self.config.timeout:g} s and ignored cancellation "
+            f"for {self.grace:g} s more",
+        )
         task.cancel()
         self._abandoned.add(task)
         task.add_done_callback(self._abandoned.discard)
@@ -355,8 +382,11 @@ class AgentRunner:
         try:
             client, token = self._client(session, defaults)
         except Exception as exc:  # noqa: BLE001 - e.g. openai is not installed
-            return self._drop(session, "agent_error", f"cannot create the session's client: "
-                                                      f"{type(exc).__name__}: {_first_line(exc)}")
+            return self._drop(
+                session,
+                "agent_error",
+                f"cannot create the session's client: {type(exc).__name__}: {_first_line(exc)}",
+            )
         _CLIENT.set(client)
         if token is not None:
             self._tokens[session.session_id] = token
@@ -365,13 +395,15 @@ class AgentRunner:
             args = (data, client) if self.takes_client else (data,)
             reward = await asyncio.wait_for(self.agent(*args), self.config.timeout)
         except asyncio.TimeoutError:
-            return self._drop(session, "timeout", f"did not finish within agent.timeout = "
-                                                  f"{self.config.timeout:g} s")
+            return self._drop(
+                session,
+                "timeout",
+                f"did not finish within agent.timeout = {self.config.timeout:g} s",
+            )
         except asyncio.CancelledError:
             return self._drop(session, "cancelled", "cancelled by the controller", quiet=True)
         except Exception as exc:  # noqa: BLE001 - a failing agent only drops its session
-            return self._drop(session, "agent_error", f"{type(exc).__name__}: "
-                                                      f"{_first_line(exc)}")
+            return self._drop(session, "agent_error", f"{type(exc).__name__}: {_first_line(exc)}")
         finally:
             if token is not None:
                 if self._tokens.pop(session.session_id, None) is not None:
@@ -381,10 +413,14 @@ class AgentRunner:
             return  # reported as dropped already (it ignored its cancellation)
         took = time.monotonic() - started
         if took > self.config.timeout:  # only possible if the agent blocked the event loop
-            return self._drop(session, "timeout", f"took {took:.1f} s, more than agent.timeout "
-                                                  f"= {self.config.timeout:g} s, while blocking "
-                                                  f"the event loop (run blocking work with "
-                                                  f"await asyncio.to_thread(...))")
+            return self._drop(
+                session,
+                "timeout",
+                f"took {took:.1f} s, more than agent.timeout "
+                f"= {self.config.timeout:g} s, while blocking "
+                f"the event loop (run blocking work with "
+                f"await asyncio.to_thread(...))",
+            )
         try:
             session.finish(reward)
         except ValueError as exc:
@@ -396,8 +432,9 @@ class AgentRunner:
         import openai
 
         token = self.server.open_session(session, defaults)
-        return openai.AsyncOpenAI(base_url=self.server.url, api_key=token, max_retries=0,
-                                  timeout=self.config.timeout), token
+        return openai.AsyncOpenAI(
+            base_url=self.server.url, api_key=token, max_retries=0, timeout=self.config.timeout
+        ), token
 
     @staticmethod
     def _drop(session: Session, reason: str, error: str, quiet: bool = False) -> None:
@@ -406,8 +443,13 @@ class AgentRunner:
             return
         session.drop(reason, error)
         if not quiet:
-            log.warning("agent session %s (group %d) dropped (%s): %s",
-                        session.session_id[:8], session.group_id, reason, error)
+            log.warning(
+                "agent session %s (group %d) dropped (%s): %s",
+                session.session_id[:8],
+                session.group_id,
+                reason,
+                error,
+            )
 
     def cancel_all(self, timeout: float = 30.0) -> int:
         """Cancel every running session; their groups are not reported.
@@ -429,6 +471,7 @@ class AgentRunner:
             The event loop did not get to the cancellation within ``timeout`` (an agent
             blocks it).
         """
+
         async def cancel():
             groups = list(self.tasks.values())
             self.tasks.clear()
@@ -440,13 +483,17 @@ class AgentRunner:
             if tasks:  # leaves time to answer before the caller's deadline
                 _, pending = await asyncio.wait(tasks, timeout=0.8 * timeout)
                 if pending:
-                    log.warning("%d agent sessions ignored cancellation for %g s; they are "
-                                "left running and report nothing", len(pending),
-                                0.8 * timeout)
+                    log.warning(
+                        "%d agent sessions ignored cancellation for %g s; they are "
+                        "left running and report nothing",
+                        len(pending),
+                        0.8 * timeout,
+                    )
                     for task in pending:
                         self._abandoned.add(task)
                         task.add_done_callback(self._abandoned.discard)
             return len(groups)
+
         return self._on_loop(cancel(), timeout)
 
     def _on_loop(self, coro, timeout: float):
@@ -457,10 +504,12 @@ class AgentRunner:
             result = future.result(timeout)
         except concurrent.futures.TimeoutError:  # (it still runs if the loop frees up)
             self._stuck = True
-            raise RuntimeError(f"agent sessions did not stop within {timeout:g} s of being "
-                               f"cancelled: an agent blocks the event loop or ignores "
-                               f"cancellation (run blocking work with "
-                               f"'await asyncio.to_thread(...)')") from None
+            raise RuntimeError(
+                f"agent sessions did not stop within {timeout:g} s of being "
+                f"cancelled: an agent blocks the event loop or ignores "
+                f"cancellation (run blocking work with "
+                f"'await asyncio.to_thread(...)')"
+            ) from None
         self._stuck = False
         return result
 

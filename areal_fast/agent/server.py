@@ -40,8 +40,13 @@ _PARAM_RE = re.compile(r"^([A-Za-z_]\w*)((?:\[\d+\]|\.\w+)*)(?=[\s=]|$)")
 _UNKNOWN_KEY_RE = re.compile(r"^unknown request key '([^']*)'")
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error",
-           param: Optional[str] = None, code: Optional[str] = None) -> web.Response:
+def _error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param: Optional[str] = None,
+    code: Optional[str] = None,
+) -> web.Response:
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.json_response(body, status=status)
 
@@ -98,8 +103,13 @@ class AgentServer:
     ``areal_fast.agent`` logger.
     """
 
-    def __init__(self, backend: ChatBackend, host: str = "127.0.0.1", port: int = 0,
-                 max_body_bytes: int = 16 << 20):
+    def __init__(
+        self,
+        backend: ChatBackend,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_body_bytes: int = 16 << 20,
+    ):
         self.backend, self.host, self.port = backend, host, port
         self.max_body_bytes = max_body_bytes
         self._sessions: dict[str, tuple[Session, SessionDefaults]] = {}
@@ -120,13 +130,13 @@ class AgentServer:
         """
         if self._runner is not None or self._closed:
             raise RuntimeError("AgentServer.start: the server was already started or closed")
-        app = web.Application(client_max_size=self.max_body_bytes,
-                              middlewares=[self._json_errors])
+        app = web.Application(client_max_size=self.max_body_bytes, middlewares=[self._json_errors])
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_get("/v1/models", self._models)
         # handler_cancellation: a request whose client disconnects is cancelled
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0,
-                               handler_cancellation=True)
+        runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=1.0, handler_cancellation=True
+        )
         await runner.setup()
         try:
             await web.TCPSite(runner, self.host, self.port).start()
@@ -205,27 +215,30 @@ class AgentServer:
             if exc.status < 400:
                 raise
             code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status)
-            return _error(exc.status, f"{request.method} {request.path}: {exc.reason}",
-                          code=code)
+            return _error(exc.status, f"{request.method} {request.path}: {exc.reason}", code=code)
 
     def _authorise(self, request: web.Request):
         """((session, defaults), token) of the request's bearer token, or (None, a 401)."""
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            return None, _error(401, "missing bearer token in the Authorization header",
-                                "authentication_error", code="invalid_api_key")
+            return None, _error(
+                401,
+                "missing bearer token in the Authorization header",
+                "authentication_error",
+                code="invalid_api_key",
+            )
         entry = self._sessions.get(token.strip())
         if entry is None:
-            return None, _error(401, "invalid or expired API key", "authentication_error",
-                                code="invalid_api_key")
+            return None, _error(
+                401, "invalid or expired API key", "authentication_error", code="invalid_api_key"
+            )
         return (entry, token.strip()), None
 
     async def _models(self, request: web.Request) -> web.Response:
         entry, denied = self._authorise(request)
         if denied is not None:
             return denied
-        model = {"id": entry[0][1].model, "object": "model", "created": 0,
-                 "owned_by": "areal-fast"}
+        model = {"id": entry[0][1].model, "object": "model", "created": 0, "owned_by": "areal-fast"}
         return web.json_response({"object": "list", "data": [model]})
 
     async def _chat_completions(self, request: web.Request) -> web.Response:
@@ -252,13 +265,19 @@ class AgentServer:
         except RecursionError:
             return _error(400, "the request is nested too deeply")
         except Exception as exc:  # noqa: BLE001 - a parser bug, not the caller's or engine's
-            logger.exception("agent server: cannot read a chat request of session %s",
-                             session.session_id)
-            return _error(500, f"cannot read the request: {_describe(exc)}", "server_error",
-                          code="internal_error")
+            logger.exception(
+                "agent server: cannot read a chat request of session %s", session.session_id
+            )
+            return _error(
+                500,
+                f"cannot read the request: {_describe(exc)}",
+                "server_error",
+                code="internal_error",
+            )
         if token not in self._sessions:  # closed while the body was read
-            return _error(401, "invalid or expired API key", "authentication_error",
-                          code="invalid_api_key")
+            return _error(
+                401, "invalid or expired API key", "authentication_error", code="invalid_api_key"
+            )
         task = asyncio.ensure_future(self.backend.complete(session, chat, defaults))
         running = self._running.setdefault(token, set())
         running.add(task)
@@ -267,17 +286,23 @@ class AgentServer:
         except asyncio.CancelledError:
             if asyncio.current_task().cancelling():  # the client went away, or shutdown
                 raise
-            return _error(401, "the session was closed while this request was running",
-                          "authentication_error", code="session_closed")
+            return _error(
+                401,
+                "the session was closed while this request was running",
+                "authentication_error",
+                code="session_closed",
+            )
         except BadRequest as exc:
             return _bad_request(exc)
         except RecursionError:
             return _error(400, "the request is nested too deeply")
         except Exception as exc:  # noqa: BLE001 - any engine failure becomes a 500
-            logger.exception("agent server: chat completion of session %s failed",
-                             session.session_id)
-            return _error(500, f"the engine failed: {_describe(exc)}",
-                          "server_error", code="engine_error")
+            logger.exception(
+                "agent server: chat completion of session %s failed", session.session_id
+            )
+            return _error(
+                500, f"the engine failed: {_describe(exc)}", "server_error", code="engine_error"
+            )
         finally:
             running.discard(task)
             if not running and self._running.get(token) is running:
@@ -285,5 +310,8 @@ class AgentServer:
         return web.json_response(response)
 
     def _too_large(self) -> web.Response:
-        return _error(413, f"the request body is larger than {self.max_body_bytes} bytes",
-                      code="request_too_large")
+        return _error(
+            413,
+            f"the request body is larger than {self.max_body_bytes} bytes",
+            code="request_too_large",
+        )

@@ -94,9 +94,11 @@ class ModelCall:
 
     def __post_init__(self):
         if not (len(self.output_ids) == len(self.logprobs) == len(self.versions)):
-            raise ValueError(f"call {self.call_id}: output_ids ({len(self.output_ids)}), "
-                             f"logprobs ({len(self.logprobs)}) and versions "
-                             f"({len(self.versions)}) must have equal lengths")
+            raise ValueError(
+                f"call {self.call_id}: output_ids ({len(self.output_ids)}), "
+                f"logprobs ({len(self.logprobs)}) and versions "
+                f"({len(self.versions)}) must have equal lengths"
+            )
 
     @property
     def full_ids(self) -> list[int]:
@@ -106,11 +108,15 @@ class ModelCall:
     def is_reply(self, message: dict) -> bool:
         """Whether a normalised chat ``message`` is this call's reply as the agent got it
         (role assistant, same text up to surrounding whitespace, same tool calls)."""
-        if message.get("role") != "assistant" or \
-                (message.get("content") or "").strip() != self.content.strip():
+        if (
+            message.get("role") != "assistant"
+            or (message.get("content") or "").strip() != self.content.strip()
+        ):
             return False
+
         def key(calls):
             return [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
         return key(message.get("tool_calls") or []) == key(self.tool_calls)
 
 
@@ -262,10 +268,10 @@ class Session:
             for c in calls:
                 values[c.call_id] = (c.reward or 0.0) + following
             path_values = [values[c.call_id] for c in calls if c.call_id in on_path]
-            following = turn_discount * (sum(path_values) / len(path_values)
-                                         if path_values else 0.0)
-        return {k: v for k, v in values.items()
-                if k in on_path or self.call(k).reward is not None}
+            following = turn_discount * (
+                sum(path_values) / len(path_values) if path_values else 0.0
+            )
+        return {k: v for k, v in values.items() if k in on_path or self.call(k).reward is not None}
 
     def export(self, mode: str = "concat", turn_discount: float = 1.0) -> list[Trajectory]:
         """Trajectories for the trainer (see the module docstring).
@@ -296,8 +302,7 @@ class Session:
         kept = [c for c in self.calls if c.call_id in values]
         if mode == "per_turn":
             return [self._trajectory([c], values[c.call_id]) for c in kept]
-        return [self._trajectory(chain, values[chain[0].call_id])
-                for chain in self.chains(kept)]
+        return [self._trajectory(chain, values[chain[0].call_id]) for chain in self.chains(kept)]
 
     def chains(self, calls: Optional[list[ModelCall]] = None) -> list[list[ModelCall]]:
         """Chains of token-exact continuations among ``calls`` (default: all), first to last.
@@ -327,11 +332,17 @@ class Session:
             versions += [-1] * len(env) + c.versions
             mask += [False] * len(env) + [True] * len(c.output_ids)
             done = len(c.input_ids) + len(c.output_ids)
-        return Trajectory(list(root.input_ids), ids, logprobs, versions, chain[-1].stop_reason,
-                          self.group_id, reward,
-                          info={"session_id": self.session_id,
-                                "call_ids": [c.call_id for c in chain]},
-                          loss_mask=mask)
+        return Trajectory(
+            list(root.input_ids),
+            ids,
+            logprobs,
+            versions,
+            chain[-1].stop_reason,
+            self.group_id,
+            reward,
+            info={"session_id": self.session_id, "call_ids": [c.call_id for c in chain]},
+            loss_mask=mask,
+        )
 
     # ---- serialisation ----------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -354,8 +365,11 @@ class Session:
 
 
 def _finite_reward(value, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) and not hasattr(
-            value, "__float__"):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        and not hasattr(value, "__float__")
+    ):
         raise ValueError(f"{what} must be a number, got {type(value).__name__}")
     try:
         number = float(value)

@@ -33,8 +33,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["TrajectoryConfig", "TrajectoryStats", "TrajectoryStoreError", "TrajectoryWriter",
-           "read_trajectories"]
+__all__ = [
+    "TrajectoryConfig",
+    "TrajectoryStats",
+    "TrajectoryStoreError",
+    "TrajectoryWriter",
+    "read_trajectories",
+]
 
 MAX_BATCH = 256  # records one thread takes from the queue at most per frame
 LINGER_RECORDS = 64  # a lingering writer thread stops waiting once this many are queued
@@ -53,8 +58,9 @@ def _zstd():
     try:
         import zstandard
     except ImportError as exc:
-        raise TrajectoryStoreError("trajectory.compression = 'zstd' needs the zstandard "
-                                   "package (pip install zstandard)") from exc
+        raise TrajectoryStoreError(
+            "trajectory.compression = 'zstd' needs the zstandard package (pip install zstandard)"
+        ) from exc
     return zstandard
 
 
@@ -118,9 +124,11 @@ class TrajectoryConfig:
             _invalid("enabled", self.enabled, "must be true or false")
         if not isinstance(self.directory, (str, os.PathLike)):
             _invalid("directory", self.directory, "must be a path")
-        if isinstance(self.linger_seconds, bool) or \
-                not isinstance(self.linger_seconds, (int, float)) or \
-                not 0 <= self.linger_seconds <= 3600:
+        if (
+            isinstance(self.linger_seconds, bool)
+            or not isinstance(self.linger_seconds, (int, float))
+            or not 0 <= self.linger_seconds <= 3600
+        ):
             _invalid("linger_seconds", self.linger_seconds, "must be a number in [0, 3600]")
 
 
@@ -193,7 +201,7 @@ class _FileSink:
         try:
             view = memoryview(data)
             while view:
-                view = view[self._file.write(view):]
+                view = view[self._file.write(view) :]
         except OSError:
             try:
                 self._file.truncate(start)
@@ -209,8 +217,9 @@ class _FileSink:
 
 
 def _encode(batch: list[dict]) -> bytes:
-    return "".join(json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n"
-                   for r in batch).encode("utf-8")
+    return "".join(
+        json.dumps(r, separators=(",", ":"), ensure_ascii=False) + "\n" for r in batch
+    ).encode("utf-8")
 
 
 class TrajectoryWriter:
@@ -242,8 +251,7 @@ class TrajectoryWriter:
     records still queued when the interpreter exits without ``close`` are lost.
     """
 
-    def __init__(self, directory, config: TrajectoryConfig | None = None,
-                 name: str = "rollout"):
+    def __init__(self, directory, config: TrajectoryConfig | None = None, name: str = "rollout"):
         self.config = config if config is not None else TrajectoryConfig()
         directory = directory or self.config.directory
         if not directory:
@@ -254,13 +262,17 @@ class TrajectoryWriter:
         zstd = self.config.compression == "zstd"
         level = self.config.compression_level if zstd else None
         suffix = SUFFIXES[0] if zstd else SUFFIXES[1]
-        sinks = [_FileSink(self.directory / f"{name}-{i}{suffix}", level)
-                 for i in range(self.config.write_threads)]
+        sinks = [
+            _FileSink(self.directory / f"{name}-{i}{suffix}", level)
+            for i in range(self.config.write_threads)
+        ]
         self._key = (os.path.abspath(self.directory), name)
         with _ACTIVE_LOCK:
             if self._key in _ACTIVE:
-                raise TrajectoryStoreError(f"a trajectory writer named {name!r} is already open "
-                                           f"in {self.directory}: give each writer its own name")
+                raise TrajectoryStoreError(
+                    f"a trajectory writer named {name!r} is already open "
+                    f"in {self.directory}: give each writer its own name"
+                )
             _ACTIVE.add(self._key)
         self._lock = threading.Lock()
         self._not_empty = threading.Condition(self._lock)
@@ -272,9 +284,12 @@ class TrajectoryWriter:
         self._error: str | None = None
         self._closed = False
         self._flushing = 0  # flush calls in progress
-        self._threads = [threading.Thread(target=self._run, args=(s,), daemon=True,
-                                          name=f"trajectory-{name}-{i}")
-                         for i, s in enumerate(sinks)]
+        self._threads = [
+            threading.Thread(
+                target=self._run, args=(s,), daemon=True, name=f"trajectory-{name}-{i}"
+            )
+            for i, s in enumerate(sinks)
+        ]
         for thread in self._threads:
             thread.start()
 
@@ -301,8 +316,11 @@ class TrajectoryWriter:
             self._check_usable()
             if len(self._queue) >= self.config.cache_size:
                 start = time.perf_counter()
-                while (len(self._queue) >= self.config.cache_size and self._error is None
-                       and not self._closed):
+                while (
+                    len(self._queue) >= self.config.cache_size
+                    and self._error is None
+                    and not self._closed
+                ):
                     self._not_full.wait()
                 self._stats.stall_seconds += time.perf_counter() - start
                 self._check_usable()
@@ -334,7 +352,8 @@ class TrajectoryWriter:
                     if remaining is not None and remaining <= 0:
                         raise TrajectoryStoreError(
                             f"trajectory flush of {self.directory} timed out after "
-                            f"{timeout:g} s with {self._pending()} records pending")
+                            f"{timeout:g} s with {self._pending()} records pending"
+                        )
                     self._progress.wait(remaining)
                 self._check_error()
             finally:
@@ -369,7 +388,8 @@ class TrajectoryWriter:
             if alive:
                 raise TrajectoryStoreError(
                     f"trajectory close of {self.directory} timed out after {timeout:g} s "
-                    f"with {self._pending()} records pending")
+                    f"with {self._pending()} records pending"
+                )
 
     def __enter__(self) -> TrajectoryWriter:
         return self
@@ -409,8 +429,9 @@ class TrajectoryWriter:
     def _check_usable(self) -> None:
         self._check_error()
         if self._closed:
-            raise TrajectoryStoreError(f"trajectory writer {self.name!r} of {self.directory} "
-                                       "is closed")
+            raise TrajectoryStoreError(
+                f"trajectory writer {self.name!r} of {self.directory} is closed"
+            )
 
     # -- writer threads ------------------------------------------------------------------
 
@@ -439,8 +460,13 @@ class TrajectoryWriter:
                 if not self._queue:
                     return None
                 deadline = time.monotonic() + self.config.linger_seconds
-                while self._queue and len(self._queue) < enough and not self._closed \
-                        and not self._flushing and time.monotonic() < deadline:
+                while (
+                    self._queue
+                    and len(self._queue) < enough
+                    and not self._closed
+                    and not self._flushing
+                    and time.monotonic() < deadline
+                ):
                     self._not_empty.wait(deadline - time.monotonic())
                 if self._queue:  # else another thread took them while this one waited
                     break
@@ -459,8 +485,9 @@ class TrajectoryWriter:
             self._progress.notify_all()
 
     def _fail(self, path: Path, exc: BaseException) -> None:
-        message = _one_line(f"trajectory writer could not write {path}: "
-                            f"{type(exc).__name__}: {exc}")
+        message = _one_line(
+            f"trajectory writer could not write {path}: {type(exc).__name__}: {exc}"
+        )
         with self._lock:
             self._stats.errors += 1
             self._error = self._error or message
@@ -533,8 +560,9 @@ def _parse(path: Path, number: int, line: bytes) -> dict:
 
 
 def _corrupt(path: Path, number: int, why: str) -> TrajectoryStoreError:
-    return TrajectoryStoreError(_one_line(f"corrupt trajectory file {path} at record {number}: "
-                                          f"{why}"))
+    return TrajectoryStoreError(
+        _one_line(f"corrupt trajectory file {path} at record {number}: {why}")
+    )
 
 
 def _plain_chunks(path: Path) -> Iterator[bytes]:

@@ -19,11 +19,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional
 
+from areal_fast.agent.bridge import EngineBridge
 from areal_fast.agent.chat_format import ChatFormat
 from areal_fast.agent.client import ChatBackend, SessionDefaults
-from areal_fast.agent.bridge import EngineBridge
-from areal_fast.agent.runner import AgentConfig, AgentRunner, GroupSessions, \
-    load_agent
+from areal_fast.agent.runner import AgentConfig, AgentRunner, GroupSessions, load_agent
 from areal_fast.agent.store import TrajectoryConfig, TrajectoryWriter
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import GenOutput, GenRequest
@@ -70,8 +69,14 @@ class AgentWorkload:
         chat template.
     """
 
-    def __init__(self, spec: AgentWorkloadSpec, engine, rids, name: str,
-                 on_group_done: Callable[[GroupSessions], None]):
+    def __init__(
+        self,
+        spec: AgentWorkloadSpec,
+        engine,
+        rids,
+        name: str,
+        on_group_done: Callable[[GroupSessions], None],
+    ):
         from areal_fast.models.loading import load_tokenizer
 
         self.spec = spec
@@ -82,11 +87,13 @@ class AgentWorkload:
         def backend(loop):
             self.bridge = EngineBridge(engine, loop, rids)
             return ChatBackend(chat_format, self.bridge.generate), self.bridge
+
         self.runner = AgentRunner(agent, backend, spec.agent, on_group_done)
         self.writer = None
         if spec.trajectory.enabled:
-            self.writer = TrajectoryWriter(Path(spec.trajectory.directory), spec.trajectory,
-                                           name=name)
+            self.writer = TrajectoryWriter(
+                Path(spec.trajectory.directory), spec.trajectory, name=name
+            )
         self.totals: Counter = Counter()
 
     def start(self) -> None:
@@ -103,10 +110,13 @@ class AgentWorkload:
             ``agent.max_tokens_cap`` new tokens (``rollout.max_new_tokens`` when unset).
         """
         p, cfg = request.params, self.spec.agent
-        defaults = SessionDefaults(temperature=p.temperature, top_p=p.top_p,
-                                   max_tokens=p.max_new_tokens,
-                                   max_tokens_cap=cfg.tokens_cap(p.max_new_tokens),
-                                   max_prompt_tokens=cfg.max_prompt_tokens)
+        defaults = SessionDefaults(
+            temperature=p.temperature,
+            top_p=p.top_p,
+            max_tokens=p.max_new_tokens,
+            max_tokens_cap=cfg.tokens_cap(p.max_new_tokens),
+            max_prompt_tokens=cfg.max_prompt_tokens,
+        )
         data = dict(request.data) or {"answer": request.answer, "uid": request.uid}
         self.runner.submit_group(request.group_id, data, p.n, request.seed, defaults)
 
@@ -158,8 +168,11 @@ class AgentWorkload:
                 continue
             self.totals["agent/sessions_dropped"] += 1
             self.totals[f"agent/dropped_{session.drop_reason}"] += 1
-            if cfg.dropped_reward is not None and session.calls and \
-                    session.drop_reason != "cancelled":
+            if (
+                cfg.dropped_reward is not None
+                and session.calls
+                and session.drop_reason != "cancelled"
+            ):
                 scored = replace(session, reward=float(cfg.dropped_reward), status="done")
                 trajectories += scored.export(cfg.export, cfg.turn_discount)
                 self.totals["agent/dropped_trained"] += 1

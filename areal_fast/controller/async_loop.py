@@ -42,10 +42,12 @@ log = logging.getLogger("areal_fast.controller")
 
 def _drop_hint(error: str) -> str:
     """What to check for an agent drop reason (the start of ``error``)."""
-    hints = {"timeout": "check agent.timeout (and that the agent does not block the event loop)",
-             "bad_reward": "run_agent_return_reward must return a finite number",
-             "no_calls": "the agent must call the model through its client",
-             "agent_error": "the agent raised: its log lines name the error"}
+    hints = {
+        "timeout": "check agent.timeout (and that the agent does not block the event loop)",
+        "bad_reward": "run_agent_return_reward must return a finite number",
+        "no_calls": "the agent must call the model through its client",
+        "agent_error": "the agent raised: its log lines name the error",
+    }
     return hints.get(error.split(":", 1)[0], "check agent.path")
 
 
@@ -82,24 +84,37 @@ class AsyncController:
         loaded its trainer state (its version is the checkpoint's).
     """
 
-    def __init__(self, rollout_workers: list[WorkerHandle], trainer: WorkerHandle,
-                 weight_buffers, next_request: Callable[[int], msg.GroupRequest],
-                 plan: RunPlan, rollout: RolloutConfig, on_step: Callable[[dict], None],
-                 timeouts: Optional[Timeouts] = None, recovery: Optional[RecoveryConfig] = None,
-                 trainer_ranks: Optional[list[WorkerHandle]] = None,
-                 restart_rollout: Optional[Callable[[str], WorkerHandle]] = None,
-                 checkpoints: Optional[CheckpointManager] = None, resume: Optional[dict] = None):
+    def __init__(
+        self,
+        rollout_workers: list[WorkerHandle],
+        trainer: WorkerHandle,
+        weight_buffers,
+        next_request: Callable[[int], msg.GroupRequest],
+        plan: RunPlan,
+        rollout: RolloutConfig,
+        on_step: Callable[[dict], None],
+        timeouts: Optional[Timeouts] = None,
+        recovery: Optional[RecoveryConfig] = None,
+        trainer_ranks: Optional[list[WorkerHandle]] = None,
+        restart_rollout: Optional[Callable[[str], WorkerHandle]] = None,
+        checkpoints: Optional[CheckpointManager] = None,
+        resume: Optional[dict] = None,
+    ):
         self.workers, self.trainer, self.buffers = rollout_workers, trainer, weight_buffers
         self.trainer_ranks = trainer_ranks or [trainer]
-        self.next_request, self.plan, self.rollout, self.on_step = \
-            next_request, plan, rollout, on_step
+        self.next_request, self.plan, self.rollout, self.on_step = (
+            next_request,
+            plan,
+            rollout,
+            on_step,
+        )
         eta = rollout.max_head_offpolicyness
         self.staleness = StalenessManager(
-            plan.batch_size, eta, rollout.max_concurrent_rollouts or (eta + 1) * plan.batch_size)
+            plan.batch_size, eta, rollout.max_concurrent_rollouts or (eta + 1) * plan.batch_size
+        )
         self.ledger = Ledger(eta if rollout.drop_stale else None)
         self.timeouts = timeouts or Timeouts()
-        self.recovery = Recovery(self, restart_rollout, recovery or RecoveryConfig(),
-                                 self.timeouts)
+        self.recovery = Recovery(self, restart_rollout, recovery or RecoveryConfig(), self.timeouts)
         self.saves = PendingSaves(checkpoints)
         self.version = 0
         self.acked = {w.name: 0 for w in rollout_workers}  # weights version each serves
@@ -132,13 +147,15 @@ class AsyncController:
         """
         self.start = self.last_step = time.monotonic()
         self.progress = {w.name: self.start for w in self.workers}
-        while self.version < self.plan.total_steps and not (self._out_of_time() and
-                                                            not self.ledger.training):
+        while self.version < self.plan.total_steps and not (
+            self._out_of_time() and not self.ledger.training
+        ):
             self._request_rollouts()  # as many as the staleness bound allows
             self._send_batches()  # to the trainer, while a batch is ready
             # finished groups; finished steps (→ publish weights, record, checkpoint)
-            self.handle(self.wait(1.0, f"at policy version {self.version} "
-                                         f"(step {self.version + 1})"))
+            self.handle(
+                self.wait(1.0, f"at policy version {self.version} (step {self.version + 1})")
+            )
             self.recovery.check_deadlines()
         wind_down(self)
         return self.ledger.counts
@@ -186,35 +203,45 @@ class AsyncController:
     def _send_batches(self) -> None:
         """Send batches of ready groups to the trainer (at most TRAIN_PIPELINE in training,
         none past ``total_steps`` or ``max_seconds``)."""
-        while len(self.ledger.training) < TRAIN_PIPELINE and \
-                self.ledger.num_ready >= self.plan.batch_size and not self._out_of_time():
+        while (
+            len(self.ledger.training) < TRAIN_PIPELINE
+            and self.ledger.num_ready >= self.plan.batch_size
+            and not self._out_of_time()
+        ):
             new_version = self.version + len(self.ledger.training) + 1
             if new_version > self.plan.total_steps:
                 return
             # its slot last held new_version - 2: every worker must have loaded that already
             if min(self.acked.values(), default=self.version) < new_version - 2:
                 return
-            batch = self.ledger.take_batch(self.plan.batch_size, new_version - 1,
-                                           time.monotonic())
+            batch = self.ledger.take_batch(self.plan.batch_size, new_version - 1, time.monotonic())
             self.free_released()
             if batch is None:
                 return
-            self._send_trainer(msg.TrainStep(
-                DistributedBatch([g.done.shard for g in batch.groups]), slot=new_version % 2))
+            self._send_trainer(
+                msg.TrainStep(
+                    DistributedBatch([g.done.shard for g in batch.groups]), slot=new_version % 2
+                )
+            )
 
     def _on_step_done(self, done: msg.StepDone) -> None:
         """A step is done: publish its weights to every rollout worker, record, checkpoint."""
         training = self.ledger.training
         if not training or done.group_ids != training[0].group_ids:
-            raise WorkerError(f"trainer {self.trainer.name!r} reported a step for groups "
-                              f"{done.group_ids[:4]}... that were not sent to it")
+            raise WorkerError(
+                f"trainer {self.trainer.name!r} reported a step for groups "
+                f"{done.group_ids[:4]}... that were not sent to it"
+            )
         if done.version != self.version + 1:
-            raise WorkerError(f"trainer {self.trainer.name!r} reported version {done.version} "
-                              f"after version {self.version}")
+            raise WorkerError(
+                f"trainer {self.trainer.name!r} reported version {done.version} "
+                f"after version {self.version}"
+            )
         batch = self.ledger.trained(done.group_ids)
         self.version = done.version
-        update = Encoded(encode_message(msg.UpdateWeights(self.version,
-                                                          self.buffers[self.version % 2])))
+        update = Encoded(
+            encode_message(msg.UpdateWeights(self.version, self.buffers[self.version % 2]))
+        )
         for worker in self.workers:  # encoded once for all
             self.send_rollout(worker, update)
         # the trained groups' spool files are deleted only now that the step is done
@@ -223,15 +250,27 @@ class AsyncController:
         now = time.monotonic()
         self.trained_tokens += done.trained_tokens
         record = step_record(
-            batch, done, self.ledger, trained_tokens=self.trained_tokens,
-            since_start=now - self.start, since_last_step=now - self.last_step,
+            batch,
+            done,
+            self.ledger,
+            trained_tokens=self.trained_tokens,
+            since_start=now - self.start,
+            since_last_step=now - self.last_step,
             trainer_wait=max(0.0, batch.sent_at - self.last_step),
-            elapsed=now - self.start + self.elapsed_before, agent_stats=self.agent_stats)
+            elapsed=now - self.start + self.elapsed_before,
+            agent_stats=self.agent_stats,
+        )
         self.last_step = now
         self.on_step(record)
-        tmp = self.saves.after_step(self.version, {  # what a resumed run needs
-            "version": self.version, "counts": self.ledger.counts.as_dict(),
-            "pending_groups": self.ledger.live, "elapsed_seconds": record["elapsed_seconds"]})
+        tmp = self.saves.after_step(
+            self.version,
+            {  # what a resumed run needs
+                "version": self.version,
+                "counts": self.ledger.counts.as_dict(),
+                "pending_groups": self.ledger.live,
+                "elapsed_seconds": record["elapsed_seconds"],
+            },
+        )
         if tmp is not None:
             self._send_trainer(msg.SaveState(tmp))
 
@@ -266,16 +305,18 @@ class AsyncController:
             self.recovery.end_warm_up(worker.name)
         elif isinstance(message, msg.StateSaved):
             if self.saves.commit(message.path, message.version) is None:
-                raise WorkerError(f"trainer {self.trainer.name!r} saved state into "
-                                  f"{message.path}, which was not asked for", self.trainer.name)
+                raise WorkerError(
+                    f"trainer {self.trainer.name!r} saved state into "
+                    f"{message.path}, which was not asked for",
+                    self.trainer.name,
+                )
         elif isinstance(message, msg.Cancelled):
             self.ledger.cancelled(worker.name)
             self.cancelling.discard(worker.name)
         elif isinstance(message, msg.EvalDone):
             self.eval_records[worker.name] = message.records
         else:
-            raise WorkerError(f"worker {worker.name!r} sent an unexpected "
-                              f"{type(message).__name__}")
+            raise WorkerError(f"worker {worker.name!r} sent an unexpected {type(message).__name__}")
 
     def _on_group_done(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
         """A running group finished: ready, or dropped (dynamic filter, too stale, every
@@ -289,29 +330,43 @@ class AsyncController:
         filtered = self.rollout.dynamic_filter and len(set(done.rewards)) == 1
         self.filtered_in_a_row = self.filtered_in_a_row + 1 if filtered else 0
         self.failed_in_a_row = self.failed_in_a_row + 1 if done.shard is None else 0
-        if done.shard is None and \
-                self.failed_in_a_row >= self.plan.max_failed_agent_groups_in_a_row:
+        if (
+            done.shard is None
+            and self.failed_in_a_row >= self.plan.max_failed_agent_groups_in_a_row
+        ):
             first = done.errors[0] if done.errors else "no reason given"
-            raise ValueError(f"agent: every session of the last {self.failed_in_a_row} "
-                             f"groups was dropped (e.g. {first}); {_drop_hint(first)}")
+            raise ValueError(
+                f"agent: every session of the last {self.failed_in_a_row} "
+                f"groups was dropped (e.g. {first}); {_drop_hint(first)}"
+            )
         # the version that will train it: batches are formed from the ready groups in order
-        train_version = self.version + len(self.ledger.training) + \
-            self.ledger.num_ready // self.plan.batch_size
+        train_version = (
+            self.version + len(self.ledger.training) + self.ledger.num_ready // self.plan.batch_size
+        )
         # a too-stale group is dropped now, so that a replacement starts at once
         stale = self.ledger.too_stale(done.group_id, train_version)
-        reason = "agent_sessions_dropped" if done.shard is None else (
-            "dynamic_filter" if filtered else "stale" if stale else None)
+        reason = (
+            "agent_sessions_dropped"
+            if done.shard is None
+            else ("dynamic_filter" if filtered else "stale" if stale else None)
+        )
         self.ledger.finish(done, reason)
         if self.filtered_in_a_row > self.plan.max_filtered_in_a_row:
-            raise ValueError(f"rollout.dynamic_filter: the last {self.filtered_in_a_row} "
-                             f"groups all had equal rewards and were dropped, so no batch can "
-                             f"be filled; check the reward function or turn the filter off")
+            raise ValueError(
+                f"rollout.dynamic_filter: the last {self.filtered_in_a_row} "
+                f"groups all had equal rewards and were dropped, so no batch can "
+                f"be filled; check the reward function or turn the filter off"
+            )
 
     def _on_unknown_group(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
         """A group that is not running (it was cancelled at the end of training, or reported
         twice): free its shard unless the group is live, and change no counts."""
-        log.warning("rollout worker %r reported group %d, which is not running (cancelled "
-                    "before it finished?); it is ignored", worker.name, done.group_id)
+        log.warning(
+            "rollout worker %r reported group %d, which is not running (cancelled "
+            "before it finished?); it is ignored",
+            worker.name,
+            done.group_id,
+        )
         if done.shard is not None and self.ledger.state(done.group_id) is None:
             self.send_rollout(worker, msg.DropShards([done.group_id]))
 
@@ -353,8 +408,10 @@ class AsyncController:
             self._waiter = None
 
     def _out_of_time(self) -> bool:
-        return self.plan.max_seconds is not None and \
-            time.monotonic() - self.start + self.elapsed_before > self.plan.max_seconds
+        return (
+            self.plan.max_seconds is not None
+            and time.monotonic() - self.start + self.elapsed_before > self.plan.max_seconds
+        )
 
     def evaluate(self, requests: list[msg.GroupRequest]) -> list[dict]:
         """Run evaluation groups (greedy, n=1) spread over the rollout workers; returns one
@@ -377,5 +434,6 @@ class AsyncController:
         self.elapsed_before = float(state["elapsed_seconds"])
         for worker in self.workers:
             self.acked[worker.name] = 0
-            self.send_rollout(worker, msg.UpdateWeights(self.version,
-                                                        self.buffers[self.version % 2]))
+            self.send_rollout(
+                worker, msg.UpdateWeights(self.version, self.buffers[self.version % 2])
+            )

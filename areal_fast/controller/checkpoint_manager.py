@@ -61,8 +61,10 @@ class CheckpointManager:
 
     def __init__(self, root, every_steps: int, keep: int = 2, total_steps: int = 0):
         if every_steps < 0 or keep < 1:
-            raise ValueError(f"checkpoint.every_steps = {every_steps} must be >= 0 and "
-                             f"checkpoint.keep = {keep} >= 1")
+            raise ValueError(
+                f"checkpoint.every_steps = {every_steps} must be >= 0 and "
+                f"checkpoint.keep = {keep} >= 1"
+            )
         self.root = Path(root)
         self.every_steps, self.keep, self.total_steps = every_steps, keep, total_steps
         self.skipped: list[str] = []  # why each incomplete checkpoint was ignored
@@ -91,8 +93,9 @@ class CheckpointManager:
         """
         if not (tmp / STATE_FILE).is_file():
             raise ValueError(f"checkpoint {tmp}: the trainer wrote no {STATE_FILE}")
-        write_json_durably(tmp / CONTROLLER_FILE, {**controller_state, "version": version},
-                           indent=1)
+        write_json_durably(
+            tmp / CONTROLLER_FILE, {**controller_state, "version": version}, indent=1
+        )
         final = self.root / f"step-{version:08d}"
         if final.exists():
             shutil.rmtree(final)
@@ -103,7 +106,7 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         complete = sorted(self._step_dirs(), reverse=True)
-        for _, path in complete[self.keep:]:
+        for _, path in complete[self.keep :]:
             shutil.rmtree(path, ignore_errors=True)
 
     def _step_dirs(self) -> list[tuple[int, Path]]:
@@ -158,8 +161,10 @@ def check_checkpoint(path: Path) -> dict:
     if "version" not in controller or not isinstance(controller["version"], int):
         raise ValueError(f"{path / CONTROLLER_FILE} has no integer 'version'")
     if train["version"] != controller["version"]:
-        raise ValueError(f"{path / STATE_FILE} is for version {train['version']}, "
-                         f"{CONTROLLER_FILE} for {controller['version']}")
+        raise ValueError(
+            f"{path / STATE_FILE} is for version {train['version']}, "
+            f"{CONTROLLER_FILE} for {controller['version']}"
+        )
     return controller
 
 

@@ -33,18 +33,32 @@ class CodecError(ValueError):
 
 
 def _message_types() -> dict[str, type]:
-    classes = [c for c in vars(msg).values()
-               if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == msg.__name__]
-    classes += [DistributedBatch, ShardMetadata, TensorMetadata, SamplingParams,
-                WeightBufferSpec, WeightEntry]
+    classes = [
+        c
+        for c in vars(msg).values()
+        if isinstance(c, type) and dataclasses.is_dataclass(c) and c.__module__ == msg.__name__
+    ]
+    classes += [
+        DistributedBatch,
+        ShardMetadata,
+        TensorMetadata,
+        SamplingParams,
+        WeightBufferSpec,
+        WeightEntry,
+    ]
     return {c.__name__: c for c in classes}
 
 
 MESSAGE_TYPES: dict[str, type] = _message_types()
 # per class: the fields declared as tuples (msgpack has one array type; these become tuples)
-_TUPLE_FIELDS = {name: {f.name for f in dataclasses.fields(cls)
-                        if str(f.type).replace("typing.", "").lower().startswith("tuple")}
-                 for name, cls in MESSAGE_TYPES.items()}
+_TUPLE_FIELDS = {
+    name: {
+        f.name
+        for f in dataclasses.fields(cls)
+        if str(f.type).replace("typing.", "").lower().startswith("tuple")
+    }
+    for name, cls in MESSAGE_TYPES.items()
+}
 
 
 def _default(obj: Any) -> Any:
@@ -93,8 +107,7 @@ def decode_message(data: bytes) -> Any:
         Not msgpack, an unknown type name, or fields the type does not accept.
     """
     try:
-        return msgpack.unpackb(data, object_hook=_object_hook, raw=False,
-                               strict_map_key=False)
+        return msgpack.unpackb(data, object_hook=_object_hook, raw=False, strict_map_key=False)
     except CodecError:
         raise
     except Exception as exc:  # noqa: BLE001 - msgpack raises several types
@@ -118,8 +131,7 @@ class MessageChannel:
 
     def send(self, message: Any) -> None:
         """Encode and send one message (an :class:`Encoded` one as it is)."""
-        self.conn.send_bytes(message if isinstance(message, Encoded) else
-                             encode_message(message))
+        self.conn.send_bytes(message if isinstance(message, Encoded) else encode_message(message))
 
     def recv(self) -> Any:
         """Receive and decode one message (blocks)."""

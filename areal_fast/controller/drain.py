@@ -18,8 +18,14 @@ if TYPE_CHECKING:
     from areal_fast.controller.async_loop import AsyncController
 
 
-def drain(c: "AsyncController", done: Callable[[], bool], late: Callable[[], list[str]],
-          seconds: float, error: Callable[[str], WorkerError], doing: str) -> None:
+def drain(
+    c: "AsyncController",
+    done: Callable[[], bool],
+    late: Callable[[], list[str]],
+    seconds: float,
+    error: Callable[[str], WorkerError],
+    doing: str,
+) -> None:
     """Handle every worker's messages until ``done()``.
 
     Raises
@@ -58,11 +64,18 @@ def wind_down(c: "AsyncController") -> None:
     def late() -> list[str]:
         return sorted(c.cancelling) or [w.name for w in c.workers if c.acked[w.name] < c.version]
 
-    drain(c, lambda: not late() and not c.saves.saving, late, seconds,
-          lambda name: WorkerError(
-              f"rollout worker {name!r} did not cancel its rollouts and load weights version "
-              f"{c.version} within timeouts.weight_update = {seconds:g} s", name),
-          "while winding down")
+    drain(
+        c,
+        lambda: not late() and not c.saves.saving,
+        late,
+        seconds,
+        lambda name: WorkerError(
+            f"rollout worker {name!r} did not cancel its rollouts and load weights version "
+            f"{c.version} within timeouts.weight_update = {seconds:g} s",
+            name,
+        ),
+        "while winding down",
+    )
     c.ledger.reopen()
 
 
@@ -72,7 +85,7 @@ def evaluate(c: "AsyncController", requests: list[msg.GroupRequest]) -> list[dic
     if c.ledger.training or c.ledger.running:
         raise RuntimeError("evaluate() runs only before run() or after it has returned")
     c.eval_records = {}
-    c.eval_assignment = {w.name: requests[i::len(c.workers)] for i, w in enumerate(c.workers)}
+    c.eval_assignment = {w.name: requests[i :: len(c.workers)] for i, w in enumerate(c.workers)}
     for worker in c.workers:
         c.send_rollout(worker, msg.Evaluate(c.eval_assignment[worker.name]))
     seconds = c.timeouts.evaluate
@@ -80,9 +93,17 @@ def evaluate(c: "AsyncController", requests: list[msg.GroupRequest]) -> list[dic
     def missing() -> list[str]:
         return [w.name for w in c.workers if w.name not in c.eval_records]
 
-    drain(c, lambda: not missing(), missing, seconds, lambda name: WorkerError(
-        f"rollout worker {name!r} did not finish evaluation within timeouts.evaluate = "
-        f"{seconds:g} s"), "during evaluation")
+    drain(
+        c,
+        lambda: not missing(),
+        missing,
+        seconds,
+        lambda name: WorkerError(
+            f"rollout worker {name!r} did not finish evaluation within timeouts.evaluate = "
+            f"{seconds:g} s"
+        ),
+        "during evaluation",
+    )
     c.eval_assignment = {}
     order = {r.uid: i for i, r in enumerate(requests)}
     records = [r for recs in c.eval_records.values() for r in recs]

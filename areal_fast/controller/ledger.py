@@ -93,22 +93,30 @@ class RunCounts:
 
     def as_dict(self) -> dict:
         """The counts as plain JSON-able values (for summary.json)."""
-        return {"rollouts_submitted": self.submitted, "rollouts_trained": self.trained,
-                "rollouts_dropped": dict(self.dropped),
-                "sample_interruptions": self.interruptions,
-                "stale_dropped_completion_tokens": self.stale_dropped_tokens,
-                "rollouts_resubmitted": self.resubmitted,
-                "rollout_worker_restarts": self.rollout_restarts,
-                "rollout_recovery_seconds": list(self.recovery_seconds)}
+        return {
+            "rollouts_submitted": self.submitted,
+            "rollouts_trained": self.trained,
+            "rollouts_dropped": dict(self.dropped),
+            "sample_interruptions": self.interruptions,
+            "stale_dropped_completion_tokens": self.stale_dropped_tokens,
+            "rollouts_resubmitted": self.resubmitted,
+            "rollout_worker_restarts": self.rollout_restarts,
+            "rollout_recovery_seconds": list(self.recovery_seconds),
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> "RunCounts":
         """Inverse of :meth:`as_dict` (a resumed run continues the counts)."""
-        return cls(data["rollouts_submitted"], data["rollouts_trained"],
-                   collections.Counter(data["rollouts_dropped"]), data["sample_interruptions"],
-                   data["stale_dropped_completion_tokens"], data.get("rollouts_resubmitted", 0),
-                   data.get("rollout_worker_restarts", 0),
-                   list(data.get("rollout_recovery_seconds", [])))
+        return cls(
+            data["rollouts_submitted"],
+            data["rollouts_trained"],
+            collections.Counter(data["rollouts_dropped"]),
+            data["sample_interruptions"],
+            data["stale_dropped_completion_tokens"],
+            data.get("rollouts_resubmitted", 0),
+            data.get("rollout_worker_restarts", 0),
+            list(data.get("rollout_recovery_seconds", [])),
+        )
 
 
 class Ledger:
@@ -190,8 +198,9 @@ class Ledger:
         return self._too_stale(record, train_version)
 
     def _too_stale(self, record: GroupRecord, train_version: int) -> bool:
-        return self.max_staleness is not None and \
-            record.version + self.max_staleness < train_version
+        return (
+            self.max_staleness is not None and record.version + self.max_staleness < train_version
+        )
 
     def pop_released(self) -> list[GroupRecord]:
         """Dropped groups whose shard its worker may delete now (each returned once)."""
@@ -208,8 +217,10 @@ class Ledger:
             Its id is not the next one (``counts.submitted``), or training has ended.
         """
         if request.group_id != self.counts.submitted or self.closing:
-            raise LedgerError(f"group {request.group_id} submitted as group "
-                              f"{self.counts.submitted}{' after the end' * self.closing}")
+            raise LedgerError(
+                f"group {request.group_id} submitted as group "
+                f"{self.counts.submitted}{' after the end' * self.closing}"
+            )
         record = GroupRecord(request.group_id, request, version, worker)
         self._running[record.group_id] = record
         self._on_worker[worker][record.group_id] = record
@@ -245,8 +256,9 @@ class Ledger:
             self._ready[record.group_id] = record
         return record
 
-    def take_batch(self, batch_size: int, train_version: int,
-                   sent_at: float) -> Optional[TrainingBatch]:
+    def take_batch(
+        self, batch_size: int, train_version: int, sent_at: float
+    ) -> Optional[TrainingBatch]:
         """The first ``batch_size`` READY groups in acceptance order → TRAINING (sorted by
         group id), or None if too few remain. Too-stale groups met on the way are dropped
         as "stale", so every trained token's staleness is ≤ η."""
@@ -272,8 +284,9 @@ class Ledger:
         """The oldest batch in training was trained: its groups → TRAINED (LedgerError if
         ``group_ids`` are not that batch's)."""
         if not self.training or self.training[0].group_ids != list(group_ids):
-            raise LedgerError(f"groups {list(group_ids)[:4]}... are not the oldest batch in "
-                              f"training")
+            raise LedgerError(
+                f"groups {list(group_ids)[:4]}... are not the oldest batch in training"
+            )
         batch = self.training.popleft()
         for record in batch.groups:
             self._end(record, State.TRAINED, "")
@@ -311,8 +324,11 @@ class Ledger:
     def lose_unspooled(self, worker: str) -> list[GroupRecord]:
         """``worker`` died: its READY groups without a spool file are gone with it (dropped
         as "rollout_worker_died")."""
-        gone = [r for r in self._ready.values()
-                if r.done.shard.node_id == worker and not r.done.shard.path]
+        gone = [
+            r
+            for r in self._ready.values()
+            if r.done.shard.node_id == worker and not r.done.shard.path
+        ]
         for record in gone:
             del self._ready[record.group_id]
             self._end(record, State.DROPPED, "rollout_worker_died", release=False)
@@ -350,8 +366,9 @@ class Ledger:
     def reopen(self) -> None:
         """The end of training is complete: every worker cancelled (else LedgerError)."""
         if self._running:
-            raise LedgerError(f"groups {sorted(self._running)[:4]} still running after every "
-                              f"worker cancelled")
+            raise LedgerError(
+                f"groups {sorted(self._running)[:4]} still running after every worker cancelled"
+            )
         self.closing = False
 
     def restore(self, counts: dict, pending_groups: int) -> None:
@@ -375,8 +392,9 @@ class Ledger:
         ids = list(self._running) + list(self._ready) + [r.group_id for r in training]
         assert len(ids) == len(set(ids)), "a group in two states"
         assert not set(ids) & set(self.finished or ())
-        assert self.counts.submitted == len(ids) + self.counts.trained + \
-            sum(self.counts.dropped.values())
+        assert self.counts.submitted == len(ids) + self.counts.trained + sum(
+            self.counts.dropped.values()
+        )
 
     # ---- internals --------------------------------------------------------------------
     def _leave_running(self, record: GroupRecord) -> None:
@@ -386,8 +404,7 @@ class Ledger:
         else:
             del self._on_worker[record.worker][record.group_id]
 
-    def _end(self, record: GroupRecord, state: State, reason: str,
-             release: bool = True) -> None:
+    def _end(self, record: GroupRecord, state: State, reason: str, release: bool = True) -> None:
         record.state, record.reason = state, reason
         if state is State.DROPPED:
             self.counts.dropped[reason] += 1

@@ -39,8 +39,9 @@ class MetricsLog:
             fh.write(json.dumps(record) + "\n")
 
 
-def plot_progress(records: list[dict], eval_points: dict[str, tuple[int, float]],
-                  path: Path, title: str = ""):
+def plot_progress(
+    records: list[dict], eval_points: dict[str, tuple[int, float]], path: Path, title: str = ""
+):
     """PNG of training reward, sample accuracy and solve rate per step, with held-out accuracy.
 
     For a 0/1 reward the mean reward is the sample accuracy: the two are then drawn as one
@@ -78,14 +79,24 @@ def plot_progress(records: list[dict], eval_points: dict[str, tuple[int, float]]
     else:
         ax.plot(steps, reward, marker=".", label="train reward mean")
         ax.plot(steps, accuracy, marker=".", linestyle="--", label="train sample accuracy")
-    ax.plot(steps, [r["solve_rate"] for r in records], marker=".", linestyle=":",
-            label="train solve rate (≥1 correct per group)")
+    ax.plot(
+        steps,
+        [r["solve_rate"] for r in records],
+        marker=".",
+        linestyle=":",
+        label="train solve rate (≥1 correct per group)",
+    )
     for label, (step, acc) in eval_points.items():
         ax.scatter([step], [acc], s=60, zorder=3, label=f"held-out greedy accuracy ({label})")
         last = bool(steps) and step >= max(steps)  # at the right edge: text to the left
-        ax.annotate(f"{label}: {acc:.1%}", (step, acc), textcoords="offset points",
-                    xytext=(-6, 6) if last else (6, 6), ha="right" if last else "left",
-                    fontsize=8)
+        ax.annotate(
+            f"{label}: {acc:.1%}",
+            (step, acc),
+            textcoords="offset points",
+            xytext=(-6, 6) if last else (6, 6),
+            ha="right" if last else "left",
+            fontsize=8,
+        )
     if title:
         ax.set_title(title, fontsize=10)
     ax.set_xlabel("step")

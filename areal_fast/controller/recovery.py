@@ -40,9 +40,13 @@ class Recovery:
     timeouts : Timeouts
     """
 
-    def __init__(self, controller: "AsyncController",
-                 restart_rollout: Optional[Callable[[str], WorkerHandle]],
-                 config: RecoveryConfig, timeouts: Timeouts):
+    def __init__(
+        self,
+        controller: "AsyncController",
+        restart_rollout: Optional[Callable[[str], WorkerHandle]],
+        config: RecoveryConfig,
+        timeouts: Timeouts,
+    ):
         self.c, self.restart_rollout, self.timeouts = controller, restart_rollout, timeouts
         self.max_restarts = config.max_rollout_restarts
         self.restarts_left = config.max_rollout_restarts  # in this attempt
@@ -63,8 +67,11 @@ class Recovery:
         if not rollout_died or self.restart_rollout is None:
             raise exc
         if self.restarts_left <= 0:
-            raise WorkerError(f"{exc} (no restart left: recovery.max_rollout_restarts = "
-                              f"{self.max_restarts})", exc.worker, True) from exc
+            raise WorkerError(
+                f"{exc} (no restart left: recovery.max_rollout_restarts = {self.max_restarts})",
+                exc.worker,
+                True,
+            ) from exc
         self._replace(exc)
 
     def _replace(self, exc: WorkerError) -> None:
@@ -74,8 +81,9 @@ class Recovery:
         while True:
             self.restarts_left -= 1
             c.ledger.note_restart()
-            log.warning("%s; restarting it (%d restarts left after this one)", exc,
-                        self.restarts_left)
+            log.warning(
+                "%s; restarting it (%d restarts left after this one)", exc, self.restarts_left
+            )
             try:
                 new = self.restart_rollout(name)
                 break
@@ -105,8 +113,12 @@ class Recovery:
         if name in self.warming and acked >= self.warming[name][0]:
             seconds = time.monotonic() - self.warming.pop(name)[1]
             self.c.ledger.note_recovery(seconds)
-            log.warning("rollout worker %r is back, serving weights version %d, %.1f s after "
-                        "its death", name, acked, seconds)
+            log.warning(
+                "rollout worker %r is back, serving weights version %d, %.1f s after its death",
+                name,
+                acked,
+                seconds,
+            )
 
     def check_deadlines(self) -> None:
         """Raise a :class:`WorkerError` naming the first worker past its deadline: the
@@ -118,29 +130,46 @@ class Recovery:
         self._checked = now
         training = c.ledger.training
         if training and now - max(training[0].sent_at, c.last_step) > t.train_step:
-            raise WorkerError(f"trainer {c.trainer.name!r} did not finish step "
-                              f"{c.version + 1} within timeouts.train_step = {t.train_step:g} s",
-                              c.trainer.name)
-        late = [w.name for w in c.workers
-                if c.acked[w.name] < c.version and w.name not in self.warming]
-        warming = [name for name, (_, _, started) in self.warming.items()
-                   if now - started > t.weight_update]
+            raise WorkerError(
+                f"trainer {c.trainer.name!r} did not finish step "
+                f"{c.version + 1} within timeouts.train_step = {t.train_step:g} s",
+                c.trainer.name,
+            )
+        late = [
+            w.name for w in c.workers if c.acked[w.name] < c.version and w.name not in self.warming
+        ]
+        warming = [
+            name
+            for name, (_, _, started) in self.warming.items()
+            if now - started > t.weight_update
+        ]
         if warming:
-            raise WorkerError(f"restarted rollout worker {warming[0]!r} did not load weights "
-                              f"within timeouts.weight_update = {t.weight_update:g} s",
-                              warming[0])
+            raise WorkerError(
+                f"restarted rollout worker {warming[0]!r} did not load weights "
+                f"within timeouts.weight_update = {t.weight_update:g} s",
+                warming[0],
+            )
         if late and now - c.last_step > t.weight_update:
-            raise WorkerError(f"rollout worker {late[0]!r} did not load weights version "
-                              f"{c.version} within timeouts.weight_update = "
-                              f"{t.weight_update:g} s")
+            raise WorkerError(
+                f"rollout worker {late[0]!r} did not load weights version "
+                f"{c.version} within timeouts.weight_update = "
+                f"{t.weight_update:g} s"
+            )
         slow = c.saves.slow(now, t.train_step)
         if slow:
-            raise WorkerError(f"trainer {c.trainer.name!r} did not save its state into "
-                              f"{slow} within timeouts.train_step = {t.train_step:g} s",
-                              c.trainer.name)
-        stalled = [w.name for w in c.workers if c.ledger.running_on(w.name) > 0
-                   and now - c.progress[w.name] > t.rollout_stall]
+            raise WorkerError(
+                f"trainer {c.trainer.name!r} did not save its state into "
+                f"{slow} within timeouts.train_step = {t.train_step:g} s",
+                c.trainer.name,
+            )
+        stalled = [
+            w.name
+            for w in c.workers
+            if c.ledger.running_on(w.name) > 0 and now - c.progress[w.name] > t.rollout_stall
+        ]
         if stalled:
-            raise WorkerError(f"rollout worker {stalled[0]!r} finished no rollout within "
-                              f"timeouts.rollout_stall = {t.rollout_stall:g} s "
-                              f"({c.ledger.running_on(stalled[0])} running)")
+            raise WorkerError(
+                f"rollout worker {stalled[0]!r} finished no rollout within "
+                f"timeouts.rollout_stall = {t.rollout_stall:g} s "
+                f"({c.ledger.running_on(stalled[0])} running)"
+            )

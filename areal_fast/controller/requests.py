@@ -4,15 +4,11 @@ chat prompts, and one :class:`~areal_fast.controller.messages.GroupRequest` per 
 from __future__ import annotations
 
 import random
-import time
-from dataclasses import dataclass
-from typing import Callable, Optional
 
 from areal_fast.controller.messages import GroupRequest
 from areal_fast.data.problems import MathProblem
-from areal_fast.data.rewards import apply_chat_template, build_prompt_messages, math_reward
-from areal_fast.rl.batch import Trajectory
-from areal_fast.rollout.engine import InferenceEngine, SamplingParams, sample_seed
+from areal_fast.data.rewards import apply_chat_template, build_prompt_messages
+from areal_fast.rollout.engine import SamplingParams, sample_seed
 
 
 class ProblemStream:
@@ -83,21 +79,29 @@ class MathRequests:
     seeds on every run with the same ``run_seed``.
     """
 
-    def __init__(self, stream: ProblemStream, prompts: ChatPrompts, params: SamplingParams,
-                 run_seed: int):
+    def __init__(
+        self, stream: ProblemStream, prompts: ChatPrompts, params: SamplingParams, run_seed: int
+    ):
         self.stream, self.prompts, self.params, self.run_seed = stream, prompts, params, run_seed
 
     def __call__(self, group_id: int) -> GroupRequest:
         problem = self.stream.next_batch(1)[0]
-        return GroupRequest(group_id, self.prompts(problem), self.params,
-                            group_seed(self.run_seed, group_id), problem.answer, problem.uid,
-                            {"question": problem.question, "answer": problem.answer,
-                             "uid": problem.uid})
+        return GroupRequest(
+            group_id,
+            self.prompts(problem),
+            self.params,
+            group_seed(self.run_seed, group_id),
+            problem.answer,
+            problem.uid,
+            {"question": problem.question, "answer": problem.answer, "uid": problem.uid},
+        )
 
 
-def eval_requests(problems: list[MathProblem], prompts: ChatPrompts,
-                  max_new_tokens: int) -> list[GroupRequest]:
+def eval_requests(
+    problems: list[MathProblem], prompts: ChatPrompts, max_new_tokens: int
+) -> list[GroupRequest]:
     """Greedy, one-sample requests for held-out ``problems`` (group ids -1, -2, ...)."""
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
-    return [GroupRequest(-1 - i, prompts(p), params, 0, p.answer, p.uid)
-            for i, p in enumerate(problems)]
+    return [
+        GroupRequest(-1 - i, prompts(p), params, 0, p.answer, p.uid) for i, p in enumerate(problems)
+    ]

@@ -116,8 +116,13 @@ class RolloutWorker:
         if spec.agent is not None:
             from areal_fast.agent.workload import AgentWorkload
 
-            self.agent = AgentWorkload(spec.agent, self.engine, self.rids, name,
-                                       lambda group: self.inbox.put(("agent_group", group)))
+            self.agent = AgentWorkload(
+                spec.agent,
+                self.engine,
+                self.rids,
+                name,
+                lambda group: self.inbox.put(("agent_group", group)),
+            )
 
     def run(self) -> None:
         """Serve until :class:`Shutdown` (or the controller's pipe closes).
@@ -166,8 +171,13 @@ class RolloutWorker:
                 if first is None and raise_error:
                     first = exc
                 else:
-                    log.error("rollout worker %s: closing %s failed: %s: %s", self.name, what,
-                              type(exc).__name__, exc)
+                    log.error(
+                        "rollout worker %s: closing %s failed: %s: %s",
+                        self.name,
+                        what,
+                        type(exc).__name__,
+                        exc,
+                    )
         if first is not None:
             raise first
 
@@ -215,9 +225,16 @@ class RolloutWorker:
                 self.agent_groups.add(request.group_id)
                 self.agent.submit(request)
                 continue
-            samples = [_Sample(request.group_id, i, list(request.prompt_ids),
-                               sample_seed(request.seed, i), request.params.max_new_tokens)
-                       for i in range(request.params.n)]
+            samples = [
+                _Sample(
+                    request.group_id,
+                    i,
+                    list(request.prompt_ids),
+                    sample_seed(request.seed, i),
+                    request.params.max_new_tokens,
+                )
+                for i in range(request.params.n)
+            ]
             self.groups[request.group_id] = _Group(request, samples, evaluation=evaluation)
             gen.extend(self._request(s) for s in samples)
         self.engine.submit(gen)
@@ -226,9 +243,15 @@ class RolloutWorker:
         params = self.groups[sample.group_id].request.params
         rid = next(self.rids)
         self.running[rid] = sample
-        return GenRequest(rid, sample.prompt_ids + sample.tokens,
-                          sample.budget - len(sample.tokens), params.temperature,
-                          params.top_p, sample.seed, len(sample.tokens))
+        return GenRequest(
+            rid,
+            sample.prompt_ids + sample.tokens,
+            sample.budget - len(sample.tokens),
+            params.temperature,
+            params.top_p,
+            sample.seed,
+            len(sample.tokens),
+        )
 
     def _update_weights(self, message: msg.UpdateWeights) -> None:
         start = time.perf_counter()
@@ -269,27 +292,55 @@ class RolloutWorker:
         texts = [self.decode(s.tokens) for s in group.samples]
         rewards = [float(self.spec.reward_fn(text, request.answer)) for text in texts]
         if group.evaluation:
-            self.eval_records.append({"uid": request.uid, "answer": request.answer,
-                                      "completion": texts[0], "correct": rewards[0] == 1.0,
-                                      "reward": rewards[0]})
+            self.eval_records.append(
+                {
+                    "uid": request.uid,
+                    "answer": request.answer,
+                    "completion": texts[0],
+                    "correct": rewards[0] == 1.0,
+                    "reward": rewards[0],
+                }
+            )
             self.eval_pending -= 1
             self._maybe_finish_eval()
             return
-        trajectories = [Trajectory(s.prompt_ids, s.tokens, s.logprobs, s.versions,
-                                   s.stop_reason, request.group_id, reward)
-                        for s, reward in zip(group.samples, rewards)]
+        trajectories = [
+            Trajectory(
+                s.prompt_ids,
+                s.tokens,
+                s.logprobs,
+                s.versions,
+                s.stop_reason,
+                request.group_id,
+                reward,
+            )
+            for s, reward in zip(group.samples, rewards)
+        ]
         shard = self._put_shard(request.group_id, trajectories)
-        self.conn.send(msg.GroupDone(shard, request.group_id, rewards,
-                                     [len(s.tokens) for s in group.samples],
-                                     [s.stop_reason for s in group.samples],
-                                     sum(s.interruptions for s in group.samples)))
+        self.conn.send(
+            msg.GroupDone(
+                shard,
+                request.group_id,
+                rewards,
+                [len(s.tokens) for s in group.samples],
+                [s.stop_reason for s in group.samples],
+                sum(s.interruptions for s in group.samples),
+            )
+        )
 
     def _put_shard(self, group_id: int, trajectories: list[Trajectory]) -> ShardMetadata:
         """Keep a finished group's packed tensors in the shard store; returns its metadata."""
         tensors = shard_tensors(trajectories)
         path = self.store.put(group_id, tensors)
-        return ShardMetadata(self.name, self.store.address, group_id, len(trajectories), 0,
-                             tensor_metadata(tensors), path)
+        return ShardMetadata(
+            self.name,
+            self.store.address,
+            group_id,
+            len(trajectories),
+            0,
+            tensor_metadata(tensors),
+            path,
+        )
 
     def _finish_agent_group(self, group) -> None:
         if group.group_id not in self.agent_groups:
@@ -301,12 +352,18 @@ class RolloutWorker:
         resumed = int(stats.get("agent/resumed_calls", 0))
         interruptions, self.agent_resumed = resumed - self.agent_resumed, resumed
         shard = self._put_shard(group.group_id, trajectories) if trajectories else None
-        self.conn.send(msg.GroupDone(shard, group.group_id, [t.reward for t in trajectories],
-                                     [t.num_trained_tokens for t in trajectories],
-                                     [t.stop_reason for t in trajectories], interruptions,
-                                     stats,
-                                     [f"{s.drop_reason}: {s.error}" for s in group.sessions
-                                      if s.status != "done"]))
+        self.conn.send(
+            msg.GroupDone(
+                shard,
+                group.group_id,
+                [t.reward for t in trajectories],
+                [t.num_trained_tokens for t in trajectories],
+                [t.stop_reason for t in trajectories],
+                interruptions,
+                stats,
+                [f"{s.drop_reason}: {s.error}" for s in group.sessions if s.status != "done"],
+            )
+        )
 
     def _maybe_finish_eval(self) -> None:
         if self.eval_pending == 0 and self.eval_records is not None:

@@ -19,8 +19,7 @@ def shard_tensors(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
     packed = pack_trajectories(trajectories, torch.zeros(len(trajectories)))
     lengths = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
     out = {name: getattr(packed, name) for name in TOKEN_FIELDS}
-    out.update(seq_lens=lengths.to(torch.int64), rewards=packed.rewards,
-               group_ids=packed.group_ids)
+    out.update(seq_lens=lengths.to(torch.int64), rewards=packed.rewards, group_ids=packed.group_ids)
     return out
 
 
@@ -51,8 +50,10 @@ def read_shard_file(path: str, node: str) -> dict[str, torch.Tensor]:
         data = Path(path).read_bytes()
         tensors = load(data)
     except Exception as exc:  # noqa: BLE001 - missing, truncated, corrupt
-        raise RuntimeError(f"worker {node!r} is gone and its spooled shard {path} cannot be "
-                           f"read ({type(exc).__name__}: {exc})") from exc
+        raise RuntimeError(
+            f"worker {node!r} is gone and its spooled shard {path} cannot be "
+            f"read ({type(exc).__name__}: {exc})"
+        ) from exc
     Path(path).unlink(missing_ok=True)
     return tensors
 
@@ -78,8 +79,10 @@ def send_shards(conn, shards: dict) -> None:
         conn.send_bytes(raw.numpy().data)
 
 
-WIRE_DTYPES = {name: getattr(torch, name) for name in
-               ("int64", "int32", "float32", "float64", "bfloat16", "float16", "bool", "uint8")}
+WIRE_DTYPES = {
+    name: getattr(torch, name)
+    for name in ("int64", "int32", "float32", "float64", "bfloat16", "float16", "bool", "uint8")
+}
 
 
 def recv_shards(conn, node: str, timeout: float = 300.0) -> dict:
@@ -99,23 +102,34 @@ def recv_shards(conn, node: str, timeout: float = 300.0) -> dict:
         tensors = {}
         for name, (dtype, shape, nbytes) in entry.items():
             if dtype not in WIRE_DTYPES:
-                raise RuntimeError(f"worker {node!r} sent shard {shard_id} field {name!r} with "
-                                   f"unsupported dtype {dtype!r}")
+                raise RuntimeError(
+                    f"worker {node!r} sent shard {shard_id} field {name!r} with "
+                    f"unsupported dtype {dtype!r}"
+                )
             expected = math.prod(shape) * torch.empty(0, dtype=WIRE_DTYPES[dtype]).element_size()
             if nbytes != expected:
-                raise RuntimeError(f"worker {node!r} announced {nbytes} bytes for shard "
-                                   f"{shard_id} field {name!r} of shape {shape} {dtype} "
-                                   f"({expected} expected)")
+                raise RuntimeError(
+                    f"worker {node!r} announced {nbytes} bytes for shard "
+                    f"{shard_id} field {name!r} of shape {shape} {dtype} "
+                    f"({expected} expected)"
+                )
             if nbytes and not conn.poll(timeout):
-                raise TimeoutError(f"worker {node!r} stopped sending shard {shard_id} field "
-                                   f"{name!r} for more than {timeout:g} s")
+                raise TimeoutError(
+                    f"worker {node!r} stopped sending shard {shard_id} field "
+                    f"{name!r} for more than {timeout:g} s"
+                )
             buffer = bytearray(nbytes)
             got = conn.recv_bytes_into(buffer) if nbytes else 0
             if got != nbytes:
-                raise RuntimeError(f"worker {node!r} sent {got} bytes for shard {shard_id} "
-                                   f"field {name!r}, its header said {nbytes}")
-            flat = torch.frombuffer(buffer, dtype=torch.uint8) if nbytes else \
-                torch.empty(0, dtype=torch.uint8)
+                raise RuntimeError(
+                    f"worker {node!r} sent {got} bytes for shard {shard_id} "
+                    f"field {name!r}, its header said {nbytes}"
+                )
+            flat = (
+                torch.frombuffer(buffer, dtype=torch.uint8)
+                if nbytes
+                else torch.empty(0, dtype=torch.uint8)
+            )
             tensors[name] = flat.view(WIRE_DTYPES[dtype]).reshape(shape)
         out[int(shard_id)] = tensors
     return out

@@ -20,14 +20,14 @@ from pathlib import Path
 import msgpack
 import torch
 
-from areal_fast.ops.packing import partition_balanced
-from areal_fast.rl.batch import PackedBatch, assemble_packed_batch
 from areal_fast.controller.shard_io import (
     read_shard_file,
     recv_shards,
     send_shards,
     write_shard_file,
 )
+from areal_fast.ops.packing import partition_balanced
+from areal_fast.rl.batch import PackedBatch, assemble_packed_batch
 
 log = logging.getLogger("areal_fast.shards")
 
@@ -88,8 +88,17 @@ class DistributedBatch:
     def __post_init__(self):
         offset, placed = 0, []
         for shard in self.shards:
-            placed.append(ShardMetadata(shard.node_id, shard.node_addr, shard.shard_id,
-                                        shard.batch_size, offset, shard.fields, shard.path))
+            placed.append(
+                ShardMetadata(
+                    shard.node_id,
+                    shard.node_addr,
+                    shard.shard_id,
+                    shard.batch_size,
+                    offset,
+                    shard.fields,
+                    shard.path,
+                )
+            )
             offset += shard.batch_size
         self.shards = placed
 
@@ -115,12 +124,14 @@ class DistributedBatch:
             If num_parts < 1 or there are fewer shards than parts.
         """
         if num_parts < 1 or num_parts > len(self.shards):
-            raise ValueError(f"num_parts = {num_parts} must be in [1, {len(self.shards)}] "
-                             f"(shards in the batch)")
+            raise ValueError(
+                f"num_parts = {num_parts} must be in [1, {len(self.shards)}] (shards in the batch)"
+            )
         lengths = [s.num_tokens for s in self.shards]
         # a budget of the whole batch never forces extra parts: exactly num_parts come back
-        parts = partition_balanced(lengths, max(sum(lengths), 1), method="kk",
-                                   min_num_mbs=num_parts)
+        parts = partition_balanced(
+            lengths, max(sum(lengths), 1), method="kk", min_num_mbs=num_parts
+        )
         return [DistributedBatch([self.shards[i] for i in sorted(part)]) for part in parts]
 
 
@@ -136,8 +147,10 @@ def _no_delay(conn) -> None:
 
 def tensor_metadata(tensors: dict[str, torch.Tensor]) -> dict[str, TensorMetadata]:
     """:class:`TensorMetadata` of each tensor in ``tensors``."""
-    return {k: TensorMetadata(tuple(v.shape), str(v.dtype).split(".")[-1], str(v.device))
-            for k, v in tensors.items()}
+    return {
+        k: TensorMetadata(tuple(v.shape), str(v.dtype).split(".")[-1], str(v.device))
+        for k, v in tensors.items()
+    }
 
 
 class ShardStore:
@@ -251,15 +264,18 @@ def _connect(address: tuple[str, int], authkey: bytes, timeout: float, node: str
     thread.start()
     thread.join(timeout)
     if thread.is_alive():
-        raise TimeoutError(f"connecting to worker {node!r} ({address[0]}:{address[1]}) took "
-                           f"more than {timeout:g} s")
+        raise TimeoutError(
+            f"connecting to worker {node!r} ({address[0]}:{address[1]}) took "
+            f"more than {timeout:g} s"
+        )
     if "error" in box:
         raise box["error"]
     return box["conn"]
 
 
-def fetch_shards(batch: DistributedBatch, authkey: bytes, timeout: float
-                 ) -> list[dict[str, torch.Tensor]]:
+def fetch_shards(
+    batch: DistributedBatch, authkey: bytes, timeout: float
+) -> list[dict[str, torch.Tensor]]:
     """Fetch every shard of ``batch`` from its worker, in the batch's order.
 
     Raises
@@ -287,8 +303,9 @@ def fetch_shards(batch: DistributedBatch, authkey: bytes, timeout: float
     return [fetched[(s.node_addr, s.shard_id)] for s in batch.shards]
 
 
-def _fetch_from_worker(addr: str, shards: list[ShardMetadata], authkey: bytes,
-                       timeout: float) -> dict:
+def _fetch_from_worker(
+    addr: str, shards: list[ShardMetadata], authkey: bytes, timeout: float
+) -> dict:
     node = shards[0].node_id
     host, port = addr.rsplit(":", 1)
     try:
@@ -296,17 +313,19 @@ def _fetch_from_worker(addr: str, shards: list[ShardMetadata], authkey: bytes,
             _no_delay(conn)
             conn.send_bytes(msgpack.packb({"fetch": [s.shard_id for s in shards]}))
             if not conn.poll(timeout):
-                raise TimeoutError(f"fetching {len(shards)} shards from worker {node!r} "
-                                   f"({addr}) took more than {timeout:g} s")
+                raise TimeoutError(
+                    f"fetching {len(shards)} shards from worker {node!r} "
+                    f"({addr}) took more than {timeout:g} s"
+                )
             return recv_shards(conn, node, timeout)
     except (TimeoutError, RuntimeError):
         raise
     except (OSError, EOFError) as exc:
-        raise RuntimeError(f"fetching shards from worker {node!r} ({addr}) failed: "
-                           f"{exc}") from exc
+        raise RuntimeError(f"fetching shards from worker {node!r} ({addr}) failed: {exc}") from exc
 
 
-def fetch_packed_batch(batch: DistributedBatch, authkey: bytes, adv_mode: str,
-                       timeout: float) -> PackedBatch:
+def fetch_packed_batch(
+    batch: DistributedBatch, authkey: bytes, adv_mode: str, timeout: float
+) -> PackedBatch:
     """:func:`fetch_shards` then :func:`~areal_fast.rl.batch.assemble_packed_batch`."""
     return assemble_packed_batch(fetch_shards(batch, authkey, timeout), adv_mode)

@@ -55,11 +55,12 @@ class StalenessManager:
         A parameter out of range (named in the message).
     """
 
-    def __init__(self, batch_size: int, max_head_offpolicyness: int,
-                 max_concurrent_rollouts: int):
-        for name, value, low in (("batch_size", batch_size, 1),
-                                 ("max_head_offpolicyness", max_head_offpolicyness, 0),
-                                 ("max_concurrent_rollouts", max_concurrent_rollouts, 1)):
+    def __init__(self, batch_size: int, max_head_offpolicyness: int, max_concurrent_rollouts: int):
+        for name, value, low in (
+            ("batch_size", batch_size, 1),
+            ("max_head_offpolicyness", max_head_offpolicyness, 0),
+            ("max_concurrent_rollouts", max_concurrent_rollouts, 1),
+        ):
             if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
                 raise ValueError(f"{name} = {value!r} must be an integer >= {low}")
         self.batch_size = int(batch_size)

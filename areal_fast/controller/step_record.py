@@ -17,7 +17,7 @@ from areal_fast.controller.ledger import Ledger, TrainingBatch
 STEP_METRICS: dict[str, str] = {
     # which step
     "step": "training step (1, 2, ...) = the policy version it produced (rollout workers "
-            "load it next)",
+    "load it next)",
     # the batch's rollouts
     "reward_mean": "mean reward over the batch's samples",
     "accuracy": "fraction of the batch's samples with reward 1",
@@ -39,16 +39,13 @@ STEP_METRICS: dict[str, str] = {
     "behav_logprob_abs_diff": "mean |trainer - engine| log-prob of the trained tokens",
     "behav_weight_mean": "decoupled PPO: mean behaviour importance weight",
     "behav_weight_masked_fraction": "decoupled PPO: fraction of tokens over behav_weight_cap",
-    "kl / entropy_mean / clip_fraction / ratio_mean / approx_kl / num_tokens":
-        "loss statistics of rl.objectives.grpo_loss (means over trained tokens)",
+    "kl / entropy_mean / clip_fraction / ratio_mean / approx_kl / num_tokens": "loss statistics of rl.objectives.grpo_loss (means over trained tokens)",
     "fetch_wait_seconds": "trainer waiting for the batch's shards after the step began, s",
     # tokens and speed
     "trained_tokens": "completion tokens trained in this step (loss mask, every trainer rank)",
     "train_tokens_per_s": "this step: batch tokens (prompt + completion) / train_seconds",
-    "trained_tokens_per_s_cumulative":
-        "completion tokens trained since the controller started / wall seconds since then",
-    "gen_tokens_per_s_cumulative":
-        "completion tokens generated since the controller started / wall seconds since then",
+    "trained_tokens_per_s_cumulative": "completion tokens trained since the controller started / wall seconds since then",
+    "gen_tokens_per_s_cumulative": "completion tokens generated since the controller started / wall seconds since then",
     # time
     "fetch_seconds": "trainer fetching the batch's shards from the rollout workers, s",
     "train_seconds": "trainer forward, backward and optimizer updates, s",
@@ -62,16 +59,25 @@ STEP_METRICS: dict[str, str] = {
     "rollouts_dropped_total": "prompt groups dropped so far, every reason together",
     # agent workloads only
     "agent/* and trajectory/*": "agent session and trajectory-store totals over the rollout "
-                                "workers (trajectory/compression_ratio from summed bytes)",
+    "workers (trajectory/compression_ratio from summed bytes)",
 }
 
 # keys of the trainer's stats that repeat a record key under another name
 _TRAINER_DUPLICATES = ("version",)  # = step
 
 
-def step_record(batch: TrainingBatch, done: msg.StepDone, ledger: Ledger, *,
-                trained_tokens: int, since_start: float, since_last_step: float,
-                trainer_wait: float, elapsed: float, agent_stats: dict) -> dict:
+def step_record(
+    batch: TrainingBatch,
+    done: msg.StepDone,
+    ledger: Ledger,
+    *,
+    trained_tokens: int,
+    since_start: float,
+    since_last_step: float,
+    trainer_wait: float,
+    elapsed: float,
+    agent_stats: dict,
+) -> dict:
     """The metrics record of one step (keys: :data:`STEP_METRICS`).
 
     Parameters
@@ -111,11 +117,14 @@ def step_record(batch: TrainingBatch, done: msg.StepDone, ledger: Ledger, *,
         / max(done.train_seconds, 1e-9),
         "trained_tokens_per_s_cumulative": trained_tokens / since_start,
         "gen_tokens_per_s_cumulative": ledger.generated_tokens / since_start,
-        "fetch_seconds": done.fetch_seconds, "train_seconds": done.train_seconds,
+        "fetch_seconds": done.fetch_seconds,
+        "train_seconds": done.train_seconds,
         "publish_seconds": done.publish_seconds,
-        "trainer_wait_seconds": trainer_wait, "step_seconds": since_last_step,
+        "trainer_wait_seconds": trainer_wait,
+        "step_seconds": since_last_step,
         "elapsed_seconds": elapsed,
-        "rollouts_running": ledger.running, "rollouts_ready": ledger.num_ready,
+        "rollouts_running": ledger.running,
+        "rollouts_ready": ledger.num_ready,
         "rollouts_dropped_total": sum(ledger.counts.dropped.values()),
         **agent_totals(agent_stats),
     }
@@ -130,6 +139,7 @@ def agent_totals(agent_stats: dict) -> dict:
         totals.update(stats)
     if "trajectory/compression_ratio" in totals:
         stored = totals.get("trajectory/stored_bytes", 0)
-        totals["trajectory/compression_ratio"] = \
+        totals["trajectory/compression_ratio"] = (
             totals.get("trajectory/raw_bytes", 0) / stored if stored else 0.0
+        )
     return dict(totals)

@@ -12,8 +12,8 @@ import multiprocessing as mp
 import os
 import selectors
 import traceback
-from typing import Optional
 from multiprocessing.connection import wait
+from typing import Optional
 
 from areal_fast.controller.codec import CodecError, MessageChannel
 from areal_fast.controller.messages import WorkerFailed
@@ -57,7 +57,7 @@ class WorkerHandle:
         return None
 
     def exit_status(self) -> str:
-        """"still running", "exit code N", or what else is known of its end."""
+        """ "still running", "exit code N", or what else is known of its end."""
         return "exited"
 
     def send(self, message) -> None:
@@ -71,13 +71,15 @@ class WorkerHandle:
         try:
             self.conn.send(message)
         except (OSError, ValueError) as exc:
-            raise WorkerError(f"worker {self.name!r} is unreachable "
-                              f"({self.exit_status()}): {exc}", self.name, died=True) from exc
+            raise WorkerError(
+                f"worker {self.name!r} is unreachable ({self.exit_status()}): {exc}",
+                self.name,
+                died=True,
+            ) from exc
 
     def died_message(self, doing: str) -> str:
         """One line saying that this worker died and what it was doing."""
-        return (f"worker {self.name!r} (pid {self.pid}) died with "
-                f"{self.exit_status()} {doing}")
+        return f"worker {self.name!r} (pid {self.pid}) died with {self.exit_status()} {doing}"
 
     def reap(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a dead worker's exit status."""
@@ -147,8 +149,9 @@ def spawn_worker(name: str, target, spec, authkey: bytes) -> ProcessHandle:
     """
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)
-    process = ctx.Process(target=_worker_entry, args=(target, child, name, spec, authkey),
-                          name=name, daemon=True)
+    process = ctx.Process(
+        target=_worker_entry, args=(target, child, name, spec, authkey), name=name, daemon=True
+    )
     process.start()
     child.close()
     return ProcessHandle(name, process, MessageChannel(parent))
@@ -169,16 +172,17 @@ def _receive(handle: WorkerHandle, doing: str):
         handle.reap(1.0)
         raise WorkerError(handle.died_message(doing), handle.name, died=True) from None
     except CodecError as exc:
-        raise WorkerError(f"worker {handle.name!r} sent an undecodable message "
-                          f"{doing}: {exc}", handle.name) from None
+        raise WorkerError(
+            f"worker {handle.name!r} sent an undecodable message {doing}: {exc}", handle.name
+        ) from None
     if isinstance(message, WorkerFailed):
-        raise WorkerError(f"worker {message.name!r} failed {doing}: "
-                          f"{message.message}", handle.name)
+        raise WorkerError(f"worker {message.name!r} failed {doing}: {message.message}", handle.name)
     return message
 
 
-def wait_messages(handles: list[WorkerHandle], timeout: float, doing: str
-                  ) -> list[tuple[WorkerHandle, object]]:
+def wait_messages(
+    handles: list[WorkerHandle], timeout: float, doing: str
+) -> list[tuple[WorkerHandle, object]]:
     """Every message that arrives within ``timeout`` seconds (at least one unless timed out).
 
     Returns a possibly empty list of (handle, message) when the time runs out.
@@ -222,8 +226,7 @@ class MessageWaiter:
             self._selector.register(handle.conn.fileno(), selectors.EVENT_READ, (handle, False))
             if handle.sentinel is not None:
                 try:
-                    self._selector.register(handle.sentinel, selectors.EVENT_READ,
-                                            (handle, True))
+                    self._selector.register(handle.sentinel, selectors.EVENT_READ, (handle, True))
                 except KeyError:  # a sentinel shared by several handles
                     pass
 
@@ -249,8 +252,7 @@ class MessageWaiter:
         for handle in exited:
             if self._failure is None and not handle.conn.poll():  # last messages first
                 handle.reap(1.0)
-                self._failure = WorkerError(handle.died_message(doing), handle.name,
-                                            died=True)
+                self._failure = WorkerError(handle.died_message(doing), handle.name, died=True)
         if self._failure is not None and not out:
             failure, self._failure = self._failure, None
             raise failure

@@ -310,9 +310,7 @@ def apply_chat_template(tokenizer: Any, messages: list[dict]) -> list[int]:
         Prompt token ids.
     """
     if getattr(tokenizer, "chat_template", None):
-        encoded = tokenizer.apply_chat_template(
-            messages, tokenize=True, add_generation_prompt=True
-        )
+        encoded = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
         return _as_token_list(encoded)
     text = "\n".join(str(m["content"]) for m in messages) + "\nAnswer:"
     return [int(t) for t in tokenizer.encode(text)]

@@ -44,11 +44,11 @@ __all__ = ["AFGRPOTrainer", "trl_loss_config"]
 
 # TRL loss_type -> areal_fast aggregation of the per-token loss over one micro-batch.
 _AGGREGATION = {
-    "grpo": "seq_mean_token_mean",   # mean over tokens of each sequence, then over sequences
-    "bnpo": "token_mean",            # mean over the micro-batch's tokens
+    "grpo": "seq_mean_token_mean",  # mean over tokens of each sequence, then over sequences
+    "bnpo": "token_mean",  # mean over the micro-batch's tokens
     "dr_grpo": "seq_mean_token_sum",  # token sum / (B * max_completion_length)
-    "dapo": "token_sum",             # token sum / tokens of the whole accumulated batch
-    "luspo": "seq_mean_token_sum",   # token sum / B (seq_len_norm = 1)
+    "dapo": "token_sum",  # token sum / tokens of the whole accumulated batch
+    "luspo": "seq_mean_token_sum",  # token sum / B (seq_len_norm = 1)
 }
 _NO_EQUIVALENT = {
     "cispo": "clips the detached importance weight of a REINFORCE-style term",
@@ -102,8 +102,10 @@ def trl_loss_config(args) -> LossConfig:
     """
     loss_type = args.loss_type
     if loss_type in _NO_EQUIVALENT:
-        raise ValueError(f"loss_type = {loss_type!r} has no areal_fast equivalent (it "
-                         f"{_NO_EQUIVALENT[loss_type]}); use one of {tuple(_AGGREGATION)}")
+        raise ValueError(
+            f"loss_type = {loss_type!r} has no areal_fast equivalent (it "
+            f"{_NO_EQUIVALENT[loss_type]}); use one of {tuple(_AGGREGATION)}"
+        )
     if loss_type not in _AGGREGATION:
         raise ValueError(f"loss_type = {loss_type!r} is not one of {tuple(_AGGREGATION)}")
     eps = float(args.epsilon)
@@ -119,34 +121,47 @@ def trl_loss_config(args) -> LossConfig:
         raise ValueError(f"delta = {delta} must be > 1 + epsilon_high = {1 + eps_high}")
     level = getattr(args, "importance_sampling_level", "token")
     if level not in ("token", "sequence"):
-        raise ValueError(f"importance_sampling_level = {level!r} is not one of "
-                         f"('token', 'sequence')")
+        raise ValueError(
+            f"importance_sampling_level = {level!r} is not one of ('token', 'sequence')"
+        )
     beta = float(args.beta)
     if not (beta >= 0 and math.isfinite(beta)):
         raise ValueError(f"beta = {beta} must be a finite number >= 0")
     if beta != 0 and getattr(args, "use_bias_correction_kl", False):
-        raise ValueError("use_bias_correction_kl = True (KL weighted by the importance ratio) "
-                         "has no areal_fast equivalent; set it to False or beta = 0")
+        raise ValueError(
+            "use_bias_correction_kl = True (KL weighted by the importance ratio) "
+            "has no areal_fast equivalent; set it to False or beta = 0"
+        )
     if getattr(args, "top_entropy_quantile", 1.0) < 1.0:
-        raise ValueError(f"top_entropy_quantile = {args.top_entropy_quantile} has no "
-                         f"areal_fast equivalent; use 1.0")
+        raise ValueError(
+            f"top_entropy_quantile = {args.top_entropy_quantile} has no "
+            f"areal_fast equivalent; use 1.0"
+        )
     if getattr(args, "off_policy_mask_threshold", None) is not None:
-        raise ValueError(f"off_policy_mask_threshold = {args.off_policy_mask_threshold} has "
-                         f"no areal_fast equivalent; use None")
+        raise ValueError(
+            f"off_policy_mask_threshold = {args.off_policy_mask_threshold} has "
+            f"no areal_fast equivalent; use None"
+        )
     if getattr(args, "use_adaptive_entropy", False):
-        raise ValueError("use_adaptive_entropy = True has no areal_fast equivalent; use a "
-                         "fixed entropy_coef")
+        raise ValueError(
+            "use_adaptive_entropy = True has no areal_fast equivalent; use a fixed entropy_coef"
+        )
     tis_cap = None
-    if getattr(args, "use_vllm", False) and getattr(args, "vllm_importance_sampling_correction",
-                                                   False):
+    if getattr(args, "use_vllm", False) and getattr(
+        args, "vllm_importance_sampling_correction", False
+    ):
         mode = args.vllm_importance_sampling_mode
         if mode != "token_truncate":
-            raise ValueError(f"vllm_importance_sampling_mode = {mode!r} has no areal_fast "
-                             f"equivalent; use 'token_truncate'")
+            raise ValueError(
+                f"vllm_importance_sampling_mode = {mode!r} has no areal_fast "
+                f"equivalent; use 'token_truncate'"
+            )
         if args.vllm_importance_sampling_clip_min is not None:
-            raise ValueError(f"vllm_importance_sampling_clip_min = "
-                             f"{args.vllm_importance_sampling_clip_min} has no areal_fast "
-                             f"equivalent; use None")
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min = "
+                f"{args.vllm_importance_sampling_clip_min} has no areal_fast "
+                f"equivalent; use None"
+            )
         clip_max = args.vllm_importance_sampling_clip_max
         tis_cap = math.inf if clip_max is None else float(clip_max)
         if not tis_cap > 0:
@@ -155,15 +170,23 @@ def trl_loss_config(args) -> LossConfig:
     if loss_type == "dr_grpo":
         seq_len_norm = args.max_completion_length
         if seq_len_norm is None or not seq_len_norm > 0:
-            raise ValueError(f"max_completion_length = {seq_len_norm} must be > 0 for "
-                             f"loss_type = 'dr_grpo'")
+            raise ValueError(
+                f"max_completion_length = {seq_len_norm} must be > 0 for loss_type = 'dr_grpo'"
+            )
         seq_len_norm = float(seq_len_norm)
     elif loss_type == "luspo":
         seq_len_norm = 1.0
-    return LossConfig(eps_clip=eps, eps_clip_high=eps_high,
-                      dual_clip_c=None if delta is None else float(delta), ratio_level=level,
-                      aggregation=_AGGREGATION[loss_type], seq_len_norm=seq_len_norm,
-                      kl_coef=beta, kl_estimator="k3", tis_cap=tis_cap)
+    return LossConfig(
+        eps_clip=eps,
+        eps_clip_high=eps_high,
+        dual_clip_c=None if delta is None else float(delta),
+        ratio_level=level,
+        aggregation=_AGGREGATION[loss_type],
+        seq_len_norm=seq_len_norm,
+        kl_coef=beta,
+        kl_estimator="k3",
+        tis_cap=tis_cap,
+    )
 
 
 def _logit_scale(config) -> float:
@@ -175,8 +198,9 @@ def _logit_scale(config) -> float:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "final_logit_softcapping", None)
     if softcap is not None:
-        raise ValueError(f"final_logit_softcapping = {softcap} (model config) has no "
-                         f"areal_fast equivalent")
+        raise ValueError(
+            f"final_logit_softcapping = {softcap} (model config) has no areal_fast equivalent"
+        )
     scale, name = 1.0, "logit_scale"
     for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
         value = getattr(text, name, None)
@@ -238,10 +262,17 @@ class AFGRPOTrainer(GRPOTrainer):
         self.af_loss_config = trl_loss_config(self.args)
         _logit_scale(self.model.config)  # fail now on a model the log-prob path cannot handle
 
-    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask,
-                                           logits_to_keep, batch_size=None,
-                                           compute_entropy=False, compute_aux_loss=False,
-                                           **multimodal):
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
         """Completion log-probs (and entropies) through :func:`areal_fast.linear_logprobs`.
 
         Parameters
@@ -297,12 +328,13 @@ class AFGRPOTrainer(GRPOTrainer):
             with self.accelerator.autocast():
                 outputs = model(**inputs)
             # position t's hidden state predicts token t + 1
-            hidden = outputs.hidden_states[-1][:, -logits_to_keep - 1:-1]
+            hidden = outputs.hidden_states[-1][:, -logits_to_keep - 1 : -1]
             valid = attention_mask[rows, -logits_to_keep:].bool()
             packed = hidden[valid.to(hidden.device)].to(device=weight.device, dtype=weight.dtype)
             labels = ids[:, -logits_to_keep:][valid].to(weight.device)
-            logps, entropy = linear_logprobs(packed, weight, labels, temperature=temperature,
-                                             return_entropy=True, bias=bias)
+            logps, entropy = linear_logprobs(
+                packed, weight, labels, temperature=temperature, return_entropy=True, bias=bias
+            )
             valid = valid.to(logps.device)
             all_logps.append(logps.new_zeros(valid.shape).masked_scatter(valid, logps))
             if compute_entropy:
@@ -338,10 +370,15 @@ class AFGRPOTrainer(GRPOTrainer):
         if "tool_mask" in inputs:  # multi-turn: tool-output tokens carry no loss
             mask = completion_mask * inputs["tool_mask"]
         logps, entropies, aux_loss = self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, length, compute_entropy=True,
+            model,
+            input_ids,
+            attention_mask,
+            length,
+            compute_entropy=True,
             compute_aux_loss=self.aux_loss_enabled,
             token_type_ids=inputs.get("token_type_ids"),
-            mm_token_type_ids=inputs.get("mm_token_type_ids"))
+            mm_token_type_ids=inputs.get("mm_token_type_ids"),
+        )
         mask = mask.to(logps.dtype)
         advantages = inputs["advantages"]
         old_logps = inputs.get("old_per_token_logps")
@@ -355,16 +392,22 @@ class AFGRPOTrainer(GRPOTrainer):
             engine_logps = torch.where(torch.isnan(sampling), old_logps, sampling).reshape(-1)
         cu_seqlens = torch.arange(num_seqs + 1, device=logps.device, dtype=torch.int32) * length
         loss, stats = grpo_loss(
-            logps.reshape(-1), old_logps.reshape(-1),
+            logps.reshape(-1),
+            old_logps.reshape(-1),
             advantages if advantages.dim() == 1 else advantages.reshape(-1),
-            mask.reshape(-1) > 0, cu_seqlens, config, ref_logprobs=ref_logps,
-            engine_logprobs=engine_logps)
+            mask.reshape(-1) > 0,
+            cu_seqlens,
+            config,
+            ref_logprobs=ref_logps,
+            engine_logprobs=engine_logps,
+        )
 
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
         if self.loss_type == "dapo":
-            normalizer = (inputs["num_items_in_batch"].clamp(min=1.0)
-                          / self.accelerator.num_processes)
+            normalizer = (
+                inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            )
             if mode == "train":
                 normalizer = normalizer * accumulation / self.args.steps_per_generation
             loss = loss / normalizer
@@ -378,20 +421,25 @@ class AFGRPOTrainer(GRPOTrainer):
         if self.entropy_coef != 0.0:
             loss = loss - self.entropy_coef * _masked_mean(entropies, mask) / accumulation
             self._metrics[mode]["policy_loss"].append(
-                self.accelerator.gather(policy_loss).nanmean().item())
+                self.accelerator.gather(policy_loss).nanmean().item()
+            )
             if mode == "train" and self.accelerator.sync_gradients:
                 self._metrics[mode]["entropy_coef"].append(self.entropy_coef)
         if aux_loss is not None:
             loss = loss + self.router_aux_loss_coef * aux_loss / accumulation
             self._metrics[mode]["aux_loss"].append(
-                self.accelerator.gather_for_metrics(aux_loss).mean().item())
-        self._log_loss_metrics(mode, logps, old_logps, advantages, mask, entropies, ref_logps,
-                               stats)
+                self.accelerator.gather_for_metrics(aux_loss).mean().item()
+            )
+        self._log_loss_metrics(
+            mode, logps, old_logps, advantages, mask, entropies, ref_logps, stats
+        )
         return loss
 
-    def _log_loss_metrics(self, mode, logps, old_logps, advantages, mask, entropies, ref_logps,
-                          stats):
+    def _log_loss_metrics(
+        self, mode, logps, old_logps, advantages, mask, entropies, ref_logps, stats
+    ):
         """Append TRL-named metrics (global means over processes) to ``self._metrics``."""
+
         def global_mean(values, weights):
             totals = torch.stack([(values * weights).sum(), weights.sum().to(values.dtype)])
             totals = self.accelerator.reduce(totals, reduction="sum")
@@ -406,8 +454,9 @@ class AFGRPOTrainer(GRPOTrainer):
             config = self.af_loss_config
             log_ratio = torch.where(mask > 0, logps - old_logps, 0.0)
             if config.ratio_level == "sequence":
-                log_ratio = (log_ratio.sum(-1, keepdim=True)
-                             / mask.sum(-1, keepdim=True).clamp(min=1))
+                log_ratio = log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(
+                    min=1
+                )
             ratio = torch.exp(log_ratio)
             adv = advantages if advantages.dim() == 2 else advantages[:, None]
             low = ((ratio < 1 - config.eps_clip) & (adv < 0)).to(logps.dtype)
@@ -417,8 +466,7 @@ class AFGRPOTrainer(GRPOTrainer):
             weights = torch.ones_like(low) if low.shape[1] == 1 else mask
             metrics["clip_ratio/low_mean"].append(global_mean(low, weights))
             metrics["clip_ratio/high_mean"].append(global_mean(high, weights))
-            metrics["clip_ratio/region_mean"].append(
-                global_mean(torch.maximum(low, high), weights))
+            metrics["clip_ratio/region_mean"].append(global_mean(torch.maximum(low, high), weights))
             for name in ("approx_kl", "ratio_mean"):
                 value = self.accelerator.reduce(stats[name].detach(), reduction="mean")
                 metrics[f"af/{name}"].append(value.item())

@@ -32,8 +32,13 @@ from areal_fast.rl.objectives import grpo_loss
 
 __all__ = ["register_verl_policy_loss", "verl_loss_config", "verl_policy_loss"]
 
-LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
-                  "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = (
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
 # verl clamps the log-ratio to this range before exponentiating
 _LOG_RATIO_CLAMP = 20.0
 
@@ -50,19 +55,26 @@ def _check_template(template: LossConfig | None) -> LossConfig:
     template = LossConfig() if template is None else template
     for name in ("kl_coef", "entropy_coef"):
         if getattr(template, name) != 0:
-            raise ValueError(f"config.{name} must be 0: verl adds its own KL and entropy terms "
-                             f"(actor.use_kl_loss, actor.entropy_coeff)")
+            raise ValueError(
+                f"config.{name} must be 0: verl adds its own KL and entropy terms "
+                f"(actor.use_kl_loss, actor.entropy_coeff)"
+            )
     if template.behav_weight_cap is not None:
         raise ValueError("config.behav_weight_cap has no verl input (no proximal log-probs)")
     if template.tis_cap is not None:
-        raise ValueError("config.tis_cap must be None: verl passes its rollout importance "
-                         "weights (policy_loss.rollout_correction) ready-made")
+        raise ValueError(
+            "config.tis_cap must be None: verl passes its rollout importance "
+            "weights (policy_loss.rollout_correction) ready-made"
+        )
     return template
 
 
-def verl_loss_config(actor_config, loss_agg_mode: str = "token-mean",
-                     response_length: int | None = None,
-                     template: LossConfig | None = None) -> LossConfig:
+def verl_loss_config(
+    actor_config,
+    loss_agg_mode: str = "token-mean",
+    response_length: int | None = None,
+    template: LossConfig | None = None,
+) -> LossConfig:
     """Map verl actor options to the :class:`areal_fast.LossConfig` of the policy loss.
 
     - ``clip_ratio_low`` (or ``clip_ratio``) → ``eps_clip``
@@ -125,17 +137,27 @@ def verl_loss_config(actor_config, loss_agg_mode: str = "token-mean",
         factor = info.get("loss_scale_factor")
         if factor is None:
             if response_length is None:
-                raise ValueError("response_length is required for loss_agg_mode = "
-                                 "'seq-mean-token-sum-norm' without loss_scale_factor")
+                raise ValueError(
+                    "response_length is required for loss_agg_mode = "
+                    "'seq-mean-token-sum-norm' without loss_scale_factor"
+                )
             factor = response_length
         seq_len_norm = float(factor)
         if not seq_len_norm > 0:
             raise ValueError(f"loss_scale_factor = {factor} must be > 0")
-    aggregation = {"token-mean": "token_mean", "token-sum": "token_sum",
-                   "seq-mean-token-mean": "seq_mean_token_mean"}.get(loss_agg_mode,
-                                                                     "seq_mean_token_sum")
-    return replace(template, eps_clip=low, eps_clip_high=high, dual_clip_c=dual,
-                   aggregation=aggregation, seq_len_norm=seq_len_norm)
+    aggregation = {
+        "token-mean": "token_mean",
+        "token-sum": "token_sum",
+        "seq-mean-token-mean": "seq_mean_token_mean",
+    }.get(loss_agg_mode, "seq_mean_token_sum")
+    return replace(
+        template,
+        eps_clip=low,
+        eps_clip_high=high,
+        dual_clip_c=dual,
+        aggregation=aggregation,
+        seq_len_norm=seq_len_norm,
+    )
 
 
 def _global_scale(loss_agg_mode: str, mask: torch.Tensor, info: dict):
@@ -164,11 +186,17 @@ def _global_scale(loss_agg_mode: str, mask: torch.Tensor, info: dict):
     return rows / nonempty.clamp(min=1) if num_seqs is None else rows * dp_size / num_seqs
 
 
-def verl_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
-                     advantages: torch.Tensor, response_mask: torch.Tensor,
-                     loss_agg_mode: str = "token-mean", config=None,
-                     rollout_is_weights: torch.Tensor | None = None, *,
-                     template: LossConfig | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+def verl_policy_loss(
+    old_log_prob: torch.Tensor,
+    log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    loss_agg_mode: str = "token-mean",
+    config=None,
+    rollout_is_weights: torch.Tensor | None = None,
+    *,
+    template: LossConfig | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """verl policy-loss function computed by :func:`areal_fast.grpo_loss`.
 
     Same signature and return convention as verl 0.9.1's registered policy losses
@@ -220,12 +248,16 @@ def verl_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
         raise ValueError("config (verl actor config) is required")
     if log_prob.dim() != 2:
         raise ValueError(f"log_prob must be [B, L], got {tuple(log_prob.shape)}")
-    for name, tensor in (("old_log_prob", old_log_prob), ("advantages", advantages),
-                         ("response_mask", response_mask),
-                         ("rollout_is_weights", rollout_is_weights)):
+    for name, tensor in (
+        ("old_log_prob", old_log_prob),
+        ("advantages", advantages),
+        ("response_mask", response_mask),
+        ("rollout_is_weights", rollout_is_weights),
+    ):
         if tensor is not None and tensor.shape != log_prob.shape:
-            raise ValueError(f"{name} must be {tuple(log_prob.shape)} like log_prob, got "
-                             f"{tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name} must be {tuple(log_prob.shape)} like log_prob, got {tuple(tensor.shape)}"
+            )
     num_seqs, length = log_prob.shape
     loss_config = verl_loss_config(config, loss_agg_mode, length, template)
     if rollout_is_weights is not None:
@@ -234,12 +266,21 @@ def verl_policy_loss(old_log_prob: torch.Tensor, log_prob: torch.Tensor,
     # grpo_loss sees only the clamped log-ratio (old log-prob 0), exactly verl's ratio
     log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     zeros = torch.zeros_like(log_ratio)
-    engine = None if rollout_is_weights is None else \
-        -torch.log(rollout_is_weights.detach().to(log_ratio.dtype))
+    engine = (
+        None
+        if rollout_is_weights is None
+        else -torch.log(rollout_is_weights.detach().to(log_ratio.dtype))
+    )
     cu_seqlens = torch.arange(num_seqs + 1, device=log_prob.device, dtype=torch.int32) * length
-    loss, stats = grpo_loss(log_ratio.reshape(-1), zeros.reshape(-1), advantages.reshape(-1),
-                            mask.reshape(-1), cu_seqlens, loss_config,
-                            engine_logprobs=None if engine is None else engine.reshape(-1))
+    loss, stats = grpo_loss(
+        log_ratio.reshape(-1),
+        zeros.reshape(-1),
+        advantages.reshape(-1),
+        mask.reshape(-1),
+        cu_seqlens,
+        loss_config,
+        engine_logprobs=None if engine is None else engine.reshape(-1),
+    )
     info = dict(_get(config, "global_batch_info", {}) or {})
     loss = loss * _global_scale(loss_agg_mode, mask, info)
 
@@ -292,10 +333,25 @@ def register_verl_policy_loss(name: str = "areal_fast", config: LossConfig | Non
     if existing is not None and not getattr(existing, "_areal_fast", False):
         raise ValueError(f"name = {name!r} is already a verl policy loss; pick another name")
 
-    def areal_fast_policy_loss(old_log_prob, log_prob, advantages, response_mask,
-                               loss_agg_mode="token-mean", config=None, rollout_is_weights=None):
-        return verl_policy_loss(old_log_prob, log_prob, advantages, response_mask,
-                                loss_agg_mode, config, rollout_is_weights, template=template)
+    def areal_fast_policy_loss(
+        old_log_prob,
+        log_prob,
+        advantages,
+        response_mask,
+        loss_agg_mode="token-mean",
+        config=None,
+        rollout_is_weights=None,
+    ):
+        return verl_policy_loss(
+            old_log_prob,
+            log_prob,
+            advantages,
+            response_mask,
+            loss_agg_mode,
+            config,
+            rollout_is_weights,
+            template=template,
+        )
 
     areal_fast_policy_loss.__doc__ = verl_policy_loss.__doc__
     areal_fast_policy_loss._areal_fast = True

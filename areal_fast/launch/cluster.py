@@ -100,12 +100,18 @@ class ClusterSpec:
         for rank in range(n):
             factory = self.trainer.trainer_factory
             if dataclasses.is_dataclass(factory) and hasattr(factory, "world_size"):
-                group = dict(rank=rank, world_size=n, dist_init_method=init_method,
-                             dist_timeout=self.scheduler.dist_timeout)
+                group = dict(
+                    rank=rank,
+                    world_size=n,
+                    dist_init_method=init_method,
+                    dist_timeout=self.scheduler.dist_timeout,
+                )
                 factory = dataclasses.replace(
-                    factory, **{k: v for k, v in group.items() if hasattr(factory, k)})
-            specs.append(dataclasses.replace(self.trainer, trainer_factory=factory, rank=rank,
-                                             world_size=n))
+                    factory, **{k: v for k, v in group.items() if hasattr(factory, k)}
+                )
+            specs.append(
+                dataclasses.replace(self.trainer, trainer_factory=factory, rank=rank, world_size=n)
+            )
         return specs
 
 
@@ -166,11 +172,13 @@ class Cluster:
         try:  # each handle is kept at once, so a failure part-way stops the started ones
             for rank, spec in enumerate(self.spec.trainer_specs()):
                 self.trainer_ranks.append(
-                    self._start_worker(trainer_name(rank), trainer_worker_main, spec))
+                    self._start_worker(trainer_name(rank), trainer_worker_main, spec)
+                )
             rollout = self.spec.rollout_spec()
             for i in range(self.spec.num_rollout_workers):
                 self.rollout_workers.append(
-                    self._start_worker(f"rollout-{i}", rollout_worker_main, rollout))
+                    self._start_worker(f"rollout-{i}", rollout_worker_main, rollout)
+                )
             self._wait_ready([*self.trainer_ranks, *self.rollout_workers])
         except BaseException:
             self.close()
@@ -185,13 +193,17 @@ class Cluster:
             left = deadline - time.monotonic()
             if left <= 0:
                 name = sorted(waiting)[0]
-                raise WorkerError(f"worker {name!r} did not start within startup_timeout = "
-                                  f"{self.spec.startup_timeout:g} s", name)
+                raise WorkerError(
+                    f"worker {name!r} did not start within startup_timeout = "
+                    f"{self.spec.startup_timeout:g} s",
+                    name,
+                )
             for handle, message in wait_messages(handles, left, "while starting up"):
                 if not isinstance(message, msg.WorkerReady):
-                    raise WorkerError(f"worker {handle.name!r} sent "
-                                      f"{type(message).__name__} before it was ready",
-                                      handle.name)
+                    raise WorkerError(
+                        f"worker {handle.name!r} sent {type(message).__name__} before it was ready",
+                        handle.name,
+                    )
                 waiting.discard(handle.name)
                 if handle is self.trainer:
                     self.weight_buffers = message.weight_buffers

@@ -30,10 +30,26 @@ from areal_fast.rollout.config import RolloutConfig
 from areal_fast.train.config import ActorConfig, OptimizerConfig
 
 # the component configs are defined beside their components and gathered here
-__all__ = ["ActorConfig", "AgentConfig", "CheckpointConfig", "ConfigError", "DataConfig",
-           "EvalConfig", "ExperimentConfig", "LauncherConfig", "LossConfig", "ModelConfig",
-           "OptimizerConfig", "RecoveryConfig", "RolloutConfig", "SchedulerConfig", "Timeouts",
-           "TrajectoryConfig", "load_config", "to_yaml"]
+__all__ = [
+    "ActorConfig",
+    "AgentConfig",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "ExperimentConfig",
+    "LauncherConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "RecoveryConfig",
+    "RolloutConfig",
+    "SchedulerConfig",
+    "Timeouts",
+    "TrajectoryConfig",
+    "load_config",
+    "to_yaml",
+]
 
 
 @dataclass
@@ -89,8 +105,10 @@ class SchedulerConfig:
             if not (getattr(self, name) >= 0 and math.isfinite(getattr(self, name))):
                 raise ValueError(f"{name} = {getattr(self, name)} must be a finite number >= 0")
         if self.placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-            raise ValueError(f"placement_strategy = {self.placement_strategy!r} is not one of "
-                             f"PACK, SPREAD, STRICT_PACK, STRICT_SPREAD")
+            raise ValueError(
+                f"placement_strategy = {self.placement_strategy!r} is not one of "
+                f"PACK, SPREAD, STRICT_PACK, STRICT_SPREAD"
+            )
         positive_finite("dist_timeout", self.dist_timeout)
         if self.ray_num_cpus is not None:
             at_least("ray_num_cpus", self.ray_num_cpus, 1)
@@ -144,30 +162,39 @@ class ExperimentConfig:
     tags: List[str] = field(default_factory=list)  # free labels, kept in the run's config.yaml
 
     def __post_init__(self):
-        at_least("total_steps", self.total_steps, 1,
-                 "(to evaluate a model without training: areal-fast eval --config FILE "
-                 "model.path=...)")
+        at_least(
+            "total_steps",
+            self.total_steps,
+            1,
+            "(to evaluate a model without training: areal-fast eval --config FILE model.path=...)",
+        )
         if self.max_seconds is not None:
             positive_finite("max_seconds", self.max_seconds)
         at_least("batch_size", self.batch_size, 1)
         units = self.batch_size * (1 if self.actor.keep_groups else self.rollout.group_size)
         if self.actor.ppo_n_minibatches > units:
             what = "prompt groups" if self.actor.keep_groups else "sequences"
-            raise ValueError(f"actor.ppo_n_minibatches = {self.actor.ppo_n_minibatches} is more "
-                             f"than the {units} {what} of a batch")
+            raise ValueError(
+                f"actor.ppo_n_minibatches = {self.actor.ppo_n_minibatches} is more "
+                f"than the {units} {what} of a batch"
+            )
         if self.threads is not None:
             at_least("threads", self.threads, 1)
         ranks = self.scheduler.train_world_size
         if self.actor.ppo_n_minibatches > 1 and ranks * self.actor.ppo_n_minibatches > units:
             what = "prompt groups" if self.actor.keep_groups else "sequences"
-            raise ValueError(f"actor.ppo_n_minibatches = {self.actor.ppo_n_minibatches} with "
-                             f"scheduler.train_world_size = {ranks}: each rank splits its part "
-                             f"of the batch ({units} {what} in all) into that many "
-                             f"minibatches, so it needs more")
+            raise ValueError(
+                f"actor.ppo_n_minibatches = {self.actor.ppo_n_minibatches} with "
+                f"scheduler.train_world_size = {ranks}: each rank splits its part "
+                f"of the batch ({units} {what} in all) into that many "
+                f"minibatches, so it needs more"
+            )
         if self.scheduler.train_world_size > self.batch_size:
-            raise ValueError(f"scheduler.train_world_size = {self.scheduler.train_world_size} "
-                             f"is more than batch_size = {self.batch_size}: every trainer rank "
-                             f"needs at least one prompt group per step")
+            raise ValueError(
+                f"scheduler.train_world_size = {self.scheduler.train_world_size} "
+                f"is more than batch_size = {self.batch_size}: every trainer rank "
+                f"needs at least one prompt group per step"
+            )
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other")
         if self.agent.path:
@@ -184,23 +211,32 @@ class ExperimentConfig:
         a, r, mb = self.agent, self.rollout, self.actor.max_tokens_per_mb
         cap = a.tokens_cap(r.max_new_tokens)
         if r.max_new_tokens > cap:
-            raise ValueError(f"rollout.max_new_tokens = {r.max_new_tokens} is above "
-                             f"agent.max_tokens_cap = {cap}: every model call without "
-                             f"max_tokens would be refused")
+            raise ValueError(
+                f"rollout.max_new_tokens = {r.max_new_tokens} is above "
+                f"agent.max_tokens_cap = {cap}: every model call without "
+                f"max_tokens would be refused"
+            )
         if a.export == "per_turn" and self.actor.keep_groups:
-            raise ValueError("agent.export = 'per_turn' with actor.keep_groups = true: a group "
-                             "has one sequence per model call, however many, so it may not "
-                             "fit one micro-batch; use agent.export=concat or "
-                             "actor.keep_groups=false")
+            raise ValueError(
+                "agent.export = 'per_turn' with actor.keep_groups = true: a group "
+                "has one sequence per model call, however many, so it may not "
+                "fit one micro-batch; use agent.export=concat or "
+                "actor.keep_groups=false"
+            )
         sequences = r.group_size if self.actor.keep_groups else 1
         need = sequences * (a.max_prompt_tokens + cap)
         if need > mb:
-            what = (f"a group of rollout.group_size = {r.group_size} sessions (actor.keep_groups)"
-                    if self.actor.keep_groups else "a session's sequence")
-            raise ValueError(f"agent.max_prompt_tokens = {a.max_prompt_tokens}: with "
-                             f"max_tokens up to {cap} (agent.max_tokens_cap, default "
-                             f"rollout.max_new_tokens) {what} can reach {need} tokens, more "
-                             f"than actor.max_tokens_per_mb = {mb}")
+            what = (
+                f"a group of rollout.group_size = {r.group_size} sessions (actor.keep_groups)"
+                if self.actor.keep_groups
+                else "a session's sequence"
+            )
+            raise ValueError(
+                f"agent.max_prompt_tokens = {a.max_prompt_tokens}: with "
+                f"max_tokens up to {cap} (agent.max_tokens_cap, default "
+                f"rollout.max_new_tokens) {what} can reach {need} tokens, more "
+                f"than actor.max_tokens_per_mb = {mb}"
+            )
 
     @property
     def run_dir(self) -> Path:
@@ -212,8 +248,9 @@ class ConfigError(ValueError):
     """A configuration problem, reported as one line naming the key or file."""
 
 
-def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
-                ) -> ExperimentConfig:
+def load_config(
+    yaml_path: str | None = None, overrides: list[str] | None = None
+) -> ExperimentConfig:
     """Build an :class:`ExperimentConfig` from defaults, a YAML file and ``key=value`` items.
 
     Parameters
@@ -242,8 +279,9 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
         try:
             merged = OmegaConf.merge(merged, loaded)
         except OmegaConfBaseException as exc:
-            raise ConfigError(_located(_omegaconf_message(exc), getattr(exc, "full_key", None),
-                                       yaml_path, where)) from exc
+            raise ConfigError(
+                _located(_omegaconf_message(exc), getattr(exc, "full_key", None), yaml_path, where)
+            ) from exc
     given = []
     for item in overrides or []:
         key, _, value = item.partition("=")
@@ -262,8 +300,11 @@ def load_config(yaml_path: str | None = None, overrides: list[str] | None = None
         return OmegaConf.to_object(merged)
     except (OmegaConfBaseException, ValueError) as exc:  # ValueError: a __post_init__ check
         prefix = _failing_section(merged, ExperimentConfig)
-        message = (_omegaconf_message(exc) if isinstance(exc, OmegaConfBaseException)
-                   else str(exc).splitlines()[0])
+        message = (
+            _omegaconf_message(exc)
+            if isinstance(exc, OmegaConfBaseException)
+            else str(exc).splitlines()[0]
+        )
         # sections whose checks already name their full key (agent.*, trajectory.*)
         message = message if message.startswith(prefix) else f"{prefix}{message}"
         key = re.match(r"[\w.]*", message).group(0)
@@ -312,8 +353,10 @@ def did_you_mean(key: str) -> str:
 
 def _closest(word: str, candidates: list[str], cutoff: float) -> list[str]:
     """Candidates most like ``word``: ratio >= ``cutoff`` and within 0.1 of the best."""
-    scored = sorted(((difflib.SequenceMatcher(None, word, c).ratio(), c) for c in candidates),
-                    key=lambda x: -x[0])
+    scored = sorted(
+        ((difflib.SequenceMatcher(None, word, c).ratio(), c) for c in candidates),
+        key=lambda x: -x[0],
+    )
     best = scored[0][0] if scored else 0.0
     return [c for score, c in scored if score >= cutoff and score >= best - 0.1][:3]
 
@@ -336,8 +379,9 @@ def _load_yaml(path: Path):
         what = " ".join(x for x in (exc.context, exc.problem) if x)
         raise ConfigError(f"config file {at}: cannot parse YAML ({what})") from exc
     except Exception as exc:
-        raise ConfigError(f"config file {path}: cannot parse YAML "
-                          f"({str(exc).splitlines()[0]})") from exc
+        raise ConfigError(
+            f"config file {path}: cannot parse YAML ({str(exc).splitlines()[0]})"
+        ) from exc
     if not isinstance(loaded, DictConfig):
         raise ConfigError(f"config file {path} must hold a mapping of keys at the top level")
     return loaded, where

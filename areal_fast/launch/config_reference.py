@@ -148,8 +148,7 @@ def field_meanings(cls) -> dict[str, str]:
     path = inspect.getsourcefile(cls)
     comments, alone = _source_comments(path)
     tree = ast.parse(Path(path).read_text(encoding="utf-8"))
-    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)
-                and n.name == cls.__name__)
+    node = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     from_doc = _docstring_entries(cls.__doc__ or "")
     out = {}
     for stmt in node.body:
@@ -159,8 +158,11 @@ def field_meanings(cls) -> dict[str, str]:
         while line in alone:
             above.insert(0, comments[line])
             line -= 1
-        beside = [comments[n] for n in range(stmt.lineno, stmt.end_lineno + 1)
-                  if n in comments and n not in alone]
+        beside = [
+            comments[n]
+            for n in range(stmt.lineno, stmt.end_lineno + 1)
+            if n in comments and n not in alone
+        ]
         text = " ".join(above + beside) or from_doc.get(stmt.target.id, "")
         out[stmt.target.id] = _clean(text)
     return out
@@ -211,15 +213,22 @@ def sections(root=None, strict: bool = True) -> list[Section]:
                 nested.append((hints[f.name], f"{dotted}.", meanings.get(f.name, "")))
                 continue
             if strict and not meanings.get(f.name):
-                raise ValueError(f"config key {dotted!r} has no meaning: write a # comment "
-                                 f"beside {cls.__name__}.{f.name}")
-            keys.append(ConfigKey(dotted, prefix.rstrip(".") or TOP_LEVEL,
-                                  _type_name(hints[f.name]), _default_text(f),
-                                  meanings.get(f.name, "")))
+                raise ValueError(
+                    f"config key {dotted!r} has no meaning: write a # comment "
+                    f"beside {cls.__name__}.{f.name}"
+                )
+            keys.append(
+                ConfigKey(
+                    dotted,
+                    prefix.rstrip(".") or TOP_LEVEL,
+                    _type_name(hints[f.name]),
+                    _default_text(f),
+                    meanings.get(f.name, ""),
+                )
+            )
         out.append(Section(prefix.rstrip(".") or TOP_LEVEL, about, tuple(keys)))
         for sub_cls, sub_prefix, sub_about in nested:
-            walk(sub_cls, sub_prefix, _about(sub_cls) + (f" ({sub_about})" if sub_about
-                                                          else ""))
+            walk(sub_cls, sub_prefix, _about(sub_cls) + (f" ({sub_about})" if sub_about else ""))
 
     walk(root, "", _about(root))
     return out
@@ -235,9 +244,12 @@ def section_index() -> str:
     lines = []
     for section in sections(strict=False):
         prefix = "" if section.name == TOP_LEVEL else f"{section.name}."
-        names = ", ".join(k.key[len(prefix):] for k in section.keys)
-        lines.append(textwrap.fill(f"{section.name}: {names}", 100, initial_indent="  ",
-                                   subsequent_indent="      "))
+        names = ", ".join(k.key[len(prefix) :] for k in section.keys)
+        lines.append(
+            textwrap.fill(
+                f"{section.name}: {names}", 100, initial_indent="  ", subsequent_indent="      "
+            )
+        )
     return "\n".join(lines)
 
 
@@ -248,8 +260,11 @@ def render_text(width: int = 100) -> str:
         parts.append(f"[{section.name}]  {section.about}")
         for key in section.keys:
             parts.append(f"  {key.key}  ({key.type}) = {key.default}")
-            parts.append(textwrap.fill(key.meaning, width, initial_indent="      ",
-                                       subsequent_indent="      "))
+            parts.append(
+                textwrap.fill(
+                    key.meaning, width, initial_indent="      ", subsequent_indent="      "
+                )
+            )
         parts.append("")
     return "\n".join(parts)
 
@@ -281,24 +296,34 @@ def render_markdown() -> str:
         "`key={}`, which empties it (e.g. `data.task_kwargs={}`). An unknown key stops the run",
         "with the closest known key (`did you mean ...?`).",
         "",
-        "Sections: " + ", ".join(
-            f"[{s.name}](#{s.name.replace('.', '').replace(' ', '-')})" for s in sections())
+        "Sections: "
+        + ", ".join(f"[{s.name}](#{s.name.replace('.', '').replace(' ', '-')})" for s in sections())
         + ".",
         "",
     ]
     for section in sections():
-        out += [f"## {section.name}", "", _cell(section.about), "",
-                "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-        out += [f"| `{k.key}` | {_cell(k.type)} | `{_cell(k.default)}` | {_cell(k.meaning)} |"
-                for k in section.keys]
+        out += [
+            f"## {section.name}",
+            "",
+            _cell(section.about),
+            "",
+            "| key | type | default | meaning |",
+            "| --- | --- | --- | --- |",
+        ]
+        out += [
+            f"| `{k.key}` | {_cell(k.type)} | `{_cell(k.default)}` | {_cell(k.meaning)} |"
+            for k in section.keys
+        ]
         out.append("")
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m areal_fast.launch.config_reference [--markdown] [--write FILE]``."""
-    parser = argparse.ArgumentParser(prog="python -m areal_fast.launch.config_reference",
-                                     description="Print or write the config reference.")
+    parser = argparse.ArgumentParser(
+        prog="python -m areal_fast.launch.config_reference",
+        description="Print or write the config reference.",
+    )
     parser.add_argument("--markdown", action="store_true", help="print markdown")
     parser.add_argument("--write", metavar="FILE", help="write the markdown to FILE")
     args = parser.parse_args(argv)

@@ -34,8 +34,10 @@ def format_seconds(seconds: float) -> str:
 
 def eval_started(when: str, problems: int, workers: int, max_new_tokens: int) -> str:
     """Line printed as a held-out evaluation starts; ``when``: "before training", ..."""
-    return (f"held-out evaluation {when}: {problems} problems on {workers} rollout worker"
-            f"{'s' if workers != 1 else ''} (greedy, up to {max_new_tokens} new tokens) ...")
+    return (
+        f"held-out evaluation {when}: {problems} problems on {workers} rollout worker"
+        f"{'s' if workers != 1 else ''} (greedy, up to {max_new_tokens} new tokens) ..."
+    )
 
 
 def eval_finished(when: str, correct: int, total: int, seconds: float | None) -> str:
@@ -67,17 +69,32 @@ class StepBar:
 
     FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]"
 
-    def __init__(self, total: int, initial: int, extra_seconds: float = 0.0,
-                 max_seconds: float | None = None, elapsed_before: float = 0.0,
-                 enabled: bool = True):
+    def __init__(
+        self,
+        total: int,
+        initial: int,
+        extra_seconds: float = 0.0,
+        max_seconds: float | None = None,
+        elapsed_before: float = 0.0,
+        enabled: bool = True,
+    ):
         self.total, self.done = total, initial
-        self.extra, self.max_seconds, self.elapsed_before = extra_seconds, max_seconds, \
-            elapsed_before
+        self.extra, self.max_seconds, self.elapsed_before = (
+            extra_seconds,
+            max_seconds,
+            elapsed_before,
+        )
         self.start = time.monotonic()
         self.first_done: float | None = None  # when this attempt's first step ended
         self.steps_since_first = 0
-        self.bar = tqdm(total=total, initial=initial, desc="train", bar_format=self.FORMAT,
-                        disable=not enabled, file=sys.stderr)
+        self.bar = tqdm(
+            total=total,
+            initial=initial,
+            desc="train",
+            bar_format=self.FORMAT,
+            disable=not enabled,
+            file=sys.stderr,
+        )
 
     def remaining(self, now: float) -> float | None:
         """Seconds left (None until two steps of this attempt are done)."""
@@ -86,8 +103,7 @@ class StepBar:
         per_step = (now - self.first_done) / self.steps_since_first
         left = (self.total - self.done) * per_step
         if self.max_seconds is not None:
-            left = min(left, max(0.0, self.max_seconds - self.elapsed_before -
-                                 (now - self.start)))
+            left = min(left, max(0.0, self.max_seconds - self.elapsed_before - (now - self.start)))
         return left + self.extra
 
     def update(self, record: dict) -> None:
@@ -100,16 +116,19 @@ class StepBar:
             self.steps_since_first += 1
         left = self.remaining(now)
         eta = "…" if left is None else tqdm.format_interval(left)
-        self.bar.set_postfix_str(f"reward={record['reward_mean']:.3f}, "
-                                 f"loss={record['loss']:.4f}, eta={eta}", refresh=False)
+        self.bar.set_postfix_str(
+            f"reward={record['reward_mean']:.3f}, loss={record['loss']:.4f}, eta={eta}",
+            refresh=False,
+        )
         self.bar.update(1)
 
     def close(self) -> None:
         self.bar.close()
 
 
-def end_summary(summary: dict, run_dir, final_model: bool,
-                total_seconds: float | None = None) -> list[str]:
+def end_summary(
+    summary: dict, run_dir, final_model: bool, total_seconds: float | None = None
+) -> list[str]:
     """The lines printed when a run ends: steps and wall time, held-out accuracy before →
     after, and where its files are.
 
@@ -132,8 +151,10 @@ def end_summary(summary: dict, run_dir, final_model: bool,
     before, after = summary.get("eval_before"), summary.get("eval_after")
     n = summary.get("eval_problems", 0)
     if before is not None and after is not None:
-        lines.append(f"held-out accuracy: {before:.1%} → {after:.1%} "
-                     f"({100 * (after - before):+.1f} points on {n} problems)")
+        lines.append(
+            f"held-out accuracy: {before:.1%} → {after:.1%} "
+            f"({100 * (after - before):+.1f} points on {n} problems)"
+        )
     elif before is not None or after is not None:
         which, value = ("before", before) if before is not None else ("after", after)
         lines.append(f"held-out accuracy {which} training: {value:.1%} ({n} problems)")
@@ -142,6 +163,9 @@ def end_summary(summary: dict, run_dir, final_model: bool,
     if before is not None or after is not None:
         files += ", eval_before.jsonl / eval_after.jsonl (per problem)"
     lines.append(f"  {files}")
-    lines.append("  checkpoint/ (the trained model, HF format)" if final_model else
-                 "  no final model saved (checkpoint.final_model = false)")
+    lines.append(
+        "  checkpoint/ (the trained model, HF format)"
+        if final_model
+        else "  no final model saved (checkpoint.final_model = false)"
+    )
     return lines

@@ -25,8 +25,7 @@ from areal_fast.controller.requests import ChatPrompts, eval_requests
 from areal_fast.controller.workers import WorkerError, WorkerHandle, wait_messages
 from areal_fast.launch.cluster import ClusterSpec
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
-from areal_fast.launch.experiment import (check_resources, cluster_spec, load_eval_set,
-                                          make_cluster)
+from areal_fast.launch.experiment import check_resources, cluster_spec, load_eval_set, make_cluster
 from areal_fast.models.loading import load_model_config, load_tokenizer
 
 EVAL_FILE = "eval.jsonl"
@@ -44,8 +43,7 @@ class RolloutOnlySpec(ClusterSpec):
 def eval_dir(cfg: ExperimentConfig, out: str | None = None) -> Path:
     """Where an evaluation writes: ``out``, else ``fileroot/experiment_name/eval-<trial_name>``
     (beside the training run directory, never inside it)."""
-    return Path(out) if out else Path(cfg.fileroot) / cfg.experiment_name / \
-        f"eval-{cfg.trial_name}"
+    return Path(out) if out else Path(cfg.fileroot) / cfg.experiment_name / f"eval-{cfg.trial_name}"
 
 
 def check_eval_dir(path: Path, overwrite: bool) -> None:
@@ -62,20 +60,24 @@ def check_eval_dir(path: Path, overwrite: bool) -> None:
         raise ConfigError(f"evaluation directory {path} is a file")
     parent = next(p for p in [path, *path.parents] if p.exists())
     if not (parent.is_dir() and os.access(parent, os.W_OK | os.X_OK)):
-        raise ConfigError(f"evaluation directory {path} cannot be created ({parent} is not a "
-                          f"writable folder)")
+        raise ConfigError(
+            f"evaluation directory {path} cannot be created ({parent} is not a writable folder)"
+        )
     if not path.is_dir() or not any(path.iterdir()):
         return
     if not overwrite:
-        raise ConfigError(f"evaluation directory {path} already exists; pass overwrite=true, "
-                          f"--out DIR or another trial_name")
+        raise ConfigError(
+            f"evaluation directory {path} already exists; pass overwrite=true, "
+            f"--out DIR or another trial_name"
+        )
     if not (path / EVAL_FILE).is_file():
-        raise ConfigError(f"overwrite=true refuses to write into {path}: it holds no earlier "
-                          f"evaluation ({EVAL_FILE})")
+        raise ConfigError(
+            f"overwrite=true refuses to write into {path}: it holds no earlier "
+            f"evaluation ({EVAL_FILE})"
+        )
 
 
-def check_positions(cfg: ExperimentConfig, prompts: ChatPrompts, problems,
-                    max_positions) -> None:
+def check_positions(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_positions) -> None:
     """The longest prompt plus ``eval.max_new_tokens`` must fit the model's positions.
 
     Raises
@@ -85,13 +87,16 @@ def check_positions(cfg: ExperimentConfig, prompts: ChatPrompts, problems,
     """
     longest = max(len(prompts(p)) for p in problems)
     if max_positions and longest + cfg.eval.max_new_tokens > max_positions:
-        raise ValueError(f"eval.max_new_tokens = {cfg.eval.max_new_tokens}: with the longest "
-                         f"prompt ({longest} tokens) this exceeds the model's {max_positions} "
-                         f"positions")
+        raise ValueError(
+            f"eval.max_new_tokens = {cfg.eval.max_new_tokens}: with the longest "
+            f"prompt ({longest} tokens) this exceeds the model's {max_positions} "
+            f"positions"
+        )
 
 
-def evaluate_on(workers: list[WorkerHandle], requests: list[msg.GroupRequest],
-                timeout: float) -> list[dict]:
+def evaluate_on(
+    workers: list[WorkerHandle], requests: list[msg.GroupRequest], timeout: float
+) -> list[dict]:
     """Spread greedy evaluation ``requests`` over ready rollout ``workers``; one record per
     request (uid, answer, completion, correct, reward), in request order.
 
@@ -101,7 +106,7 @@ def evaluate_on(workers: list[WorkerHandle], requests: list[msg.GroupRequest],
         A worker died, failed, or did not finish within ``timeout`` seconds
         (``launcher.timeouts.evaluate``).
     """
-    parts = {w.name: requests[i::len(workers)] for i, w in enumerate(workers)}
+    parts = {w.name: requests[i :: len(workers)] for i, w in enumerate(workers)}
     for worker in workers:
         worker.send(msg.Evaluate(parts[worker.name]))
     done: dict[str, list[dict]] = {}
@@ -110,8 +115,11 @@ def evaluate_on(workers: list[WorkerHandle], requests: list[msg.GroupRequest],
         left = deadline - time.monotonic()
         if left <= 0:
             name = next(w.name for w in workers if w.name not in done)
-            raise WorkerError(f"rollout worker {name!r} did not finish evaluation within "
-                              f"launcher.timeouts.evaluate = {timeout:g} s", name)
+            raise WorkerError(
+                f"rollout worker {name!r} did not finish evaluation within "
+                f"launcher.timeouts.evaluate = {timeout:g} s",
+                name,
+            )
         for handle, message in wait_messages(workers, min(left, 1.0), "during evaluation"):
             if isinstance(message, msg.EvalDone):
                 done[handle.name] = message.records
@@ -150,8 +158,10 @@ def run_evaluation(cfg: ExperimentConfig, out: str | None = None) -> dict:
         A rollout worker failed, died or missed ``launcher.timeouts.evaluate``.
     """
     if cfg.resume:
-        raise ConfigError("resume=true: areal-fast eval has nothing to resume (it writes a "
-                          "new evaluation directory)")
+        raise ConfigError(
+            "resume=true: areal-fast eval has nothing to resume (it writes a "
+            "new evaluation directory)"
+        )
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     start = time.perf_counter()
@@ -161,19 +171,34 @@ def run_evaluation(cfg: ExperimentConfig, out: str | None = None) -> dict:
     problems = load_eval_set(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)
-    check_positions(cfg, prompts, problems,
-                    getattr(load_model_config(cfg.model.path), "max_position_embeddings", None))
+    check_positions(
+        cfg,
+        prompts,
+        problems,
+        getattr(load_model_config(cfg.model.path), "max_position_embeddings", None),
+    )
     requests = eval_requests(problems, prompts, cfg.eval.max_new_tokens)
     spec = cluster_spec(cfg)
     cores = cfg.threads or os.cpu_count() or 1
     rollout = dataclasses.replace(
-        spec.rollout, agent=None, spool_dir=None,  # held-out evaluation is plain sampling
-        threads=cfg.launcher.rollout_threads or max(1, cores // cfg.rollout.num_workers))
-    spec = RolloutOnlySpec(**{**{f.name: getattr(spec, f.name)
-                                 for f in dataclasses.fields(ClusterSpec)},
-                              "rollout": rollout, "workers_file": None})
-    print(f"evaluating {len(requests)} held-out problems on {cfg.rollout.num_workers} rollout "
-          f"worker(s) ...", file=sys.stderr, flush=True)
+        spec.rollout,
+        agent=None,
+        spool_dir=None,  # held-out evaluation is plain sampling
+        threads=cfg.launcher.rollout_threads or max(1, cores // cfg.rollout.num_workers),
+    )
+    spec = RolloutOnlySpec(
+        **{
+            **{f.name: getattr(spec, f.name) for f in dataclasses.fields(ClusterSpec)},
+            "rollout": rollout,
+            "workers_file": None,
+        }
+    )
+    print(
+        f"evaluating {len(requests)} held-out problems on {cfg.rollout.num_workers} rollout "
+        f"worker(s) ...",
+        file=sys.stderr,
+        flush=True,
+    )
     with make_cluster(cfg, spec) as cluster:
         records = evaluate_on(cluster.rollout_workers, requests, cfg.launcher.timeouts.evaluate)
     path.mkdir(parents=True, exist_ok=True)
@@ -182,21 +207,33 @@ def run_evaluation(cfg: ExperimentConfig, out: str | None = None) -> dict:
         for record in records:
             fh.write(json.dumps(record) + "\n")
     correct = sum(bool(r["correct"]) for r in records)
-    summary = {"accuracy": correct / max(len(records), 1), "correct": correct,
-               "problems": len(records), "model_path": cfg.model.path, "task": cfg.data.task,
-               "eval_split": cfg.data.eval_split, "eval_seed": cfg.data.eval_seed,
-               "max_new_tokens": cfg.eval.max_new_tokens,
-               "rollout_workers": cfg.rollout.num_workers,
-               "wall_seconds": time.perf_counter() - start, "eval_dir": str(path)}
+    summary = {
+        "accuracy": correct / max(len(records), 1),
+        "correct": correct,
+        "problems": len(records),
+        "model_path": cfg.model.path,
+        "task": cfg.data.task,
+        "eval_split": cfg.data.eval_split,
+        "eval_seed": cfg.data.eval_seed,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "rollout_workers": cfg.rollout.num_workers,
+        "wall_seconds": time.perf_counter() - start,
+        "eval_dir": str(path),
+    }
     (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
 
 def accuracy_line(summary: dict) -> str:
     """``held-out accuracy: 38.5% (77/200) of model.path=..., data.task=..., greedy, ...``."""
-    where = (f"{summary['eval_split']} split" if summary["task"] == "gsm8k"
-             else f"data.eval_seed={summary['eval_seed']}")
-    return (f"held-out accuracy: {100 * summary['accuracy']:.1f}% ({summary['correct']}/"
-            f"{summary['problems']}) of model.path={summary['model_path']} on "
-            f"data.task={summary['task']} ({where}), greedy, "
-            f"eval.max_new_tokens={summary['max_new_tokens']}")
+    where = (
+        f"{summary['eval_split']} split"
+        if summary["task"] == "gsm8k"
+        else f"data.eval_seed={summary['eval_seed']}"
+    )
+    return (
+        f"held-out accuracy: {100 * summary['accuracy']:.1f}% ({summary['correct']}/"
+        f"{summary['problems']}) of model.path={summary['model_path']} on "
+        f"data.task={summary['task']} ({where}), greedy, "
+        f"eval.max_new_tokens={summary['max_new_tokens']}"
+    )

@@ -19,7 +19,7 @@ import torch
 
 from areal_fast.controller.async_loop import AsyncController, RunPlan
 from areal_fast.controller.checkpoint_manager import Checkpoint, CheckpointManager
-from areal_fast.controller.messages import Saved, SaveCheckpoint
+from areal_fast.controller.messages import SaveCheckpoint, Saved
 from areal_fast.controller.metrics import MetricsLog, plot_progress
 from areal_fast.controller.requests import ChatPrompts, MathRequests, ProblemStream, eval_requests
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec
@@ -28,12 +28,18 @@ from areal_fast.controller.workers import WorkerError, wait_messages
 from areal_fast.data.rewards import math_reward
 from areal_fast.data.tasks import drop_eval_overlap, load_problems
 from areal_fast.launch import console
+from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
 from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
-from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster
-from areal_fast.launch.interrupt import (CHECKPOINT_WAIT_SECONDS, RunInterrupted,
-                                         describe_stop, finish_checkpoints, signal_of,
-                                         signals_deferred, write_interrupted)
+from areal_fast.launch.interrupt import (
+    CHECKPOINT_WAIT_SECONDS,
+    RunInterrupted,
+    describe_stop,
+    finish_checkpoints,
+    signal_of,
+    signals_deferred,
+    write_interrupted,
+)
 from areal_fast.models.loading import load_model_config, load_tokenizer
 from areal_fast.rollout.engine import SamplingParams
 
@@ -66,12 +72,20 @@ def load_datasets(cfg: ExperimentConfig):
     """
     d = cfg.data
     eval_set = load_eval_set(cfg)
-    train_set = load_problems(d.task, split=d.train_split, size=d.train_size,
-                              seed=d.train_seed, path=d.path, task_kwargs=d.task_kwargs)
+    train_set = load_problems(
+        d.task,
+        split=d.train_split,
+        size=d.train_size,
+        seed=d.train_seed,
+        path=d.path,
+        task_kwargs=d.task_kwargs,
+    )
     train_set, removed = drop_eval_overlap(train_set, eval_set)
     if not train_set:
-        raise ValueError(f"data: every training problem also appears in the held-out set "
-                         f"({removed} removed); raise data.train_size or change the task")
+        raise ValueError(
+            f"data: every training problem also appears in the held-out set "
+            f"({removed} removed); raise data.train_size or change the task"
+        )
     return train_set, eval_set, removed
 
 
@@ -87,12 +101,20 @@ def load_eval_set(cfg: ExperimentConfig):
     d = cfg.data
     # generated tasks repeat questions: draw extra so that eval_size distinct ones remain
     pool_size = d.eval_size if d.task == "gsm8k" else 3 * d.eval_size
-    pool = load_problems(d.task, split=d.eval_split, size=pool_size, seed=d.eval_seed,
-                         path=d.path, task_kwargs=d.task_kwargs)
-    eval_set = unique_questions(pool)[:d.eval_size]
+    pool = load_problems(
+        d.task,
+        split=d.eval_split,
+        size=pool_size,
+        seed=d.eval_seed,
+        path=d.path,
+        task_kwargs=d.task_kwargs,
+    )
+    eval_set = unique_questions(pool)[: d.eval_size]
     if len(eval_set) < d.eval_size:
-        raise ValueError(f"data.eval_size = {d.eval_size}: the task offers only "
-                         f"{len(eval_set)} distinct held-out questions")
+        raise ValueError(
+            f"data.eval_size = {d.eval_size}: the task offers only "
+            f"{len(eval_set)} distinct held-out questions"
+        )
     return eval_set
 
 
@@ -105,26 +127,34 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
     run_dir = cfg.run_dir
     for parent in reversed(run_dir.parents):
         if parent.exists() and not parent.is_dir():
-            raise ConfigError(f"fileroot: {parent} is a file, so run directory {run_dir} "
-                              f"cannot be created")
+            raise ConfigError(
+                f"fileroot: {parent} is a file, so run directory {run_dir} cannot be created"
+            )
     if cfg.resume:
         if not (run_dir / "config.yaml").is_file():
-            raise ConfigError(f"resume=true: {run_dir} is not an areal-fast run directory "
-                              f"(no config.yaml)")
+            raise ConfigError(
+                f"resume=true: {run_dir} is not an areal-fast run directory (no config.yaml)"
+            )
         _check_same_model(cfg, run_dir / "config.yaml")
         return
     if not run_dir.exists():
         return
     if not cfg.overwrite:
         if (run_dir / "INTERRUPTED").is_file():
-            raise ConfigError(f"run directory {run_dir} already exists and was interrupted; "
-                              f"pass resume=true to continue it, overwrite=true to replace "
-                              f"it, or choose another trial_name")
-        raise ConfigError(f"run directory {run_dir} already exists; pass overwrite=true "
-                          f"or choose another trial_name")
+            raise ConfigError(
+                f"run directory {run_dir} already exists and was interrupted; "
+                f"pass resume=true to continue it, overwrite=true to replace "
+                f"it, or choose another trial_name"
+            )
+        raise ConfigError(
+            f"run directory {run_dir} already exists; pass overwrite=true "
+            f"or choose another trial_name"
+        )
     if not (run_dir.is_dir() and (run_dir / "config.yaml").is_file()):
-        raise ConfigError(f"overwrite=true refuses to delete {run_dir}: it is not an areal-fast "
-                          f"run directory (no config.yaml)")
+        raise ConfigError(
+            f"overwrite=true refuses to delete {run_dir}: it is not an areal-fast "
+            f"run directory (no config.yaml)"
+        )
 
 
 def _check_same_model(cfg: ExperimentConfig, saved_path: Path) -> None:
@@ -141,8 +171,10 @@ def _check_same_model(cfg: ExperimentConfig, saved_path: Path) -> None:
     now = OmegaConf.to_container(OmegaConf.structured(cfg.model))
     for key, value in now.items():
         if saved.get(key, value) != value:
-            raise ConfigError(f"resume=true: model.{key} = {value!r} differs from the run's "
-                              f"{saved_path} ({saved[key]!r})")
+            raise ConfigError(
+                f"resume=true: model.{key} = {value!r} differs from the run's "
+                f"{saved_path} ({saved[key]!r})"
+            )
 
 
 def prepare_run_dir(cfg: ExperimentConfig) -> Path:
@@ -160,8 +192,9 @@ def prepare_run_dir(cfg: ExperimentConfig) -> Path:
     try:
         run_dir.mkdir(parents=True)
     except OSError as exc:
-        raise ConfigError(f"fileroot: cannot create run directory {run_dir} "
-                          f"({exc.strerror})") from exc
+        raise ConfigError(
+            f"fileroot: cannot create run directory {run_dir} ({exc.strerror})"
+        ) from exc
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return run_dir
 
@@ -178,20 +211,25 @@ def check_lengths(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_pos
     longest_prompt = max(len(prompts(p)) for p in problems)
     new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
     if max_positions and longest_prompt + new_tokens > max_positions:
-        raise ValueError(f"rollout.max_new_tokens / eval.max_new_tokens = {new_tokens}: with "
-                         f"the longest prompt ({longest_prompt} tokens) this exceeds the "
-                         f"model's {max_positions} positions")
-    sequence = f"longest prompt {longest_prompt} + rollout.max_new_tokens " \
-               f"{cfg.rollout.max_new_tokens}"
+        raise ValueError(
+            f"rollout.max_new_tokens / eval.max_new_tokens = {new_tokens}: with "
+            f"the longest prompt ({longest_prompt} tokens) this exceeds the "
+            f"model's {max_positions} positions"
+        )
+    sequence = (
+        f"longest prompt {longest_prompt} + rollout.max_new_tokens {cfg.rollout.max_new_tokens}"
+    )
     need = longest_prompt + cfg.rollout.max_new_tokens
     if cfg.actor.keep_groups:  # a whole group goes in one micro-batch
         need *= cfg.rollout.group_size
         sequence = f"rollout.group_size {cfg.rollout.group_size} × ({sequence})"
     if need > cfg.actor.max_tokens_per_mb:
         what = "a GRPO group (actor.keep_groups)" if cfg.actor.keep_groups else "one sequence"
-        raise ValueError(f"actor.max_tokens_per_mb = {cfg.actor.max_tokens_per_mb} is smaller "
-                         f"than {what} can be: {sequence} = {need} tokens; set "
-                         f"actor.max_tokens_per_mb >= {need}")
+        raise ValueError(
+            f"actor.max_tokens_per_mb = {cfg.actor.max_tokens_per_mb} is smaller "
+            f"than {what} can be: {sequence} = {need} tokens; set "
+            f"actor.max_tokens_per_mb >= {need}"
+        )
 
 
 def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
@@ -222,8 +260,9 @@ def check_trajectory_dir(cfg: ExperimentConfig) -> None:
     try:
         Path(store.directory).mkdir(parents=True, exist_ok=True)
     except OSError as exc:
-        raise ConfigError(f"trajectory.directory = {store.directory!r} cannot be created "
-                          f"({exc.strerror or exc})") from exc
+        raise ConfigError(
+            f"trajectory.directory = {store.directory!r} cannot be created ({exc.strerror or exc})"
+        ) from exc
 
 
 def agent_spec(cfg: ExperimentConfig):
@@ -250,16 +289,22 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
     """
     trainer_threads, rollout_threads = worker_threads(cfg)
     engine = HFEngineFactory(cfg.model, cfg.rollout)
-    trainer = TorchTrainerFactory(cfg.model, cfg.actor, cfg.rollout, seed=cfg.seed,
-                                  total_steps=cfg.total_steps)
+    trainer = TorchTrainerFactory(
+        cfg.model, cfg.actor, cfg.rollout, seed=cfg.seed, total_steps=cfg.total_steps
+    )
     spool = str(cfg.run_dir / "shards") if cfg.recovery.spool_shards else None
     return ClusterSpec(
-        rollout=RolloutWorkerSpec(engine, math_reward, threads=rollout_threads,
-                                  agent=agent_spec(cfg), spool_dir=spool),
-        trainer=TrainerWorkerSpec(trainer, cfg.actor, threads=trainer_threads,
-                                  resume_from=resume_from),
-        num_rollout_workers=cfg.rollout.num_workers, scheduler=cfg.scheduler,
-        launcher=cfg.launcher, workers_file=str(cfg.run_dir / "workers.json"))
+        rollout=RolloutWorkerSpec(
+            engine, math_reward, threads=rollout_threads, agent=agent_spec(cfg), spool_dir=spool
+        ),
+        trainer=TrainerWorkerSpec(
+            trainer, cfg.actor, threads=trainer_threads, resume_from=resume_from
+        ),
+        num_rollout_workers=cfg.rollout.num_workers,
+        scheduler=cfg.scheduler,
+        launcher=cfg.launcher,
+        workers_file=str(cfg.run_dir / "workers.json"),
+    )
 
 
 def check_resources(cfg: ExperimentConfig) -> None:
@@ -293,14 +338,16 @@ def check_resources(cfg: ExperimentConfig) -> None:
         per_worker = getattr(s, f"{kind}_per_rollout_worker")
         need = ranks * per_rank + workers * per_worker
         if need > have[resource]:
-            where = ("scheduler.ray_num_cpus" if resource == "CPU" and s.ray_num_cpus
-                     else "this machine")
+            where = (
+                "scheduler.ray_num_cpus" if resource == "CPU" and s.ray_num_cpus else "this machine"
+            )
             raise ConfigError(
                 f"scheduler: the Ray workers need {need:g} {resource}s (scheduler."
                 f"train_world_size {ranks} × scheduler.{kind}_per_trainer_rank {per_rank:g} + "
                 f"rollout.num_workers {workers} × scheduler.{kind}_per_rollout_worker "
                 f"{per_worker:g}), a local Ray instance has {have[resource]:g} ({where}); "
-                f"lower scheduler.{kind}_per_* (fractions are allowed) or the worker counts")
+                f"lower scheduler.{kind}_per_* (fractions are allowed) or the worker counts"
+            )
 
 
 def _ray_cpus() -> float:
@@ -310,8 +357,11 @@ def _ray_cpus() -> float:
 
         return float(get_num_cpus())
     except Exception:  # noqa: BLE001 - a Ray without that helper: count the cores
-        return float(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                     else os.cpu_count() or 1)
+        return float(
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
 
 
 def make_cluster(cfg: ExperimentConfig, spec: ClusterSpec) -> Cluster:
@@ -386,8 +436,9 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
     tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)
     model_config = load_model_config(cfg.model.path)
-    check_lengths(cfg, prompts, train_set + eval_set,
-                  getattr(model_config, "max_position_embeddings", None))
+    check_lengths(
+        cfg, prompts, train_set + eval_set, getattr(model_config, "max_position_embeddings", None)
+    )
     run_dir = prepare_run_dir(cfg)
     progress.run_dir = run_dir
     data = (prompts, tokenizer, train_set, eval_set, removed)
@@ -400,16 +451,23 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
                 _mark_failed(run_dir, exc)
                 raise
             if restarts >= cfg.recovery.max_trainer_restarts:
-                failure = WorkerError(f"{str(exc).splitlines()[0]} (no trainer restart left: "
-                                      f"recovery.max_trainer_restarts = "
-                                      f"{cfg.recovery.max_trainer_restarts})", exc.worker,
-                                      exc.died)
+                failure = WorkerError(
+                    f"{str(exc).splitlines()[0]} (no trainer restart left: "
+                    f"recovery.max_trainer_restarts = "
+                    f"{cfg.recovery.max_trainer_restarts})",
+                    exc.worker,
+                    exc.died,
+                )
                 _mark_failed(run_dir, failure)
                 raise failure from exc
             restarts += 1
-            log.warning("%s; restarting the job from its last checkpoint, if any (trainer "
-                        "restart %d of at most %d, recovery.max_trainer_restarts)", exc,
-                        restarts, cfg.recovery.max_trainer_restarts)
+            log.warning(
+                "%s; restarting the job from its last checkpoint, if any (trainer "
+                "restart %d of at most %d, recovery.max_trainer_restarts)",
+                exc,
+                restarts,
+                cfg.recovery.max_trainer_restarts,
+            )
             resume = True
         except KeyboardInterrupt as exc:
             raise _stopped(cfg, progress, signal_of(exc)) from None
@@ -425,17 +483,28 @@ def _stopped(cfg: ExperimentConfig, progress: _Progress, signum: int) -> RunInte
     with signals_deferred():
         run_dir = progress.run_dir
         if run_dir is None:
-            return RunInterrupted(f"interrupted while {progress.phase}; nothing was written",
-                                  signum)
-        checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.every_steps,
-                                        cfg.checkpoint.keep, cfg.total_steps)
+            return RunInterrupted(
+                f"interrupted while {progress.phase}; nothing was written", signum
+            )
+        checkpoints = CheckpointManager(
+            run_dir / "checkpoints",
+            cfg.checkpoint.every_steps,
+            cfg.checkpoint.keep,
+            cfg.total_steps,
+        )
         discarded = any(checkpoints.root.glob(".tmp-step-*"))
         checkpoints.remove_temporaries()
         shutil.rmtree(run_dir / "shards", ignore_errors=True)  # pending groups: not resumed
         if progress.phase == "saving the final model":
             shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
-        line = describe_stop(progress.phase, progress.version, cfg.total_steps, checkpoints,
-                             cfg.checkpoint.every_steps, discarded)
+        line = describe_stop(
+            progress.phase,
+            progress.version,
+            cfg.total_steps,
+            checkpoints,
+            cfg.checkpoint.every_steps,
+            discarded,
+        )
         write_interrupted(run_dir, line, signum)
         return RunInterrupted(line, signum)
 
@@ -449,28 +518,41 @@ def _mark_failed(run_dir: Path, exc: BaseException) -> None:
     """Write ``FAILED``: the error's type and first line (its type alone when it has no
     message)."""
     first = str(exc).splitlines()[0] if str(exc) else ""
-    (run_dir / "FAILED").write_text(f"{type(exc).__name__}: {first}\n" if first else
-                                    f"{type(exc).__name__}\n")
+    (run_dir / "FAILED").write_text(
+        f"{type(exc).__name__}: {first}\n" if first else f"{type(exc).__name__}\n"
+    )
 
 
-def _attempt(cfg: ExperimentConfig, run_dir: Path, data, resume: bool, restarts: int,
-             show_progress: bool, progress: _Progress) -> dict:
+def _attempt(
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    data,
+    resume: bool,
+    restarts: int,
+    show_progress: bool,
+    progress: _Progress,
+) -> dict:
     """Start the workers (from the last complete checkpoint when ``resume``) and run."""
-    checkpoints = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.every_steps,
-                                    cfg.checkpoint.keep, cfg.total_steps)
+    checkpoints = CheckpointManager(
+        run_dir / "checkpoints", cfg.checkpoint.every_steps, cfg.checkpoint.keep, cfg.total_steps
+    )
     latest = None
     if resume:
         latest = checkpoints.latest()
         checkpoints.remove_temporaries()
         if latest is None:
-            log.warning("no complete checkpoint in %s: the run starts again from step 0",
-                        checkpoints.root)
+            log.warning(
+                "no complete checkpoint in %s: the run starts again from step 0", checkpoints.root
+            )
     progress.version = latest.version if latest else 0
     progress.phase = "starting the workers"
     shutil.rmtree(run_dir / "shards", ignore_errors=True)  # pending groups are not resumed
     if latest is not None and latest.version >= cfg.total_steps:
-        log.warning("the checkpoint is of version %d, total_steps = %d: nothing to train",
-                    latest.version, cfg.total_steps)
+        log.warning(
+            "the checkpoint is of version %d, total_steps = %d: nothing to train",
+            latest.version,
+            cfg.total_steps,
+        )
     spec = cluster_spec(cfg, resume_from=str(latest.path) if latest else "")
     cluster = make_cluster(cfg, spec)
     try:
@@ -480,8 +562,18 @@ def _attempt(cfg: ExperimentConfig, run_dir: Path, data, resume: bool, restarts:
             checkpoints.mark_damaged(latest.path, str(exc).splitlines()[0])
         raise
     try:
-        summary = _run(cfg, run_dir, cluster, *data, show_progress, checkpoints, latest,
-                       resume, restarts, progress)
+        summary = _run(
+            cfg,
+            run_dir,
+            cluster,
+            *data,
+            show_progress,
+            checkpoints,
+            latest,
+            resume,
+            restarts,
+            progress,
+        )
     except KeyboardInterrupt as exc:
         with signals_deferred():  # stopping the workers must not be cut short
             cluster.__exit__(type(exc), exc, exc.__traceback__)
@@ -504,27 +596,55 @@ def warn_failed_exits(cluster: Cluster) -> None:
             log.warning("worker %r %s while shutting down after the run", handle.name, how)
 
 
-def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed,
-         show_progress, checkpoints: CheckpointManager, latest: Checkpoint | None,
-         resume: bool, restarts: int, progress: _Progress):
+def _run(
+    cfg,
+    run_dir,
+    cluster,
+    prompts,
+    tokenizer,
+    train_set,
+    eval_set,
+    removed,
+    show_progress,
+    checkpoints: CheckpointManager,
+    latest: Checkpoint | None,
+    resume: bool,
+    restarts: int,
+    progress: _Progress,
+):
     start = time.perf_counter()
-    summary: dict = {"train_problems": len(train_set), "eval_problems": len(eval_set),
-                     "train_removed_overlap": removed, "seed": cfg.seed,
-                     "scheduler": cfg.scheduler.type,
-                     "train_world_size": cfg.scheduler.train_world_size,
-                     "trainer_restarts": restarts}
+    summary: dict = {
+        "train_problems": len(train_set),
+        "eval_problems": len(eval_set),
+        "train_removed_overlap": removed,
+        "seed": cfg.seed,
+        "scheduler": cfg.scheduler.type,
+        "train_world_size": cfg.scheduler.train_world_size,
+        "trainer_restarts": restarts,
+    }
     if resume:
-        summary.update(resumed_from_version=latest.version if latest else 0,
-                       skipped_checkpoints=checkpoints.skipped)
-    params = SamplingParams(n=cfg.rollout.group_size, temperature=cfg.rollout.temperature,
-                            top_p=cfg.rollout.top_p, max_new_tokens=cfg.rollout.max_new_tokens)
+        summary.update(
+            resumed_from_version=latest.version if latest else 0,
+            skipped_checkpoints=checkpoints.skipped,
+        )
+    params = SamplingParams(
+        n=cfg.rollout.group_size,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        max_new_tokens=cfg.rollout.max_new_tokens,
+    )
     version = latest.version if latest else 0
     if cluster.trainer_version != version:
-        raise WorkerError(f"trainer {cluster.trainer.name!r} started at version "
-                          f"{cluster.trainer_version}, the checkpoint is of version {version}",
-                          cluster.trainer.name)
-    log = MetricsLog.resume(run_dir / "metrics.jsonl", version) if resume else \
-        MetricsLog(run_dir / "metrics.jsonl")
+        raise WorkerError(
+            f"trainer {cluster.trainer.name!r} started at version "
+            f"{cluster.trainer_version}, the checkpoint is of version {version}",
+            cluster.trainer.name,
+        )
+    log = (
+        MetricsLog.resume(run_dir / "metrics.jsonl", version)
+        if resume
+        else MetricsLog(run_dir / "metrics.jsonl")
+    )
     bar: console.StepBar | None = None
 
     def on_step(record: dict) -> None:
@@ -536,12 +656,20 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
     if latest:  # the problems drawn before the checkpoint are not drawn again
         stream.next_batch(latest.controller["counts"]["rollouts_submitted"])
     controller = AsyncController(
-        cluster.rollout_workers, cluster.trainer, cluster.weight_buffers,
-        MathRequests(stream, prompts, params, cfg.seed), run_plan(cfg), cfg.rollout, on_step,
-        timeouts=cfg.launcher.timeouts, recovery=cfg.recovery,
-        trainer_ranks=cluster.trainer_ranks, restart_rollout=cluster.restart_rollout,
+        cluster.rollout_workers,
+        cluster.trainer,
+        cluster.weight_buffers,
+        MathRequests(stream, prompts, params, cfg.seed),
+        run_plan(cfg),
+        cfg.rollout,
+        on_step,
+        timeouts=cfg.launcher.timeouts,
+        recovery=cfg.recovery,
+        trainer_ranks=cluster.trainer_ranks,
+        restart_rollout=cluster.restart_rollout,
         checkpoints=checkpoints if cfg.checkpoint.every_steps else None,
-        resume=latest.controller if latest else None)
+        resume=latest.controller if latest else None,
+    )
     eval_points = {}
     held_out = eval_requests(eval_set, prompts, cfg.eval.max_new_tokens)
     before_file = run_dir / "eval_before.jsonl"
@@ -550,60 +678,83 @@ def _run(cfg, run_dir, cluster, prompts, tokenizer, train_set, eval_set, removed
         if cfg.eval.before and latest and before_file.is_file():  # measured by the 1st attempt
             records = [json.loads(line) for line in before_file.read_text().splitlines()]
             summary["eval_before"] = _accuracy(records)
-            console.say(console.eval_finished("before training", _correct(records),
-                                              len(records), None))
+            console.say(
+                console.eval_finished("before training", _correct(records), len(records), None)
+            )
             eval_points["before"] = (0, summary["eval_before"])
         elif cfg.eval.before:
             progress.phase = "evaluating before training"
             t0 = time.perf_counter()
-            summary["eval_before"] = _evaluate(controller, held_out, before_file,
-                                               "before training", cfg.eval.max_new_tokens)
+            summary["eval_before"] = _evaluate(
+                controller, held_out, before_file, "before training", cfg.eval.max_new_tokens
+            )
             eval_seconds = time.perf_counter() - t0
             eval_points["before"] = (0, summary["eval_before"])
         progress.phase = "training"
         elapsed_before = float(latest.controller.get("elapsed_seconds", 0.0)) if latest else 0.0
-        bar = console.StepBar(cfg.total_steps, version,
-                              extra_seconds=eval_seconds if cfg.eval.after else 0.0,
-                              max_seconds=cfg.max_seconds, elapsed_before=elapsed_before,
-                              enabled=show_progress)
+        bar = console.StepBar(
+            cfg.total_steps,
+            version,
+            extra_seconds=eval_seconds if cfg.eval.after else 0.0,
+            max_seconds=cfg.max_seconds,
+            elapsed_before=elapsed_before,
+            enabled=show_progress,
+        )
         try:
             counts = controller.run()
         finally:
             bar.close()
         if cfg.eval.after:
             progress.phase = "evaluating after training"
-            summary["eval_after"] = _evaluate(controller, held_out, run_dir / "eval_after.jsonl",
-                                              f"after training (step {controller.version})",
-                                              cfg.eval.max_new_tokens)
+            summary["eval_after"] = _evaluate(
+                controller,
+                held_out,
+                run_dir / "eval_after.jsonl",
+                f"after training (step {controller.version})",
+                cfg.eval.max_new_tokens,
+            )
             eval_points["after"] = (controller.version, summary["eval_after"])
         if log.records:
-            plot_progress(log.records, eval_points, run_dir / "progress.png",
-                          title=f"{cfg.experiment_name}/{cfg.trial_name} · {cfg.model.path}")
+            plot_progress(
+                log.records,
+                eval_points,
+                run_dir / "progress.png",
+                title=f"{cfg.experiment_name}/{cfg.trial_name} · {cfg.model.path}",
+            )
         if cfg.checkpoint.final_model:
             progress.phase = "saving the final model"
-            save_checkpoint(cluster, str(run_dir / "checkpoint"),
-                            cfg.launcher.timeouts.train_step)
+            save_checkpoint(cluster, str(run_dir / "checkpoint"), cfg.launcher.timeouts.train_step)
             tokenizer.save_pretrained(str(run_dir / "checkpoint"))
         progress.phase = "writing the summary"
     except KeyboardInterrupt:
         if bar is not None:
             bar.close()
-        finish_checkpoints(controller, cluster.trainer_ranks,
-                           min(CHECKPOINT_WAIT_SECONDS, cfg.launcher.timeouts.train_step),
-                           console.say)
+        finish_checkpoints(
+            controller,
+            cluster.trainer_ranks,
+            min(CHECKPOINT_WAIT_SECONDS, cfg.launcher.timeouts.train_step),
+            console.say,
+        )
         raise
     shutil.rmtree(run_dir / "shards", ignore_errors=True)
-    summary.update(steps=controller.version, wall_seconds=time.perf_counter() - start,
-                   max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-                   **counts.as_dict(), torch=torch.__version__,
-                   trainer_threads=worker_threads(cfg)[0],
-                   rollout_threads=worker_threads(cfg)[1], machine=platform.machine())
+    summary.update(
+        steps=controller.version,
+        wall_seconds=time.perf_counter() - start,
+        max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+        **counts.as_dict(),
+        torch=torch.__version__,
+        trainer_threads=worker_threads(cfg)[0],
+        rollout_threads=worker_threads(cfg)[1],
+        machine=platform.machine(),
+    )
     if log.records:
-        summary["trained_tokens_per_s_cumulative"] = \
-            log.records[-1]["trained_tokens_per_s_cumulative"]
+        summary["trained_tokens_per_s_cumulative"] = log.records[-1][
+            "trained_tokens_per_s_cumulative"
+        ]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    for line in console.end_summary(summary, run_dir, cfg.checkpoint.final_model,
-                                    time.perf_counter() - progress.started):
+    for line in console.end_summary(
+        summary, run_dir, cfg.checkpoint.final_model, time.perf_counter() - progress.started
+    ):
         console.say(line)
     return summary
 
@@ -617,9 +768,11 @@ def save_checkpoint(cluster: Cluster, path: str, timeout: float) -> None:
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise WorkerError(f"trainer {cluster.trainer.name!r} did not save {path} within "
-                              f"launcher.timeouts.train_step = {timeout:g} s")
-        for handle, message in wait_messages(cluster.trainer_ranks, left, "while saving"):
+            raise WorkerError(
+                f"trainer {cluster.trainer.name!r} did not save {path} within "
+                f"launcher.timeouts.train_step = {timeout:g} s"
+            )
+        for _rank, message in wait_messages(cluster.trainer_ranks, left, "while saving"):
             if isinstance(message, Saved):
                 return
 
@@ -632,17 +785,18 @@ def _correct(records: list[dict]) -> int:
     return int(round(sum(r["correct"] for r in records)))
 
 
-def _evaluate(controller: AsyncController, requests, path: Path, when: str,
-              max_new_tokens: int) -> float:
+def _evaluate(
+    controller: AsyncController, requests, path: Path, when: str, max_new_tokens: int
+) -> float:
     """Greedy held-out evaluation: one console line as it starts and one with the accuracy;
     writes one JSON line per problem to ``path``; returns the accuracy (a fraction)."""
-    console.say(console.eval_started(when, len(requests), len(controller.workers),
-                                     max_new_tokens))
+    console.say(console.eval_started(when, len(requests), len(controller.workers), max_new_tokens))
     t0 = time.perf_counter()
     records = controller.evaluate(requests)
     with path.open("w") as fh:
         for record in records:
             fh.write(json.dumps(record) + "\n")
-    console.say(console.eval_finished(when, _correct(records), len(records),
-                                      time.perf_counter() - t0))
+    console.say(
+        console.eval_finished(when, _correct(records), len(records), time.perf_counter() - t0)
+    )
     return _accuracy(records)

@@ -41,6 +41,7 @@ class HFEngineFactory:
 
         def decode(token_ids: list[int]) -> str:
             return tokenizer.decode(token_ids, skip_special_tokens=True)
+
         return engine, decode
 
 
@@ -98,8 +99,9 @@ class TorchTrainerFactory:
         load = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, device=device)
         policy = load_causal_lm(m.path, **load)
         ref = load_causal_lm(m.path, **load) if self.actor.loss.kl_coef > 0 else None
-        kwargs = dict(temperature=self.rollout.temperature, ref_model=ref,
-                      total_steps=self.total_steps)
+        kwargs = dict(
+            temperature=self.rollout.temperature, ref_model=ref, total_steps=self.total_steps
+        )
         if mesh is None:
             from areal_fast.train.torch_engine import TorchTrainEngine
 
@@ -115,5 +117,6 @@ class TorchTrainerFactory:
         from areal_fast.train.fsdp import init_trainer_group
 
         backend = "nccl" if self.model.device.startswith("cuda") else "gloo"
-        return init_trainer_group(self.rank, self.world_size, self.dist_init_method, backend,
-                                  self.dist_timeout)
+        return init_trainer_group(
+            self.rank, self.world_size, self.dist_init_method, backend, self.dist_timeout
+        )

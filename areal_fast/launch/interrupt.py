@@ -113,8 +113,9 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
-            for handle, message in wait_messages(trainer_ranks, min(left, 1.0),
-                                                 "while finishing a checkpoint"):
+            for handle, message in wait_messages(
+                trainer_ranks, min(left, 1.0), "while finishing a checkpoint"
+            ):
                 if isinstance(message, StateSaved):
                     controller.handle([(handle, message)])
     except (KeyboardInterrupt, WorkerError, ValueError, OSError):
@@ -122,8 +123,9 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
     return True
 
 
-def describe_stop(phase: str, version: int, total_steps: int, checkpoints,
-                  every_steps: int, discarded: bool) -> str:
+def describe_stop(
+    phase: str, version: int, total_steps: int, checkpoints, every_steps: int, discarded: bool
+) -> str:
     """The one line an interrupted run prints and writes to ``INTERRUPTED``.
 
     Parameters
@@ -146,8 +148,10 @@ def describe_stop(phase: str, version: int, total_steps: int, checkpoints,
         where = f"interrupted while {phase} ({version} of {total_steps} steps trained)"
     latest = checkpoints.latest()
     if latest is not None:
-        what = (f"checkpoint step-{latest.version} is complete; resume=true continues from "
-                f"step {latest.version}")
+        what = (
+            f"checkpoint step-{latest.version} is complete; resume=true continues from "
+            f"step {latest.version}"
+        )
     elif every_steps == 0:
         what = "checkpoints are off (checkpoint.every_steps = 0): resume=true starts at step 0"
     else:
@@ -160,4 +164,5 @@ def describe_stop(phase: str, version: int, total_steps: int, checkpoints,
 def write_interrupted(run_dir: Path, line: str, signum: int) -> None:
     """Record the stop in ``<run_dir>/INTERRUPTED``: the line, then the signal's name."""
     (Path(run_dir) / INTERRUPTED_FILE).write_text(
-        f"{line}\nsignal: {signal.Signals(signum).name}\n")
+        f"{line}\nsignal: {signal.Signals(signum).name}\n"
+    )

@@ -30,9 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not argv or argv[0] not in ENTRIES:
         given = repr(argv[0]) if argv else "nothing"
-        print(f"usage: python -m areal_fast.launch.ray {{{','.join(ENTRIES)}}} --config FILE "
-              f"[key=value ...]\nareal_fast.launch.ray: error: the entry must be one of "
-              f"{ENTRIES}, got {given}", file=sys.stderr)
+        print(
+            f"usage: python -m areal_fast.launch.ray {{{','.join(ENTRIES)}}} --config FILE "
+            f"[key=value ...]\nareal_fast.launch.ray: error: the entry must be one of "
+            f"{ENTRIES}, got {given}",
+            file=sys.stderr,
+        )
         return 2
     return cli_main([argv[0], *argv[1:], "scheduler.type=ray"])
 

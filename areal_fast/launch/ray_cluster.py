@@ -153,9 +153,11 @@ def _check_resources(bundles: list[dict], available: dict) -> None:
         need = sum(b.get(resource, 0) for b in bundles)
         have = available.get(resource, 0)
         if need > have:
-            raise WorkerError(f"the {len(bundles)} workers need {need:g} {resource}s "
-                              f"(scheduler.{keys}_per_trainer_rank, scheduler.{keys}_per_rollout_"
-                              f"worker), the Ray cluster has {have:g}")
+            raise WorkerError(
+                f"the {len(bundles)} workers need {need:g} {resource}s "
+                f"(scheduler.{keys}_per_trainer_rank, scheduler.{keys}_per_rollout_"
+                f"worker), the Ray cluster has {have:g}"
+            )
 
 
 class RayCluster(Cluster):
@@ -193,9 +195,12 @@ class RayCluster(Cluster):
         if not ray.is_initialized():
             local = self.scheduler.ray_address is None
             with _in_package_parent(), _sigterm_kept():
-                ray.init(address=self.scheduler.ray_address, include_dashboard=False,
-                         log_to_driver=True,
-                         num_cpus=self.scheduler.ray_num_cpus if local else None)
+                ray.init(
+                    address=self.scheduler.ray_address,
+                    include_dashboard=False,
+                    log_to_driver=True,
+                    num_cpus=self.scheduler.ray_num_cpus if local else None,
+                )
             self._started_ray = True
         try:
             bundles = self._bundle_specs()
@@ -203,10 +208,12 @@ class RayCluster(Cluster):
             self.pg = placement_group(bundles, strategy=self.scheduler.placement_strategy)
             ready, _ = ray.wait([self.pg.ready()], timeout=self.spec.startup_timeout)
             if not ready:
-                raise WorkerError(f"Ray cannot place {len(bundles)} workers ({bundles[0]} per "
-                                  f"trainer rank, {bundles[-1]} per rollout worker) within "
-                                  f"startup_timeout = {self.spec.startup_timeout:g} s; cluster "
-                                  f"resources: {ray.cluster_resources()}")
+                raise WorkerError(
+                    f"Ray cannot place {len(bundles)} workers ({bundles[0]} per "
+                    f"trainer rank, {bundles[-1]} per rollout worker) within "
+                    f"startup_timeout = {self.spec.startup_timeout:g} s; cluster "
+                    f"resources: {ray.cluster_resources()}"
+                )
             self.listener = Listener((self.spec.host, 0), authkey=self.authkey)
             threading.Thread(target=self._accept_loop, daemon=True, name="ray-accept").start()
         except BaseException:
@@ -216,25 +223,36 @@ class RayCluster(Cluster):
 
     def _bundle_specs(self) -> list[dict]:
         s, n = self.scheduler, self.spec.train_world_size
-        names = [trainer_name(r) for r in range(n)] + \
-            [f"rollout-{i}" for i in range(self.spec.num_rollout_workers)]
+        names = [trainer_name(r) for r in range(n)] + [
+            f"rollout-{i}" for i in range(self.spec.num_rollout_workers)
+        ]
         self._bundles = {name: i for i, name in enumerate(names)}
         trainer = {"CPU": s.cpus_per_trainer_rank, "GPU": s.gpus_per_trainer_rank}
         rollout = {"CPU": s.cpus_per_rollout_worker, "GPU": s.gpus_per_rollout_worker}
-        return [{k: v for k, v in (trainer if i < n else rollout).items() if v > 0}
-                for i in range(len(names))]
+        return [
+            {k: v for k, v in (trainer if i < n else rollout).items() if v > 0}
+            for i in range(len(names))
+        ]
 
     def _start_worker(self, name: str, target, spec) -> WorkerHandle:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self._bundles[name]
         resources = self._bundle_specs()[bundle]
-        actor = _remote_actor().options(
-            num_cpus=resources.get("CPU", 0), num_gpus=resources.get("GPU", 0),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                self.pg, placement_group_bundle_index=bundle)).remote()
-        run_ref = actor.run.remote(name, target, spec, self.listener.address, self.authkey,
-                                   os.getcwd())
+        actor = (
+            _remote_actor()
+            .options(
+                num_cpus=resources.get("CPU", 0),
+                num_gpus=resources.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=bundle
+                ),
+            )
+            .remote()
+        )
+        run_ref = actor.run.remote(
+            name, target, spec, self.listener.address, self.authkey, os.getcwd()
+        )
         conn, pid = self._accept(name, run_ref)
         return RayHandle(name, MessageChannel(conn), actor, run_ref, pid)
 
@@ -249,12 +267,18 @@ class RayCluster(Cluster):
                 try:
                     ray.get(run_ref)
                 except Exception as exc:  # noqa: BLE001 - named in the message
-                    raise WorkerError(f"worker {name!r} failed to start in Ray: "
-                                      f"{str(exc).splitlines()[0]}", name, died=True) from None
+                    raise WorkerError(
+                        f"worker {name!r} failed to start in Ray: {str(exc).splitlines()[0]}",
+                        name,
+                        died=True,
+                    ) from None
             left = deadline - time.monotonic()
             if left <= 0:
-                raise WorkerError(f"worker {name!r} did not connect within startup_timeout = "
-                                  f"{self.spec.startup_timeout:g} s", name)
+                raise WorkerError(
+                    f"worker {name!r} did not connect within startup_timeout = "
+                    f"{self.spec.startup_timeout:g} s",
+                    name,
+                )
             try:
                 peer, conn, pid = self._arrivals.get(timeout=min(left, 1.0))
             except queue.Empty:

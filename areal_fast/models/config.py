@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 from areal_fast.models.loading import DEMO_MODEL
 
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3",
-                        "flex_attention")
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
 
 
 @dataclass
@@ -36,5 +35,7 @@ class ModelConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype = {self.dtype!r} is not 'float32', 'bfloat16' or 'float16'")
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
-            raise ValueError(f"attn_implementation = {self.attn_implementation!r} is not one "
-                             f"of {ATTN_IMPLEMENTATIONS}")
+            raise ValueError(
+                f"attn_implementation = {self.attn_implementation!r} is not one "
+                f"of {ATTN_IMPLEMENTATIONS}"
+            )

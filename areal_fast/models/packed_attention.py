@@ -18,8 +18,9 @@ import torch.nn.functional as F
 PACKED_ATTENTION = "areal_packed"
 
 
-def packed_attention_forward(module, query, key, value, attention_mask, scaling=None,
-                             dropout=0.0, **kwargs):
+def packed_attention_forward(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs
+):
     """Causal attention over packed sequences; the transformers attention-function signature.
 
     Parameters
@@ -58,16 +59,25 @@ def packed_attention_forward(module, query, key, value, attention_mask, scaling=
     window = kwargs.get("sliding_window")
     longest = max((e - s for s, e in zip(bounds[:-1], bounds[1:])), default=0)
     if window and longest > window:
-        raise ValueError(f"a packed sequence of {longest} tokens exceeds the model's sliding "
-                         f"window of {window}, which attention '{PACKED_ATTENTION}' does not "
-                         f"implement")
+        raise ValueError(
+            f"a packed sequence of {longest} tokens exceeds the model's sliding "
+            f"window of {window}, which attention '{PACKED_ATTENTION}' does not "
+            f"implement"
+        )
     drop = dropout if module.training else 0.0
     gqa = key.shape[1] != query.shape[1]
     outputs = [
-        F.scaled_dot_product_attention(query[:, :, s:e], key[:, :, s:e], value[:, :, s:e],
-                                       dropout_p=drop, is_causal=True, scale=scaling,
-                                       enable_gqa=gqa)
-        for s, e in zip(bounds[:-1], bounds[1:]) if e > s
+        F.scaled_dot_product_attention(
+            query[:, :, s:e],
+            key[:, :, s:e],
+            value[:, :, s:e],
+            dropout_p=drop,
+            is_causal=True,
+            scale=scaling,
+            enable_gqa=gqa,
+        )
+        for s, e in zip(bounds[:-1], bounds[1:])
+        if e > s
     ]
     out = torch.cat(outputs, dim=2) if outputs else query[:, :, :0]
     return out.transpose(1, 2).contiguous(), None

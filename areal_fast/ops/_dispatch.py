@@ -79,8 +79,10 @@ def resolve_impl(impl: str | None, device: torch.device, native_symbol: str) -> 
         if device.type != "cpu":
             raise ValueError(f"impl='native' runs on the CPU only, tensors are on {device}")
         if not native_has(native_symbol):
-            raise ValueError(f"impl='native' needs areal_fast._C with {native_symbol} "
-                             f"(extension missing, disabled or too old)")
+            raise ValueError(
+                f"impl='native' needs areal_fast._C with {native_symbol} "
+                f"(extension missing, disabled or too old)"
+            )
     if wanted == "triton":
         if not triton_available():
             raise ValueError("impl='triton' needs the triton package")

@@ -57,8 +57,9 @@ def torch_rows_forward(z, labels, inv_temp, ignore_index, logprobs_out, entropy_
         entropy_out.copy_(torch.where(valid, log_sum - weighted / sum_exp, 0.0))
 
 
-def torch_rows_backward_(z, labels, lse, entropy, grad_logprobs, grad_entropy, inv_temp,
-                         ignore_index):
+def torch_rows_backward_(
+    z, labels, lse, entropy, grad_logprobs, grad_entropy, inv_temp, ignore_index
+):
     """Row epilogue backward in torch ops, overwriting ``z`` (see the module docstring)."""
     valid = labels != ignore_index
     label_col = torch.where(valid, labels, 0)[:, None]
@@ -93,30 +94,53 @@ def native_rows_forward(z, labels, inv_temp, ignore_index, logprobs_out, entropy
     """Row epilogue forward through ``areal_fast._C`` (CPU, float32)."""
     _check_native(z, labels, logprobs_out, entropy_out, lse_out)
     load_native().logprob_rows_forward(
-        z.data_ptr(), z.shape[0], z.shape[1], z.stride(0), labels.data_ptr(), float(inv_temp),
-        int(ignore_index), logprobs_out.data_ptr(), _address(entropy_out), lse_out.data_ptr(),
-        torch.get_num_threads())
+        z.data_ptr(),
+        z.shape[0],
+        z.shape[1],
+        z.stride(0),
+        labels.data_ptr(),
+        float(inv_temp),
+        int(ignore_index),
+        logprobs_out.data_ptr(),
+        _address(entropy_out),
+        lse_out.data_ptr(),
+        torch.get_num_threads(),
+    )
 
 
-def native_rows_backward_(z, labels, lse, entropy, grad_logprobs, grad_entropy, inv_temp,
-                          ignore_index):
+def native_rows_backward_(
+    z, labels, lse, entropy, grad_logprobs, grad_entropy, inv_temp, ignore_index
+):
     """Row epilogue backward through ``areal_fast._C`` (CPU, float32), overwriting ``z``."""
     grad_logprobs = grad_logprobs.to(torch.float32).contiguous()
     if grad_entropy is not None:
         grad_entropy = grad_entropy.to(torch.float32).contiguous()
     _check_native(z, labels, lse, entropy, grad_logprobs, grad_entropy)
     load_native().logprob_rows_backward(
-        z.data_ptr(), z.shape[0], z.shape[1], z.stride(0), labels.data_ptr(), lse.data_ptr(),
-        _address(entropy), grad_logprobs.data_ptr(), _address(grad_entropy), float(inv_temp),
-        int(ignore_index), torch.get_num_threads())
+        z.data_ptr(),
+        z.shape[0],
+        z.shape[1],
+        z.stride(0),
+        labels.data_ptr(),
+        lse.data_ptr(),
+        _address(entropy),
+        grad_logprobs.data_ptr(),
+        _address(grad_entropy),
+        float(inv_temp),
+        int(ignore_index),
+        torch.get_num_threads(),
+    )
 
 
 def _check_native(z, labels, *vectors):
     assert z.device.type == "cpu" and z.dtype == torch.float32 and z.stride(1) == 1
     assert labels.dtype == torch.int64 and labels.is_contiguous()
     for vector in vectors:
-        assert vector is None or (vector.dtype == torch.float32 and vector.is_contiguous()
-                                  and vector.shape == (z.shape[0],))
+        assert vector is None or (
+            vector.dtype == torch.float32
+            and vector.is_contiguous()
+            and vector.shape == (z.shape[0],)
+        )
 
 
 def row_backend(impl: str) -> RowBackend:

@@ -74,8 +74,9 @@ def _chunk_logits(hidden_chunk, weight_mm, bias, acc, out):
     return out
 
 
-def linear_logprobs_forward(hidden, weight, labels, bias, temperature, ignore_index,
-                            want_entropy, impl):
+def linear_logprobs_forward(
+    hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl
+):
     """Chunked forward. Returns (logprobs [T], entropy [T] or None, logsumexp [T]), fp32.
 
     ``impl`` is a resolved implementation name; the logsumexp is of the tempered logits.
@@ -84,8 +85,9 @@ def linear_logprobs_forward(hidden, weight, labels, bias, temperature, ignore_in
     acc = _acc_dtype(hidden.dtype)
     weight_mm = _matmul_weight(weight, acc)
     if impl == "native":
-        return tiled_forward(hidden, weight_mm, labels, bias, temperature, ignore_index,
-                             want_entropy, _CHUNK_BYTES)
+        return tiled_forward(
+            hidden, weight_mm, labels, bias, temperature, ignore_index, want_entropy, _CHUNK_BYTES
+        )
     rows = row_backend(impl)
     logprobs = hidden.new_empty(num_tokens, dtype=acc)
     entropy = torch.empty_like(logprobs) if want_entropy else None
@@ -95,13 +97,32 @@ def linear_logprobs_forward(hidden, weight, labels, bias, temperature, ignore_in
     for start in range(0, num_tokens, chunk):
         sl = slice(start, min(start + chunk, num_tokens))
         logits = _chunk_logits(hidden[sl], weight_mm, bias, acc, block[: sl.stop - start])
-        rows.forward(logits, labels[sl], 1.0 / temperature, ignore_index, logprobs[sl],
-                     None if entropy is None else entropy[sl], lse[sl])
+        rows.forward(
+            logits,
+            labels[sl],
+            1.0 / temperature,
+            ignore_index,
+            logprobs[sl],
+            None if entropy is None else entropy[sl],
+            lse[sl],
+        )
     return logprobs, entropy, lse
 
 
-def linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels, bias,
-                             temperature, ignore_index, lse, entropy, impl, needs_grad):
+def linear_logprobs_backward(
+    grad_logprobs,
+    grad_entropy,
+    hidden,
+    weight,
+    labels,
+    bias,
+    temperature,
+    ignore_index,
+    lse,
+    entropy,
+    impl,
+    needs_grad,
+):
     """Chunked backward: recompute each chunk's logits, overwrite them with their gradient
     (row epilogue), then grad_hidden = G·W and grad_weight += Gᵀ·h in the accumulation dtype.
 
@@ -114,16 +135,30 @@ def linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels
     if grad_entropy is not None:
         grad_entropy = grad_entropy.to(acc).contiguous()
     if impl == "native":
-        grads = tiled_backward(grad_logprobs, grad_entropy, hidden, weight_mm, labels, bias,
-                               temperature, ignore_index, lse, entropy, needs_grad,
-                               _CHUNK_BYTES)
-        return tuple(None if g is None else g.to(like.dtype)
-                     for g, like in zip(grads, (hidden, weight, bias)))
+        grads = tiled_backward(
+            grad_logprobs,
+            grad_entropy,
+            hidden,
+            weight_mm,
+            labels,
+            bias,
+            temperature,
+            ignore_index,
+            lse,
+            entropy,
+            needs_grad,
+            _CHUNK_BYTES,
+        )
+        return tuple(
+            None if g is None else g.to(like.dtype)
+            for g, like in zip(grads, (hidden, weight, bias))
+        )
     rows = row_backend(impl)
     need_hidden, need_weight, need_bias = needs_grad
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    grad_weight = (torch.zeros(weight.shape, dtype=acc, device=weight.device)
-                   if need_weight else None)
+    grad_weight = (
+        torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_weight else None
+    )
     grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
     chunk = _chunk_size(num_tokens, vocab, torch.finfo(acc).bits // 8)
     block = hidden.new_empty(chunk, vocab, dtype=acc)
@@ -131,11 +166,19 @@ def linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels
         sl = slice(start, min(start + chunk, num_tokens))
         hidden_chunk = hidden[sl]
         grad_z = _chunk_logits(hidden_chunk, weight_mm, bias, acc, block[: sl.stop - start])
-        rows.backward_(grad_z, labels[sl], lse[sl], None if entropy is None else entropy[sl],
-                       grad_logprobs[sl], None if grad_entropy is None else grad_entropy[sl],
-                       1.0 / temperature, ignore_index)
-        push_chunk_gradient(grad_z, hidden_chunk, weight_mm, acc, sl, grad_hidden,
-                            grad_weight, grad_bias)
+        rows.backward_(
+            grad_z,
+            labels[sl],
+            lse[sl],
+            None if entropy is None else entropy[sl],
+            grad_logprobs[sl],
+            None if grad_entropy is None else grad_entropy[sl],
+            1.0 / temperature,
+            ignore_index,
+        )
+        push_chunk_gradient(
+            grad_z, hidden_chunk, weight_mm, acc, sl, grad_hidden, grad_weight, grad_bias
+        )
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
@@ -143,8 +186,9 @@ def linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels
     return grad_hidden, grad_weight, grad_bias
 
 
-def push_chunk_gradient(grad_z, hidden_chunk, weight_mm, acc, sl, grad_hidden, grad_weight,
-                        grad_bias) -> None:
+def push_chunk_gradient(
+    grad_z, hidden_chunk, weight_mm, acc, sl, grad_hidden, grad_weight, grad_bias
+) -> None:
     """Chain one chunk's logit gradient G [C, V] through the LM head: grad_hidden[sl] = G·W,
     grad_weight += Gᵀ·h (accumulated in ``acc``), grad_bias += Σ_c G. None targets are skipped."""
     grad_lowp = grad_z if weight_mm.dtype == acc else grad_z.to(weight_mm.dtype)
@@ -180,13 +224,20 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op("areal_fast::linear_logprobs_fwd", mutates_args=())
-def linear_logprobs_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                           bias: torch.Tensor | None, temperature: float, ignore_index: int,
-                           want_entropy: bool, impl: str
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def linear_logprobs_fwd_op(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    want_entropy: bool,
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logprobs [T], entropy [T] or [0], logsumexp [T]) through the chunked forward."""
-    logprobs, entropy, lse = linear_logprobs_forward(hidden, weight, labels, bias, temperature,
-                                                     ignore_index, want_entropy, impl)
+    logprobs, entropy, lse = linear_logprobs_forward(
+        hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl
+    )
     return logprobs, _empty(hidden) if entropy is None else entropy, lse
 
 
@@ -194,31 +245,66 @@ def linear_logprobs_fwd_op(hidden: torch.Tensor, weight: torch.Tensor, labels: t
 def _(hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl):
     acc = _acc_dtype(hidden.dtype)
     num_tokens = hidden.shape[0]
-    return (hidden.new_empty(num_tokens, dtype=acc),
-            hidden.new_empty(num_tokens if want_entropy else 0, dtype=acc),
-            hidden.new_empty(num_tokens, dtype=acc))
+    return (
+        hidden.new_empty(num_tokens, dtype=acc),
+        hidden.new_empty(num_tokens if want_entropy else 0, dtype=acc),
+        hidden.new_empty(num_tokens, dtype=acc),
+    )
 
 
 @torch.library.custom_op("areal_fast::linear_logprobs_bwd", mutates_args=())
-def linear_logprobs_bwd_op(grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor | None,
-                           hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                           bias: torch.Tensor | None, lse: torch.Tensor,
-                           entropy: torch.Tensor | None, temperature: float, ignore_index: int,
-                           impl: str, needs_grad: list[bool]
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def linear_logprobs_bwd_op(
+    grad_logprobs: torch.Tensor,
+    grad_entropy: torch.Tensor | None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    bias: torch.Tensor | None,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    temperature: float,
+    ignore_index: int,
+    impl: str,
+    needs_grad: list[bool],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grad_hidden, grad_weight, grad_bias), each [0] when not needed."""
-    grads = linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels, bias,
-                                     temperature, ignore_index, lse, entropy, impl,
-                                     tuple(needs_grad))
+    grads = linear_logprobs_backward(
+        grad_logprobs,
+        grad_entropy,
+        hidden,
+        weight,
+        labels,
+        bias,
+        temperature,
+        ignore_index,
+        lse,
+        entropy,
+        impl,
+        tuple(needs_grad),
+    )
     return tuple(_empty(hidden) if g is None else g for g in grads)
 
 
 @linear_logprobs_bwd_op.register_fake
-def _(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy, temperature,
-      ignore_index, impl, needs_grad):
+def _(
+    grad_logprobs,
+    grad_entropy,
+    hidden,
+    weight,
+    labels,
+    bias,
+    lse,
+    entropy,
+    temperature,
+    ignore_index,
+    impl,
+    needs_grad,
+):
     shapes = (hidden, weight, bias)
-    return tuple(like.new_empty(like.shape) if need and like is not None else _empty(hidden)
-                 for like, need in zip(shapes, needs_grad))
+    return tuple(
+        like.new_empty(like.shape) if need and like is not None else _empty(hidden)
+        for like, need in zip(shapes, needs_grad)
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -238,10 +324,25 @@ def _backward_grads(ctx, grad_logprobs, grad_entropy, launch):
         grad_logprobs = torch.zeros_like(lse)
     if not want_entropy:
         grad_entropy, entropy = None, None
-    needs = [ctx.needs_input_grad[0], ctx.needs_input_grad[1],
-             bias is not None and ctx.needs_input_grad[3]]
-    grads = launch(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy,
-                   temperature, ignore_index, impl, needs)
+    needs = [
+        ctx.needs_input_grad[0],
+        ctx.needs_input_grad[1],
+        bias is not None and ctx.needs_input_grad[3],
+    ]
+    grads = launch(
+        grad_logprobs,
+        grad_entropy,
+        hidden,
+        weight,
+        labels,
+        bias,
+        lse,
+        entropy,
+        temperature,
+        ignore_index,
+        impl,
+        needs,
+    )
     grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
     return grad_hidden, grad_weight, None, grad_bias, None, None, None, None
 
@@ -253,12 +354,35 @@ def _backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
 linear_logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _eager_bwd(grad_logprobs, grad_entropy, hidden, weight, labels, bias, lse, entropy,
-               temperature, ignore_index, impl, needs_grad):
+def _eager_bwd(
+    grad_logprobs,
+    grad_entropy,
+    hidden,
+    weight,
+    labels,
+    bias,
+    lse,
+    entropy,
+    temperature,
+    ignore_index,
+    impl,
+    needs_grad,
+):
     """The backward launcher with the custom op's argument order (no dispatcher)."""
-    return linear_logprobs_backward(grad_logprobs, grad_entropy, hidden, weight, labels, bias,
-                                    temperature, ignore_index, lse, entropy, impl,
-                                    tuple(needs_grad))
+    return linear_logprobs_backward(
+        grad_logprobs,
+        grad_entropy,
+        hidden,
+        weight,
+        labels,
+        bias,
+        temperature,
+        ignore_index,
+        lse,
+        entropy,
+        impl,
+        tuple(needs_grad),
+    )
 
 
 class _EagerLinearLogprobs(torch.autograd.Function):
@@ -266,13 +390,16 @@ class _EagerLinearLogprobs(torch.autograd.Function):
     on first use (about 1.5 s and 150 MB), which eager callers need not pay."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, bias, temperature, ignore_index, want_entropy,
-                impl):
+    def forward(ctx, hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl):
         logprobs, entropy, lse = linear_logprobs_forward(
-            hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl)
+            hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl
+        )
         outputs = (logprobs, _empty(hidden) if entropy is None else entropy, lse)
-        _setup_context(ctx, (hidden, weight, labels, bias, temperature, ignore_index,
-                             want_entropy, impl), outputs)
+        _setup_context(
+            ctx,
+            (hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl),
+            outputs,
+        )
         return outputs
 
     @staticmethod
@@ -295,8 +422,9 @@ def _validate(hidden, weight, labels, bias, temperature, ignore_index, validate)
     if hidden.dim() != 2:
         raise ValueError(f"hidden must be [T, H], got shape {tuple(hidden.shape)}")
     if hidden.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"hidden must be float32/bfloat16/float16 (or float64), got "
-                         f"{hidden.dtype}")
+        raise ValueError(
+            f"hidden must be float32/bfloat16/float16 (or float64), got {hidden.dtype}"
+        )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
         raise ValueError(f"weight must be [V, H={hidden.shape[1]}], got {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
@@ -306,8 +434,10 @@ def _validate(hidden, weight, labels, bias, temperature, ignore_index, validate)
     if labels.dtype != torch.int64:
         raise ValueError(f"labels must be int64, got {labels.dtype}")
     if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype):
-        raise ValueError(f"bias must be [V={weight.shape[0]}] {hidden.dtype}, got "
-                         f"{tuple(bias.shape)} {bias.dtype}")
+        raise ValueError(
+            f"bias must be [V={weight.shape[0]}] {hidden.dtype}, got "
+            f"{tuple(bias.shape)} {bias.dtype}"
+        )
     for name, tensor in (("weight", weight), ("labels", labels), ("bias", bias)):
         if tensor is not None and tensor.device != hidden.device:
             raise ValueError(f"{name} is on {tensor.device}, hidden on {hidden.device}")
@@ -316,14 +446,24 @@ def _validate(hidden, weight, labels, bias, temperature, ignore_index, validate)
     if validate and labels.numel():
         bad = (labels != ignore_index) & ((labels < 0) | (labels >= weight.shape[0]))
         if bool(bad.any()):
-            raise ValueError(f"labels hold values outside [0, V={weight.shape[0]}) other than "
-                             f"ignore_index = {ignore_index}")
+            raise ValueError(
+                f"labels hold values outside [0, V={weight.shape[0]}) other than "
+                f"ignore_index = {ignore_index}"
+            )
 
 
-def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                    temperature: float = 1.0, return_entropy: bool = False,
-                    ignore_index: int = IGNORE_INDEX, bias: torch.Tensor | None = None,
-                    impl: str | None = None, validate: bool | None = None):
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    ignore_index: int = IGNORE_INDEX,
+    bias: torch.Tensor | None = None,
+    impl: str | None = None,
+    validate: bool | None = None,
+):
     """Log-prob of each label (and optionally the entropy) under a linear LM head.
 
     logprobs[t] = log_softmax((hidden[t] · weightᵀ + bias) / temperature)[labels[t]];
@@ -390,10 +530,27 @@ def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
         kept = (labels != ignore_index).nonzero().squeeze(1)
         if kept.numel() < labels.numel():
-            return _on_kept_tokens(hidden, weight, labels, bias, kept, temperature,
-                                   return_entropy, ignore_index, chosen)
-    outputs = _apply(hidden, weight, labels, bias, float(temperature), int(ignore_index),
-                     bool(return_entropy), chosen)
+            return _on_kept_tokens(
+                hidden,
+                weight,
+                labels,
+                bias,
+                kept,
+                temperature,
+                return_entropy,
+                ignore_index,
+                chosen,
+            )
+    outputs = _apply(
+        hidden,
+        weight,
+        labels,
+        bias,
+        float(temperature),
+        int(ignore_index),
+        bool(return_entropy),
+        chosen,
+    )
     return (outputs[0], outputs[1]) if return_entropy else outputs[0]
 
 
@@ -405,11 +562,20 @@ def _choose_impl(impl: str | None, hidden: torch.Tensor) -> str:
     return resolve_impl(impl, hidden.device, _NATIVE_SYMBOL)
 
 
-def _on_kept_tokens(hidden, weight, labels, bias, kept, temperature, return_entropy,
-                    ignore_index, impl):
+def _on_kept_tokens(
+    hidden, weight, labels, bias, kept, temperature, return_entropy, ignore_index, impl
+):
     """Run on the non-ignored tokens only and scatter back (zeros elsewhere)."""
-    outputs = _apply(hidden.index_select(0, kept), weight, labels.index_select(0, kept), bias,
-                     float(temperature), int(ignore_index), bool(return_entropy), impl)
+    outputs = _apply(
+        hidden.index_select(0, kept),
+        weight,
+        labels.index_select(0, kept),
+        bias,
+        float(temperature),
+        int(ignore_index),
+        bool(return_entropy),
+        impl,
+    )
     num_tokens = labels.shape[0]
 
     def scatter(values):

@@ -32,14 +32,15 @@ def tile_shape(num_tokens: int, vocab: int, block_bytes: int) -> tuple[int, int]
 def _tile_logits(hidden_chunk, weight_mm, bias, v0, width, block):
     """Logits of the chunk for vocabulary columns [v0, v0 + width), into ``block`` (fp32)."""
     logits = block[: hidden_chunk.shape[0] * width].view(hidden_chunk.shape[0], width)
-    torch.mm(hidden_chunk, weight_mm[v0:v0 + width].t(), out=logits)
+    torch.mm(hidden_chunk, weight_mm[v0 : v0 + width].t(), out=logits)
     if bias is not None:
-        logits += bias[v0:v0 + width]
+        logits += bias[v0 : v0 + width]
     return logits
 
 
-def tiled_forward(hidden, weight_mm, labels, bias, temperature, ignore_index, want_entropy,
-                  block_bytes):
+def tiled_forward(
+    hidden, weight_mm, labels, bias, temperature, ignore_index, want_entropy, block_bytes
+):
     """(logprobs [T], entropy [T] or None, lse [T]) in fp32; ``weight_mm`` is fp32 [V, H]."""
     native = load_native()
     num_tokens, vocab = hidden.shape[0], weight_mm.shape[0]
@@ -64,9 +65,20 @@ def tiled_forward(hidden, weight_mm, labels, bias, temperature, ignore_index, wa
             width = min(tile, vocab - v0)
             logits = _tile_logits(chunk, weight_mm, bias32, v0, width, block)
             native.logprob_tile_forward(
-                logits.data_ptr(), n, width, width, v0, chunk_labels.data_ptr(), inv_temp,
-                ignore_index, row_max.data_ptr(), sum_exp_rest.data_ptr(),
-                0 if sum_xexp is None else sum_xexp.data_ptr(), picked.data_ptr(), threads)
+                logits.data_ptr(),
+                n,
+                width,
+                width,
+                v0,
+                chunk_labels.data_ptr(),
+                inv_temp,
+                ignore_index,
+                row_max.data_ptr(),
+                sum_exp_rest.data_ptr(),
+                0 if sum_xexp is None else sum_xexp.data_ptr(),
+                picked.data_ptr(),
+                threads,
+            )
         valid = chunk_labels != ignore_index
         log_sum = torch.log1p(sum_exp_rest)
         lse[sl] = torch.where(valid, row_max + log_sum, 0.0)
@@ -76,8 +88,20 @@ def tiled_forward(hidden, weight_mm, labels, bias, temperature, ignore_index, wa
     return logprobs, entropy, lse
 
 
-def tiled_backward(grad_logprobs, grad_entropy, hidden, weight_mm, labels, bias, temperature,
-                   ignore_index, lse, entropy, needs_grad, block_bytes):
+def tiled_backward(
+    grad_logprobs,
+    grad_entropy,
+    hidden,
+    weight_mm,
+    labels,
+    bias,
+    temperature,
+    ignore_index,
+    lse,
+    entropy,
+    needs_grad,
+    block_bytes,
+):
     """(grad_hidden fp32 [T, H], grad_weight fp32 [V, H], grad_bias fp32 [V]), None if unneeded.
 
     ``grad_logprobs``/``grad_entropy`` are fp32 contiguous [T] (grad_entropy may be None).
@@ -104,25 +128,63 @@ def tiled_backward(grad_logprobs, grad_entropy, hidden, weight_mm, labels, bias,
             width = min(tile, vocab - v0)
             grad_z = _tile_logits(chunk, weight_mm, bias32, v0, width, block)
             native.logprob_tile_backward(
-                grad_z.data_ptr(), n, width, width, v0, chunk_labels.data_ptr(),
-                lse[sl].data_ptr(), entropy[sl].data_ptr() if use_entropy else 0,
-                grad_logprobs[sl].data_ptr(), grad_entropy[sl].data_ptr() if use_entropy else 0,
-                inv_temp, ignore_index, others.data_ptr(), d_label.data_ptr(), threads)
+                grad_z.data_ptr(),
+                n,
+                width,
+                width,
+                v0,
+                chunk_labels.data_ptr(),
+                lse[sl].data_ptr(),
+                entropy[sl].data_ptr() if use_entropy else 0,
+                grad_logprobs[sl].data_ptr(),
+                grad_entropy[sl].data_ptr() if use_entropy else 0,
+                inv_temp,
+                ignore_index,
+                others.data_ptr(),
+                d_label.data_ptr(),
+                threads,
+            )
             if grad_hidden is not None:
-                grad_hidden[sl].addmm_(grad_z, weight_mm[v0:v0 + width])
+                grad_hidden[sl].addmm_(grad_z, weight_mm[v0 : v0 + width])
             if grad_weight is not None:
-                grad_weight[v0:v0 + width].addmm_(grad_z.t(), chunk)
+                grad_weight[v0 : v0 + width].addmm_(grad_z.t(), chunk)
             if grad_bias is not None:
-                grad_bias[v0:v0 + width] += grad_z.sum(0)
-        _add_label_entries(grad_hidden, grad_weight, grad_bias, sl, chunk, chunk_labels,
-                           weight_mm, others, d_label, grad_logprobs[sl],
-                           grad_entropy[sl] if use_entropy else None,
-                           entropy[sl] if use_entropy else None, inv_temp, ignore_index)
+                grad_bias[v0 : v0 + width] += grad_z.sum(0)
+        _add_label_entries(
+            grad_hidden,
+            grad_weight,
+            grad_bias,
+            sl,
+            chunk,
+            chunk_labels,
+            weight_mm,
+            others,
+            d_label,
+            grad_logprobs[sl],
+            grad_entropy[sl] if use_entropy else None,
+            entropy[sl] if use_entropy else None,
+            inv_temp,
+            ignore_index,
+        )
     return grad_hidden, grad_weight, grad_bias
 
 
-def _add_label_entries(grad_hidden, grad_weight, grad_bias, sl, chunk, labels, weight_mm,
-                       others, d_label, grad_lp, grad_ent, entropy, inv_temp, ignore_index):
+def _add_label_entries(
+    grad_hidden,
+    grad_weight,
+    grad_bias,
+    sl,
+    chunk,
+    labels,
+    weight_mm,
+    others,
+    d_label,
+    grad_lp,
+    grad_ent,
+    entropy,
+    inv_temp,
+    ignore_index,
+):
     """The label column's dz_y = inv_temp·(g·Σ_{v≠y} p_v − h·p_y·(x_y − lse + H)) as a
     sparse update. For confident rows (Σ_{v≠y} p_v < ½) x_y − lse = log1p(−Σ_{v≠y} p_v),
     which is accurate where the fp32 difference of two nearly equal numbers is not."""

@@ -104,15 +104,17 @@ def partition_balanced(
         groups = _as_int64_array(group_ids, "group_ids")
         if groups.shape[0] != lengths.shape[0]:
             raise ValueError(
-                f"group_ids has {groups.shape[0]} entries but seqlens has {lengths.shape[0]}")
+                f"group_ids has {groups.shape[0]} entries but seqlens has {lengths.shape[0]}"
+            )
 
     native = load_native()
     if native is not None:
         if method == "kk":
             return native.partition_kk(lengths, budget, min_mbs, group_ids=groups)
         return native.partition_ffd(lengths, budget, group_ids=groups)
-    return _partition_py(method, lengths.tolist(), None if groups is None else groups.tolist(),
-                         budget, min_mbs)
+    return _partition_py(
+        method, lengths.tolist(), None if groups is None else groups.tolist(), budget, min_mbs
+    )
 
 
 def cu_seqlens_from_lengths(lengths: Any) -> torch.Tensor:
@@ -256,7 +258,7 @@ def _partition_ffd_py(seqlens: Sequence[int], max_tokens_per_mb: int) -> list[li
         return []
     leaves = 1 << (n - 1).bit_length()
     room = [-1] * (2 * leaves)
-    room[leaves:leaves + n] = [budget] * n
+    room[leaves : leaves + n] = [budget] * n
     for v in range(leaves - 1, 0, -1):
         room[v] = max(room[2 * v], room[2 * v + 1])
 
@@ -360,8 +362,9 @@ def _karmarkar_karp_py(seqlens: Sequence[int], k: int) -> tuple[list[list[int]],
     return _canonical(mbs), max_sums[pid]
 
 
-def _partition_kk_py(seqlens: Sequence[int], max_tokens_per_mb: int,
-                     min_num_mbs: int = 1) -> list[list[int]]:
+def _partition_kk_py(
+    seqlens: Sequence[int], max_tokens_per_mb: int, min_num_mbs: int = 1
+) -> list[list[int]]:
     """Karmarkar-Karp with a token budget; same contract as ``_C.partition_kk``."""
     budget = max_tokens_per_mb
     if budget <= 0:
@@ -383,8 +386,9 @@ def _partition_kk_py(seqlens: Sequence[int], max_tokens_per_mb: int,
         k += 1
 
 
-def _group_sequences_py(seqlens: Sequence[int],
-                        group_ids: Sequence[int]) -> tuple[list[int], list[list[int]]]:
+def _group_sequences_py(
+    seqlens: Sequence[int], group_ids: Sequence[int]
+) -> tuple[list[int], list[list[int]]]:
     """Merge sequences sharing a group id into items, numbered by first appearance.
 
     Returns (item lengths, sequence indices of each item).
@@ -406,8 +410,13 @@ def _group_sequences_py(seqlens: Sequence[int],
     return lengths, members
 
 
-def _partition_py(method: str, seqlens: Sequence[int], group_ids: Sequence[int] | None,
-                  max_tokens_per_mb: int, min_num_mbs: int = 1) -> list[list[int]]:
+def _partition_py(
+    method: str,
+    seqlens: Sequence[int],
+    group_ids: Sequence[int] | None,
+    max_tokens_per_mb: int,
+    min_num_mbs: int = 1,
+) -> list[list[int]]:
     """Pure-Python ``partition_balanced`` body; mirrors ``partition_sequences`` in C++."""
     budget = max_tokens_per_mb
     if budget <= 0:
@@ -425,8 +434,10 @@ def _partition_py(method: str, seqlens: Sequence[int], group_ids: Sequence[int] 
     lengths, members = _group_sequences_py(seqlens, group_ids)
     for total, seqs in zip(lengths, members):
         if total > budget:
-            raise ValueError(f"group {group_ids[seqs[0]]} (first at seqlens[{seqs[0]}]) has "
-                             f"{total} tokens, exceeding max_tokens_per_mb = {budget}")
+            raise ValueError(
+                f"group {group_ids[seqs[0]]} (first at seqlens[{seqs[0]}]) has "
+                f"{total} tokens, exceeding max_tokens_per_mb = {budget}"
+            )
     item_mbs = run(lengths)
     return _canonical([[s for item in items for s in members[item]] for items in item_mbs])
 
@@ -441,7 +452,8 @@ def _cu_seqlens_from_lengths_torch(lengths_B: torch.Tensor) -> torch.Tensor:
     first_over = int(overflow[0, 0]) if overflow.numel() else None
     if first_over is not None and (first_neg is None or first_over < first_neg):
         raise ValueError(
-            f"total of lengths exceeds the int32 range of cu_seqlens at lengths[{first_over}]")
+            f"total of lengths exceeds the int32 range of cu_seqlens at lengths[{first_over}]"
+        )
     if first_neg is not None:
         raise ValueError(f"lengths[{first_neg}] = {int(lengths[first_neg])} is negative")
     out = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=lengths.device)
@@ -460,8 +472,10 @@ def _position_ids_torch(cu_seqlens_B1: torch.Tensor) -> torch.Tensor:
     bad = (lengths < 0).nonzero()
     if bad.numel():
         i = int(bad[0, 0]) + 1
-        raise ValueError(f"cu_seqlens must be non-decreasing, but cu_seqlens[{i}] = "
-                         f"{int(cu[i])} < cu_seqlens[{i - 1}] = {int(cu[i - 1])}")
+        raise ValueError(
+            f"cu_seqlens must be non-decreasing, but cu_seqlens[{i}] = "
+            f"{int(cu[i])} < cu_seqlens[{i - 1}] = {int(cu[i - 1])}"
+        )
     if int(cu[-1]) > _INT32_MAX:
         raise ValueError("cu_seqlens values must fit in int32")
     total = int(cu[-1])

@@ -29,18 +29,21 @@ def _check_inputs(values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, check_off
     if not isinstance(values_T, torch.Tensor) or not isinstance(cu_seqlens_B1, torch.Tensor):
         raise TypeError("values_T and cu_seqlens_B1 must be torch tensors")
     if values_T.dtype not in _VALUE_DTYPES:
-        raise TypeError(f"values_T must be float32, float16, bfloat16 or float64, "
-                        f"got {values_T.dtype}")
+        raise TypeError(
+            f"values_T must be float32, float16, bfloat16 or float64, got {values_T.dtype}"
+        )
     if cu_seqlens_B1.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"cu_seqlens_B1 must be int32 or int64, got {cu_seqlens_B1.dtype}")
     if values_T.dim() != 1:
         raise ValueError(f"values_T must be 1-D [T], got shape {tuple(values_T.shape)}")
     if cu_seqlens_B1.dim() != 1 or cu_seqlens_B1.numel() == 0:
-        raise ValueError(f"cu_seqlens_B1 must be 1-D [B + 1] with B >= 0, got shape "
-                         f"{tuple(cu_seqlens_B1.shape)}")
+        raise ValueError(
+            f"cu_seqlens_B1 must be 1-D [B + 1] with B >= 0, got shape {tuple(cu_seqlens_B1.shape)}"
+        )
     if cu_seqlens_B1.device != values_T.device:
-        raise ValueError(f"cu_seqlens_B1 is on {cu_seqlens_B1.device} but values_T is on "
-                         f"{values_T.device}")
+        raise ValueError(
+            f"cu_seqlens_B1 is on {cu_seqlens_B1.device} but values_T is on {values_T.device}"
+        )
     if values_T.shape[0] > _INT32_MAX:
         raise ValueError(f"values_T has {values_T.shape[0]} tokens, more than int32 offsets allow")
     if not check_offsets:
@@ -56,8 +59,9 @@ def _check_inputs(values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, check_off
     if decreasing:
         raise ValueError("cu_seqlens_B1 must be non-decreasing")
     if last != values_T.shape[0]:
-        raise ValueError(f"cu_seqlens_B1[-1] = {last} must equal values_T.shape[0] = "
-                         f"{values_T.shape[0]}")
+        raise ValueError(
+            f"cu_seqlens_B1[-1] = {last} must equal values_T.shape[0] = {values_T.shape[0]}"
+        )
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,8 +90,9 @@ def _segment_sum_cuda(native, values_T: torch.Tensor, cu_seqlens_B1: torch.Tenso
     code = native.SEGMENT_SUM_DTYPE_CODES[str(values.dtype).removeprefix("torch.")]
     with torch.cuda.device(values.device):
         stream = torch.cuda.current_stream(values.device).cuda_stream
-        native.segment_sum_cuda(values.data_ptr(), code, cu.data_ptr(), num_segments,
-                                out.data_ptr(), stream)
+        native.segment_sum_cuda(
+            values.data_ptr(), code, cu.data_ptr(), num_segments, out.data_ptr(), stream
+        )
     return out
 
 
@@ -116,13 +121,18 @@ def segment_sum_forward(values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor) -> 
             except RuntimeError as exc:
                 # E.g. a driver older than the CUDA runtime the wheel was built with.
                 _cuda_kernel_failed = True
-                warnings.warn(f"areal_fast segment_sum CUDA kernel failed ({exc}); using the "
-                              f"torch implementation from now on.", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"areal_fast segment_sum CUDA kernel failed ({exc}); using the "
+                    f"torch implementation from now on.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
     return _segment_sum_torch(values_T, cu_seqlens_B1)
 
 
-def segment_sum_backward(grad_out_B: torch.Tensor, cu_seqlens_B1: torch.Tensor, num_tokens: int,
-                         dtype: torch.dtype) -> torch.Tensor:
+def segment_sum_backward(
+    grad_out_B: torch.Tensor, cu_seqlens_B1: torch.Tensor, num_tokens: int, dtype: torch.dtype
+) -> torch.Tensor:
     """Backward launcher: grad_values[t] = grad_out[b] for every token t of sequence b.
 
     Returns [T] in ``dtype`` (the dtype of ``values_T``).
@@ -148,13 +158,15 @@ class SegmentSum(torch.autograd.Function):
         (cu_seqlens_B1,) = ctx.saved_tensors
         grad_values = None
         if ctx.needs_input_grad[0]:
-            grad_values = segment_sum_backward(grad_out_B, cu_seqlens_B1, ctx.num_tokens,
-                                               ctx.values_dtype)
+            grad_values = segment_sum_backward(
+                grad_out_B, cu_seqlens_B1, ctx.num_tokens, ctx.values_dtype
+            )
         return grad_values, None
 
 
-def segment_sum(values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, *,
-                check_offsets: bool = True) -> torch.Tensor:
+def segment_sum(
+    values_T: torch.Tensor, cu_seqlens_B1: torch.Tensor, *, check_offsets: bool = True
+) -> torch.Tensor:
     """Sum the values of each packed sequence.
 
     Parameters

@@ -21,9 +21,14 @@ def _group_index(rewards, group_size, group_ids):
     return torch.arange(num, device=rewards.device) // group_size
 
 
-def group_advantages(rewards: torch.Tensor, *, group_size: int | None = None,
-                     group_ids: torch.Tensor | None = None, mode: str = "grpo",
-                     eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor,
+    *,
+    group_size: int | None = None,
+    group_ids: torch.Tensor | None = None,
+    mode: str = "grpo",
+    eps: float = 1e-6,
+) -> torch.Tensor:
     """Per-sequence advantages from scalar rewards, relative to each GRPO group.
 
     - ``"grpo"``: A_i = (r_i − mean_g) / (std_g + eps), unbiased std (N − 1)
@@ -63,8 +68,7 @@ def group_advantages(rewards: torch.Tensor, *, group_size: int | None = None,
     rewards = torch.as_tensor(rewards)
     if group_ids is not None:
         group_ids = torch.as_tensor(group_ids)
-    if group_size is not None and (isinstance(group_size, bool) or
-                                   not isinstance(group_size, int)):
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)):
         raise ValueError(f"group_size must be an int, got {group_size!r}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [B], got {tuple(rewards.shape)}")
@@ -76,7 +80,8 @@ def group_advantages(rewards: torch.Tensor, *, group_size: int | None = None,
     index = _group_index(rewards, group_size, group_ids)
     num_groups = int(index.max()) + 1 if index.numel() else 0
     count = torch.zeros(num_groups, device=rewards.device).index_add_(
-        0, index, torch.ones_like(rewards))
+        0, index, torch.ones_like(rewards)
+    )
     total = torch.zeros(num_groups, device=rewards.device).index_add_(0, index, rewards)
     n = count[index]
     singleton = n < 2

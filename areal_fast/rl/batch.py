@@ -59,12 +59,16 @@ class Trajectory:
         if not self.prompt_ids:
             raise ValueError("prompt_ids must hold at least one token")
         if not (len(self.completion_ids) == len(self.logprobs) == len(self.versions)):
-            raise ValueError(f"completion_ids ({len(self.completion_ids)}), logprobs "
-                             f"({len(self.logprobs)}) and versions ({len(self.versions)}) "
-                             f"must have equal lengths")
+            raise ValueError(
+                f"completion_ids ({len(self.completion_ids)}), logprobs "
+                f"({len(self.logprobs)}) and versions ({len(self.versions)}) "
+                f"must have equal lengths"
+            )
         if self.loss_mask is not None and len(self.loss_mask) != len(self.completion_ids):
-            raise ValueError(f"loss_mask ({len(self.loss_mask)}) and completion_ids "
-                             f"({len(self.completion_ids)}) must have equal lengths")
+            raise ValueError(
+                f"loss_mask ({len(self.loss_mask)}) and completion_ids "
+                f"({len(self.completion_ids)}) must have equal lengths"
+            )
 
     @property
     def num_trained_tokens(self) -> int:
@@ -126,8 +130,10 @@ class PackedBatch:
 
     def to(self, device) -> "PackedBatch":
         """Copy every tensor to ``device``."""
-        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-                 for k, v in self.__dict__.items()}
+        moved = {
+            k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+            for k, v in self.__dict__.items()
+        }
         return PackedBatch(**moved)
 
 
@@ -147,8 +153,9 @@ def pack_trajectories(trajectories: list[Trajectory], advantages: torch.Tensor) 
     PackedBatch
     """
     if advantages.shape != (len(trajectories),):
-        raise ValueError(f"advantages must be [B={len(trajectories)}], "
-                         f"got {tuple(advantages.shape)}")
+        raise ValueError(
+            f"advantages must be [B={len(trajectories)}], got {tuple(advantages.shape)}"
+        )
     ids, labels, mask, behav, versions, adv = [], [], [], [], [], []
     for traj, seq_adv in zip(trajectories, advantages.tolist()):
         seq = traj.prompt_ids + traj.completion_ids
@@ -157,13 +164,18 @@ def pack_trajectories(trajectories: list[Trajectory], advantages: torch.Tensor) 
         ids.extend(seq)
         # position t predicts token t + 1; completion token j sits at t = P + j.
         pad = num_prompt - 1
-        labels.extend([IGNORE_INDEX] * pad + [t if m else IGNORE_INDEX for t, m in
-                                              zip(traj.completion_ids, trained)] + [IGNORE_INDEX])
+        labels.extend(
+            [IGNORE_INDEX] * pad
+            + [t if m else IGNORE_INDEX for t, m in zip(traj.completion_ids, trained)]
+            + [IGNORE_INDEX]
+        )
         mask.extend([False] * pad + list(trained) + [False])
-        behav.extend([0.0] * pad + [lp if m else 0.0 for lp, m in zip(traj.logprobs, trained)]
-                     + [0.0])
-        versions.extend([-1] * pad + [v if m else -1 for v, m in zip(traj.versions, trained)]
-                        + [-1])
+        behav.extend(
+            [0.0] * pad + [lp if m else 0.0 for lp, m in zip(traj.logprobs, trained)] + [0.0]
+        )
+        versions.extend(
+            [-1] * pad + [v if m else -1 for v, m in zip(traj.versions, trained)] + [-1]
+        )
         adv.extend([0.0] * pad + [seq_adv if m else 0.0 for m in trained] + [0.0])
     lengths = [t.num_tokens for t in trajectories]
     cu_seqlens = cu_seqlens_from_lengths(lengths)
@@ -194,17 +206,26 @@ def select_sequences(batch: PackedBatch, indices: list[int]) -> PackedBatch:
     for i in indices:
         if not 0 <= i < batch.num_seqs:
             raise ValueError(f"sequence index {i} outside [0, {batch.num_seqs})")
-    token_index = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in indices]) \
-        if indices else torch.zeros(0, dtype=torch.int64)
+    token_index = (
+        torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in indices])
+        if indices
+        else torch.zeros(0, dtype=torch.int64)
+    )
     lengths = [bounds[i + 1] - bounds[i] for i in indices]
     cu_seqlens = cu_seqlens_from_lengths(lengths)
     seq_index = torch.tensor(indices, dtype=torch.int64)
-    per_token = {name: getattr(batch, name)[token_index] for name in
-                 ("input_ids", "labels", "loss_mask", "behav_logprobs", "versions", "advantages")}
-    return PackedBatch(position_ids=position_ids_from_cu_seqlens(cu_seqlens),
-                       cu_seqlens=cu_seqlens, max_seqlen=max(lengths, default=0),
-                       rewards=batch.rewards[seq_index], group_ids=batch.group_ids[seq_index],
-                       **per_token)
+    per_token = {
+        name: getattr(batch, name)[token_index]
+        for name in ("input_ids", "labels", "loss_mask", "behav_logprobs", "versions", "advantages")
+    }
+    return PackedBatch(
+        position_ids=position_ids_from_cu_seqlens(cu_seqlens),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max(lengths, default=0),
+        rewards=batch.rewards[seq_index],
+        group_ids=batch.group_ids[seq_index],
+        **per_token,
+    )
 
 
 def assemble_packed_batch(shards: list[dict[str, torch.Tensor]], adv_mode: str) -> PackedBatch:
@@ -222,8 +243,15 @@ def assemble_packed_batch(shards: list[dict[str, torch.Tensor]], adv_mode: str) 
     cu_seqlens = cu_seqlens_from_lengths(cat["seq_lens"])
     token_adv = torch.repeat_interleave(seq_adv, cat["seq_lens"]) * cat["loss_mask"]
     return PackedBatch(
-        input_ids=cat["input_ids"], position_ids=position_ids_from_cu_seqlens(cu_seqlens),
-        cu_seqlens=cu_seqlens, max_seqlen=int(cat["seq_lens"].max()), labels=cat["labels"],
-        loss_mask=cat["loss_mask"], behav_logprobs=cat["behav_logprobs"],
-        versions=cat["versions"], advantages=token_adv.float(), rewards=cat["rewards"],
-        group_ids=cat["group_ids"])
+        input_ids=cat["input_ids"],
+        position_ids=position_ids_from_cu_seqlens(cu_seqlens),
+        cu_seqlens=cu_seqlens,
+        max_seqlen=int(cat["seq_lens"].max()),
+        labels=cat["labels"],
+        loss_mask=cat["loss_mask"],
+        behav_logprobs=cat["behav_logprobs"],
+        versions=cat["versions"],
+        advantages=token_adv.float(),
+        rewards=cat["rewards"],
+        group_ids=cat["group_ids"],
+    )

@@ -70,13 +70,16 @@ class LossConfig:
             raise ValueError(f"eps_clip = {self.eps_clip} must be in (0, 1)")
         if self.eps_clip_high is not None and not _positive_finite(self.eps_clip_high):
             raise ValueError(f"eps_clip_high = {self.eps_clip_high} must be a finite number > 0")
-        if self.dual_clip_c is not None and not (_positive_finite(self.dual_clip_c)
-                                                 and self.dual_clip_c > 1):
+        if self.dual_clip_c is not None and not (
+            _positive_finite(self.dual_clip_c) and self.dual_clip_c > 1
+        ):
             raise ValueError(f"dual_clip_c = {self.dual_clip_c} must be a finite number > 1")
         if self.aggregation == "seq_mean_token_sum" and not _positive_finite(
-                self.seq_len_norm or 0):
-            raise ValueError("seq_len_norm must be a finite number > 0 when aggregation = "
-                             "'seq_mean_token_sum'")
+            self.seq_len_norm or 0
+        ):
+            raise ValueError(
+                "seq_len_norm must be a finite number > 0 when aggregation = 'seq_mean_token_sum'"
+            )
         for name in ("behav_weight_cap", "tis_cap"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # +inf: no cap

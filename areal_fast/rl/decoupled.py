@@ -18,9 +18,13 @@ def _check_token_tensors(**tensors: torch.Tensor) -> int:
     return num_tokens
 
 
-def loglinear_prox_logprobs(logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
-                            versions: torch.Tensor, prox_version: int,
-                            loss_mask: torch.Tensor) -> torch.Tensor:
+def loglinear_prox_logprobs(
+    logprobs: torch.Tensor,
+    behav_logprobs: torch.Tensor,
+    versions: torch.Tensor,
+    prox_version: int,
+    loss_mask: torch.Tensor,
+) -> torch.Tensor:
     """Proximal-policy log-probs interpolated between behaviour and current policy.
 
     Decoupled PPO (Fu et al. 2025, AReaL, Eq. 5) needs log π_prox, the policy at the start
@@ -60,8 +64,9 @@ def loglinear_prox_logprobs(logprobs: torch.Tensor, behav_logprobs: torch.Tensor
         Tensors not [T] of one length, ``versions`` not integer, ``loss_mask`` not bool, or a
         trained token whose version is negative or greater than ``prox_version``.
     """
-    _check_token_tensors(logprobs=logprobs, behav_logprobs=behav_logprobs, versions=versions,
-                         loss_mask=loss_mask)
+    _check_token_tensors(
+        logprobs=logprobs, behav_logprobs=behav_logprobs, versions=versions, loss_mask=loss_mask
+    )
     if versions.dtype.is_floating_point or versions.dtype == torch.bool:
         raise ValueError(f"versions must hold integers, got {versions.dtype}")
     if loss_mask.dtype != torch.bool:
@@ -73,8 +78,9 @@ def loglinear_prox_logprobs(logprobs: torch.Tensor, behav_logprobs: torch.Tensor
     return torch.where(loss_mask, behav + alpha * (logprobs - behav), behav)
 
 
-def check_token_versions(versions: torch.Tensor, loss_mask: torch.Tensor,
-                         prox_version: int) -> None:
+def check_token_versions(
+    versions: torch.Tensor, loss_mask: torch.Tensor, prox_version: int
+) -> None:
     """Check that every trained token's version lies in [0, prox_version].
 
     Parameters
@@ -90,15 +96,20 @@ def check_token_versions(versions: torch.Tensor, loss_mask: torch.Tensor,
     """
     trained = versions[loss_mask]
     if trained.numel() and int(trained.max()) > prox_version:
-        raise ValueError(f"versions holds {int(trained.max())} on a trained token, newer than "
-                         f"prox_version = {prox_version}")
+        raise ValueError(
+            f"versions holds {int(trained.max())} on a trained token, newer than "
+            f"prox_version = {prox_version}"
+        )
     if trained.numel() and int(trained.min()) < 0:
-        raise ValueError(f"versions holds {int(trained.min())} on a trained token; versions "
-                         f"of trained tokens must be >= 0")
+        raise ValueError(
+            f"versions holds {int(trained.min())} on a trained token; versions "
+            f"of trained tokens must be >= 0"
+        )
 
 
-def staleness_stats(versions: torch.Tensor, loss_mask: torch.Tensor,
-                    version: int) -> dict[str, float]:
+def staleness_stats(
+    versions: torch.Tensor, loss_mask: torch.Tensor, version: int
+) -> dict[str, float]:
     """Mean and max of ``version − versions`` over trained tokens.
 
     Parameters
@@ -114,14 +125,18 @@ def staleness_stats(versions: torch.Tensor, loss_mask: torch.Tensor,
     dict
         ``staleness_mean``, ``staleness_max`` (floats; 0 when no token is trained).
     """
-    stale = (version - versions[loss_mask].to(torch.float64))
+    stale = version - versions[loss_mask].to(torch.float64)
     if stale.numel() == 0:
         return {"staleness_mean": 0.0, "staleness_max": 0.0}
     return {"staleness_mean": float(stale.mean()), "staleness_max": float(stale.max())}
 
 
-def behav_weight_stats(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
-                       loss_mask: torch.Tensor, cap: float | None) -> dict[str, torch.Tensor]:
+def behav_weight_stats(
+    prox_logprobs: torch.Tensor,
+    behav_logprobs: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cap: float | None,
+) -> dict[str, torch.Tensor]:
     """Statistics of the decoupled-PPO behaviour weight w = exp(prox − behav).
 
     Parameters
@@ -143,5 +158,7 @@ def behav_weight_stats(prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor
         count = mask.sum().clamp(min=1)
         weight = torch.exp(torch.where(loss_mask, prox_logprobs - behav_logprobs, 0.0))
         over = weight > cap if cap is not None else torch.zeros_like(loss_mask)
-        return {"behav_weight_mean": torch.where(loss_mask, weight, 0.0).sum() / count,
-                "behav_weight_masked_fraction": (over & loss_mask).to(mask.dtype).sum() / count}
+        return {
+            "behav_weight_mean": torch.where(loss_mask, weight, 0.0).sum() / count,
+            "behav_weight_masked_fraction": (over & loss_mask).to(mask.dtype).sum() / count,
+        }

@@ -17,23 +17,42 @@ def _check_packed(name: str, tensor: torch.Tensor | None, num_tokens: int) -> No
 
 def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
     if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be a 1-D int32 [B+1] tensor, got "
-                         f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+        raise ValueError(
+            f"cu_seqlens must be a 1-D int32 [B+1] tensor, got "
+            f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+        )
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != num_tokens:
-        raise ValueError(f"cu_seqlens must start at 0 and end at T={num_tokens}, got "
-                         f"{int(cu_seqlens[0])}..{int(cu_seqlens[-1])}")
+        raise ValueError(
+            f"cu_seqlens must start at 0 and end at T={num_tokens}, got "
+            f"{int(cu_seqlens[0])}..{int(cu_seqlens[-1])}"
+        )
     if bool((cu_seqlens[1:] < cu_seqlens[:-1]).any()):
         raise ValueError("cu_seqlens must be non-decreasing")
 
 
-def check_loss_inputs(num_tokens: int, old_logprobs, loss_mask, cu_seqlens, config, *,
-                      prox_logprobs=None, ref_logprobs=None, engine_logprobs=None,
-                      entropy=None, entropy_needed=False) -> None:
+def check_loss_inputs(
+    num_tokens: int,
+    old_logprobs,
+    loss_mask,
+    cu_seqlens,
+    config,
+    *,
+    prox_logprobs=None,
+    ref_logprobs=None,
+    engine_logprobs=None,
+    entropy=None,
+    entropy_needed=False,
+) -> None:
     """Shape/dtype checks shared by the loss entry points (ValueError naming the tensor)."""
     _check_cu_seqlens(cu_seqlens, num_tokens)
-    for name, tensor in (("old_logprobs", old_logprobs), ("loss_mask", loss_mask),
-                         ("prox_logprobs", prox_logprobs), ("ref_logprobs", ref_logprobs),
-                         ("entropy", entropy), ("engine_logprobs", engine_logprobs)):
+    for name, tensor in (
+        ("old_logprobs", old_logprobs),
+        ("loss_mask", loss_mask),
+        ("prox_logprobs", prox_logprobs),
+        ("ref_logprobs", ref_logprobs),
+        ("entropy", entropy),
+        ("engine_logprobs", engine_logprobs),
+    ):
         _check_packed(name, tensor, num_tokens)
     if loss_mask.dtype != torch.bool:
         raise ValueError(f"loss_mask must be bool, got {loss_mask.dtype}")
@@ -59,12 +78,19 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     raise ValueError(f"kl_estimator = {estimator!r} is not one of ('k1', 'k2', 'k3')")
 
 
-def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-              loss_mask: torch.Tensor, cu_seqlens: torch.Tensor, config: LossConfig, *,
-              prox_logprobs: torch.Tensor | None = None,
-              ref_logprobs: torch.Tensor | None = None,
-              entropy: torch.Tensor | None = None,
-              engine_logprobs: torch.Tensor | None = None):
+def grpo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: LossConfig,
+    *,
+    prox_logprobs: torch.Tensor | None = None,
+    ref_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    engine_logprobs: torch.Tensor | None = None,
+):
     """Clipped policy-gradient loss of the GRPO family on packed sequences.
 
     With base = prox_logprobs if given else old_logprobs and r = exp(logprobs − base)
@@ -110,23 +136,40 @@ def grpo_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: to
     if logprobs.dim() != 1:
         raise ValueError(f"logprobs must be [T], got shape {tuple(logprobs.shape)}")
     num_tokens = logprobs.shape[0]
-    check_loss_inputs(num_tokens, old_logprobs, loss_mask, cu_seqlens, config,
-                      prox_logprobs=prox_logprobs, ref_logprobs=ref_logprobs,
-                      engine_logprobs=engine_logprobs, entropy=entropy,
-                      entropy_needed=config.entropy_coef > 0)
+    check_loss_inputs(
+        num_tokens,
+        old_logprobs,
+        loss_mask,
+        cu_seqlens,
+        config,
+        prox_logprobs=prox_logprobs,
+        ref_logprobs=ref_logprobs,
+        engine_logprobs=engine_logprobs,
+        entropy=entropy,
+        entropy_needed=config.entropy_coef > 0,
+    )
 
     advantages = per_token_advantages(advantages, cu_seqlens, num_tokens)
-    terms = token_terms(logprobs, old_logprobs, advantages, loss_mask, config,
-                        cu_seqlens=cu_seqlens, prox_logprobs=prox_logprobs,
-                        ref_logprobs=ref_logprobs, entropy=entropy,
-                        engine_logprobs=engine_logprobs)
+    terms = token_terms(
+        logprobs,
+        old_logprobs,
+        advantages,
+        loss_mask,
+        config,
+        cu_seqlens=cu_seqlens,
+        prox_logprobs=prox_logprobs,
+        ref_logprobs=ref_logprobs,
+        entropy=entropy,
+        engine_logprobs=engine_logprobs,
+    )
     mask = loss_mask.to(logprobs.dtype)
     loss = _aggregate(terms.per_token, mask, cu_seqlens, config)
     return loss, terms.stats(mask)
 
 
-def per_token_advantages(advantages: torch.Tensor, cu_seqlens: torch.Tensor,
-                         num_tokens: int) -> torch.Tensor:
+def per_token_advantages(
+    advantages: torch.Tensor, cu_seqlens: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
     """Advantages as [T]: returned as is when [T], broadcast through cu_seqlens when [B].
 
     Raises
@@ -139,8 +182,9 @@ def per_token_advantages(advantages: torch.Tensor, cu_seqlens: torch.Tensor,
         seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         return torch.repeat_interleave(advantages, seqlens, output_size=num_tokens)
     if advantages.shape != (num_tokens,):
-        raise ValueError(f"advantages must be [T={num_tokens}] or [B={num_seqs}], "
-                         f"got {tuple(advantages.shape)}")
+        raise ValueError(
+            f"advantages must be [T={num_tokens}] or [B={num_seqs}], got {tuple(advantages.shape)}"
+        )
     return advantages
 
 
@@ -169,9 +213,19 @@ class TokenTerms(NamedTuple):
         return stats
 
 
-def token_terms(logprobs, old_logprobs, advantages, loss_mask, config: LossConfig, *,
-                cu_seqlens=None, prox_logprobs=None, ref_logprobs=None, entropy=None,
-                engine_logprobs=None) -> TokenTerms:
+def token_terms(
+    logprobs,
+    old_logprobs,
+    advantages,
+    loss_mask,
+    config: LossConfig,
+    *,
+    cu_seqlens=None,
+    prox_logprobs=None,
+    ref_logprobs=None,
+    entropy=None,
+    engine_logprobs=None,
+) -> TokenTerms:
     """The per-token loss ℓ [T] of :func:`grpo_loss` before aggregation, and its pieces.
 
     ``advantages`` is per token [T]. ``cu_seqlens`` is needed only for
@@ -186,8 +240,7 @@ def token_terms(logprobs, old_logprobs, advantages, loss_mask, config: LossConfi
         seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         seq_tokens = segment_sum(mask, cu_seqlens).clamp(min=1)
         seq_log_ratio = segment_sum(log_ratio, cu_seqlens) / seq_tokens
-        log_ratio = torch.repeat_interleave(seq_log_ratio, seqlens,
-                                            output_size=logprobs.shape[0])
+        log_ratio = torch.repeat_interleave(seq_log_ratio, seqlens, output_size=logprobs.shape[0])
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - config.eps_clip, 1 + config.clip_high)
     pg = torch.maximum(-advantages * ratio, -advantages * clipped)
@@ -207,16 +260,21 @@ def token_terms(logprobs, old_logprobs, advantages, loss_mask, config: LossConfi
         pg = tis.clamp(max=config.tis_cap).detach() * pg
     per_token, kl = pg, None
     if ref_logprobs is not None:
-        kl = kl_estimate(logprobs, torch.where(loss_mask, ref_logprobs, logprobs).detach(),
-                         config.kl_estimator)
+        kl = kl_estimate(
+            logprobs, torch.where(loss_mask, ref_logprobs, logprobs).detach(), config.kl_estimator
+        )
         per_token = per_token + config.kl_coef * kl
     if entropy is not None:
         per_token = per_token - config.entropy_coef * entropy
     return TokenTerms(per_token, ratio, log_ratio, clip_hit, kl, entropy)
 
 
-def aggregation_weights(loss_mask: torch.Tensor, cu_seqlens: torch.Tensor,
-                        config: LossConfig, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def aggregation_weights(
+    loss_mask: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    config: LossConfig,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """Per-token weights c [T] (``dtype``) with Σ_t c_t ℓ_t equal to the aggregated loss.
 
     token_mean: m_t / Σm; token_sum: m_t; seq_mean_token_sum: m_t / (B · seq_len_norm);

@@ -56,8 +56,9 @@ class InferenceEngine(Protocol):
         """Policy version of the weights being served."""
         ...
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 seeds: Optional[list[int]] = None) -> list[Trajectory]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: Optional[list[int]] = None
+    ) -> list[Trajectory]:
         """``params.n`` trajectories per prompt (token-id lists), prompt-major order.
 
         With ``seeds`` (one per prompt), sample i of prompt g is drawn with
@@ -66,8 +67,9 @@ class InferenceEngine(Protocol):
         """
         ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       version: int) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         """Atomically install a complete set of named weights carrying ``version``."""
         ...
 
@@ -164,8 +166,9 @@ class AsyncInferenceEngine(Protocol):
         Raises TimeoutError if it is not idle within ``timeout`` seconds."""
         ...
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       version: int) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         """Install a complete set of named weights carrying ``version`` (only while paused)."""
         ...
 
@@ -201,4 +204,4 @@ def sample_seed(group_seed: int, index: int) -> int:
 def seeded_uniform(seed: int, position: int) -> float:
     """Uniform number in [0, 1) for completion position ``position`` of a sample with
     ``seed``: counter-based, so it depends on nothing else (53-bit resolution)."""
-    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0 ** -53
+    return (_splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 11) * 2.0**-53

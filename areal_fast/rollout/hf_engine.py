@@ -37,8 +37,7 @@ class _StopRows(StoppingCriteria):
         When set, every row is reported finished at the next step.
     """
 
-    def __init__(self, start_len: int, budgets: torch.Tensor,
-                 abort: Optional[threading.Event]):
+    def __init__(self, start_len: int, budgets: torch.Tensor, abort: Optional[threading.Event]):
         self.start_len = start_len
         self.budgets = budgets
         self.abort = abort
@@ -99,8 +98,10 @@ class HFEngine:
         # transformers fills unset sampling options from the model's own generation config;
         # a neutral one keeps a model's repetition penalty etc. out of the sampling.
         self.model.generation_config = GenerationConfig(
-            bos_token_id=model.config.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-            pad_token_id=tokenizer.pad_token_id)
+            bos_token_id=model.config.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         self.max_batch_size = max_batch_size
@@ -134,8 +135,9 @@ class HFEngine:
 
     # ------------------------------------------------------------------ batch API
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams,
-                 seeds: Optional[list[int]] = None) -> list[Trajectory]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams, seeds: Optional[list[int]] = None
+    ) -> list[Trajectory]:
         """Sample ``params.n`` completions per prompt; prompt-major order.
 
         ``group_id`` of each trajectory is the index of its prompt in ``prompts``. May be
@@ -165,28 +167,48 @@ class HFEngine:
             if not prompt:
                 raise ValueError(f"prompts[{i}] is empty")
         if seeds is not None and len(seeds) != len(prompts):
-            raise ValueError(f"seeds has {len(seeds)} entries, expected one per prompt "
-                             f"({len(prompts)})")
-        expanded = [(gid, p, None if seeds is None else sample_seed(seeds[gid], i))
-                    for gid, p in enumerate(prompts) for i in range(params.n)]
+            raise ValueError(
+                f"seeds has {len(seeds)} entries, expected one per prompt ({len(prompts)})"
+            )
+        expanded = [
+            (gid, p, None if seeds is None else sample_seed(seeds[gid], i))
+            for gid, p in enumerate(prompts)
+            for i in range(params.n)
+        ]
         out: list[Trajectory] = []
         for start in range(0, len(expanded), self.max_batch_size):
-            chunk = expanded[start:start + self.max_batch_size]
+            chunk = expanded[start : start + self.max_batch_size]
             version, rows = self._generate_rows(
-                [p for _, p, _ in chunk], [params.max_new_tokens] * len(chunk),
-                params.temperature, params.top_p,
-                seeds=None if seeds is None else [s for _, _, s in chunk])
-            out.extend(Trajectory(prompt_ids=list(p), completion_ids=r.tokens,
-                                  logprobs=r.logprobs, versions=[version] * len(r.tokens),
-                                  stop_reason=r.stop_reason, group_id=gid)
-                       for (gid, p, _), r in zip(chunk, rows))
+                [p for _, p, _ in chunk],
+                [params.max_new_tokens] * len(chunk),
+                params.temperature,
+                params.top_p,
+                seeds=None if seeds is None else [s for _, _, s in chunk],
+            )
+            out.extend(
+                Trajectory(
+                    prompt_ids=list(p),
+                    completion_ids=r.tokens,
+                    logprobs=r.logprobs,
+                    versions=[version] * len(r.tokens),
+                    stop_reason=r.stop_reason,
+                    group_id=gid,
+                )
+                for (gid, p, _), r in zip(chunk, rows)
+            )
         return out
 
     @torch.inference_mode()
-    def _generate_rows(self, inputs: list[list[int]], budgets: list[int], temperature: float,
-                       top_p: float, seeds: Optional[list[int]] = None,
-                       offsets: Optional[list[int]] = None,
-                       abort: Optional[threading.Event] = None) -> tuple[int, list[_RowResult]]:
+    def _generate_rows(
+        self,
+        inputs: list[list[int]],
+        budgets: list[int],
+        temperature: float,
+        top_p: float,
+        seeds: Optional[list[int]] = None,
+        offsets: Optional[list[int]] = None,
+        abort: Optional[threading.Event] = None,
+    ) -> tuple[int, list[_RowResult]]:
         """One left-padded ``model.generate`` over rows with their own budgets.
 
         Returns the policy version that generated the tokens and, per row, its tokens cut
@@ -198,36 +220,54 @@ class HFEngine:
         input_ids = torch.full((len(inputs), width), self.pad_id, dtype=torch.long)
         attention_mask = torch.zeros_like(input_ids)
         for row, prompt in enumerate(inputs):
-            input_ids[row, width - len(prompt):] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt):] = 1
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            attention_mask[row, width - len(prompt) :] = 1
         sample = temperature > 0
         seeded = sample and seeds is not None
         random = sample and not seeded
         config = GenerationConfig(
-            do_sample=random, temperature=temperature if random else None,
-            top_p=top_p if random else None, top_k=0 if random else None,
-            max_new_tokens=max(budgets), pad_token_id=self.pad_id,
-            eos_token_id=self.eos_id, return_dict_in_generate=True, output_logits=True)
+            do_sample=random,
+            temperature=temperature if random else None,
+            top_p=top_p if random else None,
+            top_k=0 if random else None,
+            max_new_tokens=max(budgets),
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_id,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
         processors = LogitsProcessorList()
         if seeded:
-            processors.append(SeededSampler(seeds, offsets or [0] * len(inputs), width,
-                                            temperature, top_p))
+            processors.append(
+                SeededSampler(seeds, offsets or [0] * len(inputs), width, temperature, top_p)
+            )
         with self._model_lock:
             self._check_complete()
             device = self.device
             budget_t = torch.tensor(budgets, dtype=torch.long, device=device)
             version = self._version
             result = self.model.generate(
-                input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                generation_config=config, logits_processor=processors,
-                stopping_criteria=StoppingCriteriaList([_StopRows(width, budget_t, abort)]))
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                generation_config=config,
+                logits_processor=processors,
+                stopping_criteria=StoppingCriteriaList([_StopRows(width, budget_t, abort)]),
+            )
         new_tokens = result.sequences[:, width:].cpu()
         scale = temperature if sample else 1.0
-        logprobs = torch.stack([torch.log_softmax(s.float() / scale, dim=-1).gather(
-            1, new_tokens[:, i:i + 1].to(s.device)).squeeze(1).cpu()
-            for i, s in enumerate(result.logits)], dim=1)
-        return version, [self._cut(new_tokens[row], logprobs[row], budgets[row])
-                         for row in range(len(inputs))]
+        logprobs = torch.stack(
+            [
+                torch.log_softmax(s.float() / scale, dim=-1)
+                .gather(1, new_tokens[:, i : i + 1].to(s.device))
+                .squeeze(1)
+                .cpu()
+                for i, s in enumerate(result.logits)
+            ],
+            dim=1,
+        )
+        return version, [
+            self._cut(new_tokens[row], logprobs[row], budgets[row]) for row in range(len(inputs))
+        ]
 
     def _cut(self, tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> _RowResult:
         tokens = tokens[:budget].tolist()
@@ -279,8 +319,7 @@ class HFEngine:
             if not r.input_ids:
                 raise ValueError(f"requests[{i}].input_ids is empty")
             if r.max_new_tokens < 1:
-                raise ValueError(f"requests[{i}].max_new_tokens = {r.max_new_tokens} "
-                                 f"must be >= 1")
+                raise ValueError(f"requests[{i}].max_new_tokens = {r.max_new_tokens} must be >= 1")
             if r.temperature < 0:
                 raise ValueError(f"requests[{i}].temperature = {r.temperature} must be >= 0")
             if not 0 < r.top_p <= 1:
@@ -349,12 +388,12 @@ class HFEngine:
         with self._cond:
             self._paused = True
             self._abort.set()
-            idle = self._cond.wait_for(lambda: not self._busy or self._error is not None,
-                                       timeout)
+            idle = self._cond.wait_for(lambda: not self._busy or self._error is not None, timeout)
             self._raise_error()
             if not idle:
-                raise TimeoutError(f"HFEngine: engine thread still generating {timeout} s "
-                                   f"after pause")
+                raise TimeoutError(
+                    f"HFEngine: engine thread still generating {timeout} s after pause"
+                )
 
     def resume(self) -> None:
         """Start generating queued requests again.
@@ -422,8 +461,7 @@ class HFEngine:
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(
-                        lambda: self._closing or (not self._paused and self._queue))
+                    self._cond.wait_for(lambda: self._closing or (not self._paused and self._queue))
                     if self._closing:
                         return
                     batch = self._take_batch()
@@ -442,18 +480,31 @@ class HFEngine:
     def _run_requests(self, batch: list[GenRequest]) -> list[GenOutput]:
         first = batch[0]
         version, rows = self._generate_rows(
-            [r.input_ids for r in batch], [r.max_new_tokens for r in batch],
-            first.temperature, first.top_p, seeds=[r.seed for r in batch],
-            offsets=[r.offset for r in batch], abort=self._abort)
-        return [GenOutput(rid=r.rid, output_ids=row.tokens, logprobs=row.logprobs,
-                          versions=[version] * len(row.tokens), stop_reason=row.stop_reason)
-                for r, row in zip(batch, rows)]
+            [r.input_ids for r in batch],
+            [r.max_new_tokens for r in batch],
+            first.temperature,
+            first.top_p,
+            seeds=[r.seed for r in batch],
+            offsets=[r.offset for r in batch],
+            abort=self._abort,
+        )
+        return [
+            GenOutput(
+                rid=r.rid,
+                output_ids=row.tokens,
+                logprobs=row.logprobs,
+                versions=[version] * len(row.tokens),
+                stop_reason=row.stop_reason,
+            )
+            for r, row in zip(batch, rows)
+        ]
 
     # ----------------------------------------------------------------- weights
 
     @torch.no_grad()
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
-                       version: int) -> None:
+    def update_weights(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         """Install a complete set of new weights (in-process copy) and their version.
 
         All names, shapes are checked before any parameter changes, so a bad update leaves
@@ -533,8 +584,10 @@ class HFEngine:
                 raise
             failure = exc
         if error or failure is not None:
-            self._incomplete = (f"the update to v{session.version} failed part-way "
-                                f"({(error or str(failure)).splitlines()[0][:200]})")
+            self._incomplete = (
+                f"the update to v{session.version} failed part-way "
+                f"({(error or str(failure)).splitlines()[0][:200]})"
+            )
             raise WeightSyncError(f"HFEngine: {self._incomplete}") from failure
         self._incomplete, self._version = None, session.version
         return self._version
@@ -542,15 +595,18 @@ class HFEngine:
     def _require_idle(self, what: str) -> None:
         """Raise unless no engine thread runs, or it is paused and idle (caller holds _cond)."""
         if self._thread is not None and (not self._paused or self._busy):
-            raise RuntimeError(f"HFEngine: {what} while the engine thread is generating; "
-                               f"call pause() first")
+            raise RuntimeError(
+                f"HFEngine: {what} while the engine thread is generating; call pause() first"
+            )
 
     def _check_complete(self) -> None:
         if self._updating:
             raise RuntimeError("HFEngine: a weight update is being received; not serving")
         if self._incomplete is not None:
-            raise RuntimeError(f"HFEngine: weights incomplete, not serving until a complete "
-                               f"update arrives: {self._incomplete}")
+            raise RuntimeError(
+                f"HFEngine: weights incomplete, not serving until a complete "
+                f"update arrives: {self._incomplete}"
+            )
 
     def _install(self, named_tensors, version: int) -> None:
         params = dict(self.model.named_parameters())
@@ -559,12 +615,15 @@ class HFEngine:
             if name not in params:
                 raise ValueError(f"weight update: engine has no parameter named {name!r}")
             if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"weight update: {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"engine expects {tuple(params[name].shape)}")
+                raise ValueError(
+                    f"weight update: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"engine expects {tuple(params[name].shape)}"
+                )
         missing = sorted(set(params) - set(incoming))
         if missing:
-            raise ValueError(f"weight update: missing {len(missing)} parameters, "
-                             f"first {missing[0]!r}")
+            raise ValueError(
+                f"weight update: missing {len(missing)} parameters, first {missing[0]!r}"
+            )
         for name, tensor in incoming.items():
             params[name].copy_(tensor)
         self._incomplete, self._version = None, int(version)

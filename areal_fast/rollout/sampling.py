@@ -56,8 +56,14 @@ class SeededSampler(LogitsProcessor):
     are never chosen. Every row must have at least one finite logit.
     """
 
-    def __init__(self, seeds: Sequence[int], offsets: Sequence[int], start_len: int,
-                 temperature: float = 1.0, top_p: float = 1.0):
+    def __init__(
+        self,
+        seeds: Sequence[int],
+        offsets: Sequence[int],
+        start_len: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+    ):
         if len(seeds) != len(offsets):
             raise ValueError(f"offsets has {len(offsets)} entries, seeds has {len(seeds)}")
         if any(o < 0 for o in offsets):
@@ -142,8 +148,10 @@ class SeededSampler(LogitsProcessor):
         """
         rows, cur_len = input_ids.shape
         if rows != len(self.seeds) or scores.shape[0] != rows:
-            raise ValueError(f"input_ids has {rows} rows, scores {scores.shape[0]}, "
-                             f"the sampler was built for {len(self.seeds)}")
+            raise ValueError(
+                f"input_ids has {rows} rows, scores {scores.shape[0]}, "
+                f"the sampler was built for {len(self.seeds)}"
+            )
         if cur_len < self.start_len:
             raise ValueError(f"input_ids width {cur_len} is below start_len = {self.start_len}")
         u = torch.tensor(self.uniforms(cur_len), dtype=torch.float64, device=scores.device)

@@ -47,8 +47,14 @@ class SimulatedEngineConfig:
     vocab_size: int = 32000
 
     def __post_init__(self):
-        if not (self.token_seconds > 0 and self.max_running >= 1 and self.median_length > 0
-                and self.sigma >= 0 and self.max_length >= 1 and self.vocab_size >= 2):
+        if not (
+            self.token_seconds > 0
+            and self.max_running >= 1
+            and self.median_length > 0
+            and self.sigma >= 0
+            and self.max_length >= 1
+            and self.vocab_size >= 2
+        ):
             raise ValueError(f"SimulatedEngineConfig out of range: {self}")
 
     def length(self, seed: int) -> int:
@@ -147,15 +153,19 @@ class SimulatedEngine:
 
     def _tokens(self, request: GenRequest, count: int, stops: bool) -> list[int]:
         base = request.seed % (self.config.vocab_size - 1)
-        ids = [1 + (base + request.offset + j) % (self.config.vocab_size - 1)
-               for j in range(count)]
+        ids = [1 + (base + request.offset + j) % (self.config.vocab_size - 1) for j in range(count)]
         if stops and ids:
             ids[-1] = self.eos_token_id
         return ids
 
     def _output(self, run: _Running, count: int, reason: str, version: int) -> GenOutput:
-        return GenOutput(run.request.rid, self._tokens(run.request, count, reason == "stop"),
-                         [SIM_LOGPROB] * count, [version] * count, reason)
+        return GenOutput(
+            run.request.rid,
+            self._tokens(run.request, count, reason == "stop"),
+            [SIM_LOGPROB] * count,
+            [version] * count,
+            reason,
+        )
 
     def _partial(self, run: _Running, now: float) -> GenOutput:
         done = int((now - run.start) / self.config.token_seconds)
@@ -186,8 +196,12 @@ class SimulatedEngine:
                     wait = self._heap[0][0] - now if self._heap else None
                     self._cond.wait(wait)
                     continue
-            self._emit([self._output(r, r.num_new, "stop" if r.stops else "length", version)
-                        for r in finished])
+            self._emit(
+                [
+                    self._output(r, r.num_new, "stop" if r.stops else "length", version)
+                    for r in finished
+                ]
+            )
 
     def _emit(self, outputs: list[GenOutput]) -> None:
         if outputs:

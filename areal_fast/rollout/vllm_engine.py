@@ -130,22 +130,39 @@ class VLLMEngine:
         ``llm_kwargs`` tries to set the weight-transfer backend or worker extension.
     """
 
-    def __init__(self, model: str, *, dtype: str = "auto", gpu_memory_utilization: float = 0.3,
-                 max_model_len: Optional[int] = None, enforce_eager: bool = True, seed: int = 0,
-                 initial_version: int = 0, **llm_kwargs: Any):
+    def __init__(
+        self,
+        model: str,
+        *,
+        dtype: str = "auto",
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: Optional[int] = None,
+        enforce_eager: bool = True,
+        seed: int = 0,
+        initial_version: int = 0,
+        **llm_kwargs: Any,
+    ):
         for key in ("weight_transfer_config", "worker_extension_cls"):
             if key in llm_kwargs:
-                raise ValueError(f"VLLMEngine sets {key} itself (to the areal_fast backend); "
-                                 "subclass areal_fast.sync.receivers.vllm."
-                                 "AReaLFastWorkerExtension to add worker methods")
+                raise ValueError(
+                    f"VLLMEngine sets {key} itself (to the areal_fast backend); "
+                    "subclass areal_fast.sync.receivers.vllm."
+                    "AReaLFastWorkerExtension to add worker methods"
+                )
         register_vllm_backend()
         from vllm import LLM
 
         from areal_fast.models.loading import resolve_model_path
 
-        kwargs = dict(model=resolve_model_path(model), dtype=dtype,
-                      gpu_memory_utilization=gpu_memory_utilization,
-                      enforce_eager=enforce_eager, seed=seed, **vllm_llm_kwargs(), **llm_kwargs)
+        kwargs = dict(
+            model=resolve_model_path(model),
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager,
+            seed=seed,
+            **vllm_llm_kwargs(),
+            **llm_kwargs,
+        )
         if max_model_len is not None:
             kwargs["max_model_len"] = max_model_len
         self.llm = LLM(**kwargs)
@@ -183,16 +200,25 @@ class VLLMEngine:
 
     def _check_serving(self) -> None:
         if self._failure is not None:
-            raise RuntimeError(f"vLLM engine refuses to generate: {self._failure}. It holds "
-                               "a mix of old and new weights until a complete update arrives "
-                               "(update_weights; init_weight_sync first if the sync group "
-                               "broke, see sync_status()).")
+            raise RuntimeError(
+                f"vLLM engine refuses to generate: {self._failure}. It holds "
+                "a mix of old and new weights until a complete update arrives "
+                "(update_weights; init_weight_sync first if the sync group "
+                "broke, see sync_status())."
+            )
 
     # -- generation -----------------------------------------------------------------------
 
-    def generate(self, prompts_token_ids: Sequence[Sequence[int]], n: int = 1,
-                 temperature: float = 1.0, max_tokens: int = 16, logprobs: bool = True,
-                 top_p: float = 1.0, seed: Optional[int] = None) -> list[list[Completion]]:
+    def generate(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        n: int = 1,
+        temperature: float = 1.0,
+        max_tokens: int = 16,
+        logprobs: bool = True,
+        top_p: float = 1.0,
+        seed: Optional[int] = None,
+    ) -> list[list[Completion]]:
         """Sample ``n`` completions of every prompt.
 
         Parameters
@@ -217,9 +243,14 @@ class VLLMEngine:
         """
         from vllm import SamplingParams
 
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p,
-                                max_tokens=max_tokens, logprobs=0 if logprobs else None,
-                                seed=seed)
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_tokens=max_tokens,
+            logprobs=0 if logprobs else None,
+            seed=seed,
+        )
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts_token_ids]
         with self._lock:
             self._check_serving()
@@ -232,8 +263,11 @@ class VLLMEngine:
                 lps = None
                 if logprobs:
                     lps = [float(d[t].logprob) for t, d in zip(c.token_ids, c.logprobs)]
-                row.append(Completion(list(c.token_ids), lps, c.finish_reason,
-                                      self._output_version(c, served)))
+                row.append(
+                    Completion(
+                        list(c.token_ids), lps, c.finish_reason, self._output_version(c, served)
+                    )
+                )
             results.append(row)
         return results
 
@@ -242,8 +276,9 @@ class VLLMEngine:
         spans = getattr(completion, "weight_versions", None) or []
         labels = {span.version for span in spans}
         if len(labels) > 1:
-            raise RuntimeError(f"one vLLM output was produced by several weight versions "
-                               f"{sorted(labels)}")
+            raise RuntimeError(
+                f"one vLLM output was produced by several weight versions {sorted(labels)}"
+            )
         if labels:
             label = labels.pop()
             try:
@@ -252,8 +287,9 @@ class VLLMEngine:
                 pass
         return served
 
-    def prompt_logprobs(self, prompt_ids: Sequence[int], completion_ids: Sequence[int],
-                        return_version: bool = False):
+    def prompt_logprobs(
+        self, prompt_ids: Sequence[int], completion_ids: Sequence[int], return_version: bool = False
+    ):
         """Log-probs of ``completion_ids`` after ``prompt_ids`` under the current weights.
 
         One forward pass over prompt + completion (``SamplingParams(prompt_logprobs=0,
@@ -296,9 +332,15 @@ class VLLMEngine:
 
     # -- weight sync ------------------------------------------------------------------------
 
-    def init_weight_sync(self, master_port: int, rank_offset: int = 0, world_size: int = 2,
-                         timeout: float = 60.0, master_address: str = "127.0.0.1",
-                         backend: str = "auto") -> "Future[None]":
+    def init_weight_sync(
+        self,
+        master_port: int,
+        rank_offset: int = 0,
+        world_size: int = 2,
+        timeout: float = 60.0,
+        master_address: str = "127.0.0.1",
+        backend: str = "auto",
+    ) -> "Future[None]":
         """Join the trainer's sync group, in the background (the trainer joins concurrently).
 
         Parameters
@@ -321,10 +363,16 @@ class VLLMEngine:
             Resolves to ``None`` once every worker joined; raises the rendezvous error
             (``Exception`` carrying vLLM's message, e.g. a WeightSyncTimeout text).
         """
-        info = asdict(AReaLFastInitInfo(master_port=int(master_port), world_size=int(world_size),
-                                        rank_offset=int(rank_offset),
-                                        master_address=master_address, backend=backend,
-                                        timeout=float(timeout)))
+        info = asdict(
+            AReaLFastInitInfo(
+                master_port=int(master_port),
+                world_size=int(world_size),
+                rank_offset=int(rank_offset),
+                master_address=master_address,
+                backend=backend,
+                timeout=float(timeout),
+            )
+        )
 
         def run() -> None:
             with self._lock:
@@ -332,8 +380,9 @@ class VLLMEngine:
 
         return self._executor.submit(run)
 
-    def update_weights(self, version: Optional[int] = None,
-                       timeout: Optional[float] = None) -> "Future[UpdateResult]":
+    def update_weights(
+        self, version: Optional[int] = None, timeout: Optional[float] = None
+    ) -> "Future[UpdateResult]":
         """Receive the trainer's next update, in the background, and switch to it atomically.
 
         Runs ``start_weight_update`` → ``update_weights`` (blocks while the trainer's
@@ -365,8 +414,9 @@ class VLLMEngine:
                 self.llm.start_weight_update()
             except Exception as exc:  # e.g. not connected; nothing was touched
                 message = str(exc).strip().splitlines()[-1] if str(exc).strip() else repr(exc)
-                raise WeightSyncError(f"weight update not started, still serving "
-                                      f"v{self._version}: {message}") from exc
+                raise WeightSyncError(
+                    f"weight update not started, still serving v{self._version}: {message}"
+                ) from exc
             try:
                 self.llm.update_weights({"update_info": update_info})
             except Exception as exc:
@@ -378,25 +428,31 @@ class VLLMEngine:
                     raise WeightSyncError(self._failure) from exc
                 raise WeightSyncError(
                     f"weight update not applied, still serving v{self._version}: "
-                    f"{statuses[0].get('last', {}).get('message') or message}") from exc
+                    f"{statuses[0].get('last', {}).get('message') or message}"
+                ) from exc
             statuses = self._statuses_quietly()
             versions = {s.get("weight_version") for s in statuses}
             if len(versions) != 1 or None in versions:
-                self._failure = ("workers disagree on the installed version: "
-                                 f"{sorted(map(str, versions))}")
+                self._failure = (
+                    f"workers disagree on the installed version: {sorted(map(str, versions))}"
+                )
                 raise WeightSyncError(self._failure)
             new_version = int(versions.pop())
             self.llm.finish_weight_update(weight_version=str(new_version))
             self.llm.collective_rpc("areal_fast_after_update")
             if self.llm.reset_prefix_cache() is False:  # cached KV of the old weights remains
-                self._failure = (f"v{new_version} installed, but vLLM could not reset its "
-                                 "prefix cache")
+                self._failure = (
+                    f"v{new_version} installed, but vLLM could not reset its prefix cache"
+                )
                 raise WeightSyncError(self._failure)
             self._version, self._failure = new_version, None
         lasts = [s.get("last", {}) for s in statuses]
-        return UpdateResult(new_version, time.perf_counter() - start,
-                            [float(x.get("seconds", 0.0)) for x in lasts],
-                            int(lasts[0].get("num_tensors", 0)) if lasts else 0)
+        return UpdateResult(
+            new_version,
+            time.perf_counter() - start,
+            [float(x.get("seconds", 0.0)) for x in lasts],
+            int(lasts[0].get("num_tensors", 0)) if lasts else 0,
+        )
 
     def _statuses_quietly(self) -> list[dict[str, Any]]:
         try:

@@ -128,18 +128,24 @@ class TensorSpec:
         except TypeError:
             shape = None
         if shape is None or not all(
-                isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and d >= 0
-                for d in shape):
-            raise ValueError(f"TensorSpec {self.name!r}: shape must be a sequence of "
-                             f"non-negative ints, got {self.shape!r}")
+            isinstance(d, (int, np.integer)) and not isinstance(d, (bool, np.bool_)) and d >= 0
+            for d in shape
+        ):
+            raise ValueError(
+                f"TensorSpec {self.name!r}: shape must be a sequence of "
+                f"non-negative ints, got {self.shape!r}"
+            )
         object.__setattr__(self, "shape", tuple(int(d) for d in shape))
         dtype = _dtype_from_name(self.dtype) if isinstance(self.dtype, str) else None
         if dtype is None:
-            raise ValueError(f"TensorSpec {self.name!r}: dtype {self.dtype!r} is not a torch "
-                             f"dtype name")
+            raise ValueError(
+                f"TensorSpec {self.name!r}: dtype {self.dtype!r} is not a torch dtype name"
+            )
         if ALIGNMENT % dtype.itemsize != 0:
-            raise ValueError(f"TensorSpec {self.name!r}: dtype {self.dtype!r} has itemsize "
-                             f"{dtype.itemsize}, which does not divide {ALIGNMENT}")
+            raise ValueError(
+                f"TensorSpec {self.name!r}: dtype {self.dtype!r} has itemsize "
+                f"{dtype.itemsize}, which does not divide {ALIGNMENT}"
+            )
         object.__setattr__(self, "dtype", _dtype_name(dtype))
 
     @classmethod
@@ -246,7 +252,7 @@ class BucketPlan:
             ``k`` is not in ``[0, num_buckets)``.
         """
         _check_bucket_index(self, k)
-        return self.chunks[self._bounds[k]:self._bounds[k + 1]]
+        return self.chunks[self._bounds[k] : self._bounds[k + 1]]
 
     def to_metadata(self) -> dict:
         """JSON-able description from which :meth:`from_metadata` rebuilds this plan:
@@ -293,10 +299,12 @@ class BucketPlan:
             name, shape, dtype = entry
             if not isinstance(name, str) or not name:
                 raise ValueError(f"{key} name must be a non-empty str, got {name!r}")
-            if not isinstance(shape, (list, tuple)) or not all(_is_int(d) and d >= 0
-                                                               for d in shape):
-                raise ValueError(f"{key} ({name!r}) shape must be a list of non-negative ints, "
-                                 f"got {shape!r}")
+            if not isinstance(shape, (list, tuple)) or not all(
+                _is_int(d) and d >= 0 for d in shape
+            ):
+                raise ValueError(
+                    f"{key} ({name!r}) shape must be a list of non-negative ints, got {shape!r}"
+                )
             if not isinstance(dtype, str) or _dtype_from_name(dtype) is None:
                 raise ValueError(f"{key} ({name!r}) dtype {dtype!r} is not a torch dtype name")
             try:
@@ -318,8 +326,9 @@ def _check_bucket_index(plan: BucketPlan, k) -> None:
         raise ValueError(f"bucket index k = {k!r} is out of range [0, {plan.num_buckets})")
 
 
-def _plan_python(numels: Sequence[int], itemsizes: Sequence[int], bucket_bytes: int,
-                 solo_bytes: int = 0) -> tuple[list[tuple[int, ...]], list[int]]:
+def _plan_python(
+    numels: Sequence[int], itemsizes: Sequence[int], bucket_bytes: int, solo_bytes: int = 0
+) -> tuple[list[tuple[int, ...]], list[int]]:
     """Pure-Python twin of the C++ ``plan_buckets`` (csrc/buckets.cpp): same steps, same
     plan. Returns (chunks as (tensor, bucket, offset, start, numel) tuples, bucket sizes)."""
     chunks: list[tuple[int, ...]] = []
@@ -362,8 +371,7 @@ def _plan_python(numels: Sequence[int], itemsizes: Sequence[int], bucket_bytes: 
     return chunks, sizes
 
 
-def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int,
-                 solo_bytes: int = 0) -> BucketPlan:
+def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int, solo_bytes: int = 0) -> BucketPlan:
     """Lay ``specs`` out in buckets of ``bucket_bytes`` bytes (rules in the module docstring).
 
     Parameters
@@ -391,8 +399,9 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int,
         is not a TensorSpec; a name appears twice; a tensor's byte size exceeds int64.
     """
     if not _is_int(bucket_bytes) or bucket_bytes <= 0 or bucket_bytes % ALIGNMENT:
-        raise ValueError(f"bucket_bytes must be a positive multiple of {ALIGNMENT}, "
-                         f"got {bucket_bytes!r}")
+        raise ValueError(
+            f"bucket_bytes must be a positive multiple of {ALIGNMENT}, got {bucket_bytes!r}"
+        )
     if not _is_int(solo_bytes) or solo_bytes < 0:
         raise ValueError(f"solo_bytes must be an int >= 0, got {solo_bytes!r}")
     specs = tuple(specs)
@@ -410,20 +419,29 @@ def plan_buckets(specs: Sequence[TensorSpec], bucket_bytes: int,
     # a header from the network decides these sizes: refuse plans too large to hold
     num_chunks = sum(max(1, -(-s.nbytes // bucket_bytes)) for s in specs)
     if num_chunks > MAX_CHUNKS:
-        raise ValueError(f"{sum(s.nbytes for s in specs)} bytes in buckets of {bucket_bytes} "
-                         f"would need {num_chunks} chunks (at most {MAX_CHUNKS}); use larger "
-                         f"buckets")
+        raise ValueError(
+            f"{sum(s.nbytes for s in specs)} bytes in buckets of {bucket_bytes} "
+            f"would need {num_chunks} chunks (at most {MAX_CHUNKS}); use larger "
+            f"buckets"
+        )
     native = load_native()
     if native is not None and hasattr(native, "plan_buckets"):
-        rows, sizes = native.plan_buckets(np.asarray(numels, dtype=np.int64).reshape(-1),
-                                          np.asarray(itemsizes, dtype=np.int64).reshape(-1),
-                                          bucket_bytes, solo_bytes)
+        rows, sizes = native.plan_buckets(
+            np.asarray(numels, dtype=np.int64).reshape(-1),
+            np.asarray(itemsizes, dtype=np.int64).reshape(-1),
+            bucket_bytes,
+            solo_bytes,
+        )
         rows, sizes = rows.tolist(), sizes.tolist()
     else:
         rows, sizes = _plan_python(numels, itemsizes, bucket_bytes, solo_bytes)
-    return BucketPlan(specs=specs, bucket_bytes=bucket_bytes,
-                      chunks=tuple(Chunk(*row) for row in rows), bucket_sizes=tuple(sizes),
-                      solo_bytes=solo_bytes)
+    return BucketPlan(
+        specs=specs,
+        bucket_bytes=bucket_bytes,
+        chunks=tuple(Chunk(*row) for row in rows),
+        bucket_sizes=tuple(sizes),
+        solo_bytes=solo_bytes,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -449,17 +467,17 @@ def _check_buffer(plan: BucketPlan, k: int, buf, what: str) -> None:
     if not isinstance(buf, torch.Tensor):
         raise ValueError(f"{what} must be a torch.Tensor, got {type(buf).__name__}")
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
-        raise ValueError(f"{what} must be a contiguous 1-D uint8 tensor, got {buf.dtype} of "
-                         f"shape {tuple(buf.shape)}")
+        raise ValueError(
+            f"{what} must be a contiguous 1-D uint8 tensor, got {buf.dtype} of "
+            f"shape {tuple(buf.shape)}"
+        )
     if buf.numel() < plan.bucket_sizes[k]:
-        raise ValueError(f"{what} has {buf.numel()} bytes, bucket {k} needs "
-                         f"{plan.bucket_sizes[k]}")
+        raise ValueError(f"{what} has {buf.numel()} bytes, bucket {k} needs {plan.bucket_sizes[k]}")
     if buf.data_ptr() % _BUFFER_ALIGNMENT:
         raise ValueError(f"{what} must start at a {_BUFFER_ALIGNMENT}-byte aligned address")
 
 
-def _check_tensor(spec: TensorSpec, tensor, device: torch.device, what: str,
-                  to_wire: bool) -> None:
+def _check_tensor(spec: TensorSpec, tensor, device: torch.device, what: str, to_wire: bool) -> None:
     """Shape, layout, device and dtype checks of a pack source / unpack target."""
     label = f"{what} for tensor {spec.name!r}"
     if not isinstance(tensor, torch.Tensor):
@@ -472,8 +490,10 @@ def _check_tensor(spec: TensorSpec, tensor, device: torch.device, what: str,
         raise ValueError(f"{label} is on {tensor.device}, the bucket buffer on {device}")
     src, dst = (tensor.dtype, spec.torch_dtype) if to_wire else (spec.torch_dtype, tensor.dtype)
     if not castable(src, dst):
-        raise ValueError(f"{label}: cannot cast {_dtype_name(src)} to {_dtype_name(dst)} "
-                         f"(casts exist among {', '.join(WIRE_DTYPES)} only)")
+        raise ValueError(
+            f"{label}: cannot cast {_dtype_name(src)} to {_dtype_name(dst)} "
+            f"(casts exist among {', '.join(WIRE_DTYPES)} only)"
+        )
 
 
 def _resolve_threads(num_threads) -> int:
@@ -494,8 +514,13 @@ def _copy_rows(native, copies: list[_Copy]) -> np.ndarray:
         if c.src_dtype == c.dst_dtype:
             rows[r] = (src, dst, c.numel * c.src_dtype.itemsize, codes["bytes"], codes["bytes"])
         else:
-            rows[r] = (src, dst, c.numel, codes[_dtype_name(c.src_dtype)],
-                       codes[_dtype_name(c.dst_dtype)])
+            rows[r] = (
+                src,
+                dst,
+                c.numel,
+                codes[_dtype_name(c.src_dtype)],
+                codes[_dtype_name(c.dst_dtype)],
+            )
     return rows
 
 
@@ -508,14 +533,15 @@ def _device_supported(index: int) -> bool:
 def _byte_view(buf: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """``numel`` elements of ``dtype`` at byte ``offset`` of ``buf`` (uint8 or any dtype)."""
     flat = buf.reshape(-1).view(torch.uint8)
-    return flat[offset:offset + numel * dtype.itemsize].view(dtype)
+    return flat[offset : offset + numel * dtype.itemsize].view(dtype)
 
 
 def _run_copies_torch(copies: list[_Copy]) -> None:
     with torch.no_grad():
         for c in copies:
             _byte_view(c.dst, c.dst_offset, c.numel, c.dst_dtype).copy_(
-                _byte_view(c.src, c.src_offset, c.numel, c.src_dtype))
+                _byte_view(c.src, c.src_offset, c.numel, c.src_dtype)
+            )
 
 
 def _run_copies(copies: list[_Copy], device: torch.device, num_threads: int) -> None:
@@ -528,8 +554,13 @@ def _run_copies(copies: list[_Copy], device: torch.device, num_threads: int) -> 
     if device.type == "cpu" and native is not None and hasattr(native, "bucket_copy"):
         native.bucket_copy(_copy_rows(native, copies), num_threads)
         return
-    if (device.type == "cuda" and native is not None and not _cuda_kernel_failed
-            and hasattr(native, "bucket_copy_cuda") and _device_supported(device.index)):
+    if (
+        device.type == "cuda"
+        and native is not None
+        and not _cuda_kernel_failed
+        and hasattr(native, "bucket_copy_cuda")
+        and _device_supported(device.index)
+    ):
         rows = _copy_rows(native, copies)
         try:
             with torch.cuda.device(device):
@@ -538,13 +569,23 @@ def _run_copies(copies: list[_Copy], device: torch.device, num_threads: int) -> 
         except RuntimeError as exc:
             # E.g. a driver older than the CUDA runtime the extension was built with.
             _cuda_kernel_failed = True
-            warnings.warn(f"areal_fast bucket_copy CUDA kernel failed ({exc}); using torch "
-                          f"copies from now on.", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"areal_fast bucket_copy CUDA kernel failed ({exc}); using torch "
+                f"copies from now on.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     _run_copies_torch(copies)
 
 
-def pack_bucket(plan: BucketPlan, k: int, tensors: Sequence[torch.Tensor | None],
-                out: torch.Tensor, *, num_threads: int | None = None) -> None:
+def pack_bucket(
+    plan: BucketPlan,
+    k: int,
+    tensors: Sequence[torch.Tensor | None],
+    out: torch.Tensor,
+    *,
+    num_threads: int | None = None,
+) -> None:
     """Copy the chunks of bucket ``k`` from their source tensors into ``out``.
 
     Parameters
@@ -586,14 +627,28 @@ def pack_bucket(plan: BucketPlan, k: int, tensors: Sequence[torch.Tensor | None]
         if c.tensor not in checked:
             _check_tensor(spec, src, out.device, "source", to_wire=True)
             checked.add(c.tensor)
-        copies.append(_Copy(src, c.start * src.element_size(), src.dtype, out, c.offset,
-                            spec.torch_dtype, c.numel))
+        copies.append(
+            _Copy(
+                src,
+                c.start * src.element_size(),
+                src.dtype,
+                out,
+                c.offset,
+                spec.torch_dtype,
+                c.numel,
+            )
+        )
     _run_copies(copies, out.device, threads)
 
 
-def unpack_bucket(plan: BucketPlan, k: int, bucket: torch.Tensor,
-                  targets: Sequence[torch.Tensor | None], *,
-                  num_threads: int | None = None) -> None:
+def unpack_bucket(
+    plan: BucketPlan,
+    k: int,
+    bucket: torch.Tensor,
+    targets: Sequence[torch.Tensor | None],
+    *,
+    num_threads: int | None = None,
+) -> None:
     """Copy the chunks of bucket ``k`` from ``bucket`` into their target tensors.
 
     Parameters
@@ -634,6 +689,15 @@ def unpack_bucket(plan: BucketPlan, k: int, bucket: torch.Tensor,
         if c.tensor not in checked:
             _check_tensor(spec, dst, bucket.device, "target", to_wire=False)
             checked.add(c.tensor)
-        copies.append(_Copy(bucket, c.offset, spec.torch_dtype, dst,
-                            c.start * dst.element_size(), dst.dtype, c.numel))
+        copies.append(
+            _Copy(
+                bucket,
+                c.offset,
+                spec.torch_dtype,
+                dst,
+                c.start * dst.element_size(),
+                dst.dtype,
+                c.numel,
+            )
+        )
     _run_copies(copies, bucket.device, threads)

@@ -37,19 +37,24 @@ def check_against(plan: BucketPlan, params: dict[str, torch.Tensor]) -> str:
         devices.setdefault(target.device, name)
     if len(devices) > 1:
         (first, a), (second, b) = list(devices.items())[:2]
-        return (f"the engine's parameters are on several devices ({a!r} on {first}, {b!r} on "
-                f"{second})")
+        return (
+            f"the engine's parameters are on several devices ({a!r} on {first}, {b!r} on {second})"
+        )
     covered: set[str] = set()
     for spec in plan.specs:
         target = params.get(spec.name)
         if target is None:
             return f"tensor {spec.name!r} is not a parameter of this engine"
         if tuple(target.shape) != tuple(spec.shape):
-            return (f"tensor {spec.name!r} has shape {tuple(spec.shape)}, the engine's "
-                    f"parameter is {tuple(target.shape)}")
+            return (
+                f"tensor {spec.name!r} has shape {tuple(spec.shape)}, the engine's "
+                f"parameter is {tuple(target.shape)}"
+            )
         if not castable(spec.torch_dtype, target.dtype):
-            return (f"tensor {spec.name!r} arrives as {spec.dtype}, which cannot be cast to the "
-                    f"engine's {str(target.dtype).removeprefix('torch.')}")
+            return (
+                f"tensor {spec.name!r} arrives as {spec.dtype}, which cannot be cast to the "
+                f"engine's {str(target.dtype).removeprefix('torch.')}"
+            )
         if not target.is_contiguous():
             return f"the engine's parameter {spec.name!r} is not contiguous"
         covered.add(spec.name)
@@ -83,14 +88,21 @@ class ReceiveSession:
         Tied names the sender did not send → the name sent with their data.
     """
 
-    def __init__(self, transport: Transport, timeout: float, plan: BucketPlan, version: int,
-                 aliases: dict[str, str], num_threads: Optional[int]):
+    def __init__(
+        self,
+        transport: Transport,
+        timeout: float,
+        plan: BucketPlan,
+        version: int,
+        aliases: dict[str, str],
+        num_threads: Optional[int],
+    ):
         self.transport, self.timeout = transport, timeout
         self.plan, self.version, self.aliases = plan, version, aliases
         self.num_threads = num_threads
-        self._next = 0                     # next bucket to hand out
+        self._next = 0  # next bucket to hand out
         self._pending: Optional[Pending] = None  # receive posted for bucket self._next
-        self._held: Optional[int] = None   # handed out, not yet released
+        self._held: Optional[int] = None  # handed out, not yet released
         self._finished = False
 
     def _start(self, k: int, direct: dict[int, torch.Tensor]) -> Pending:
@@ -119,8 +131,9 @@ class ReceiveSession:
             self._pending = self._start(k + 1, direct)
         return k, bucket
 
-    def _buckets(self, direct: Optional[dict[int, torch.Tensor]] = None
-                 ) -> Iterator[tuple[int, Optional[torch.Tensor]]]:
+    def _buckets(
+        self, direct: Optional[dict[int, torch.Tensor]] = None
+    ) -> Iterator[tuple[int, Optional[torch.Tensor]]]:
         """(k, bucket) in order; buckets in ``direct`` arrive straight in the given bytes and
         are yielded as ``(k, None)`` (nothing left to unpack)."""
         direct = direct or {}
@@ -156,8 +169,7 @@ class ReceiveSession:
         finally:
             buckets.close()
 
-    def _direct_targets(self, targets: Sequence[Optional[torch.Tensor]]
-                        ) -> dict[int, torch.Tensor]:
+    def _direct_targets(self, targets: Sequence[Optional[torch.Tensor]]) -> dict[int, torch.Tensor]:
         """Buckets that are one chunk of one target already in the wire dtype, contiguous
         and on the transport's device → that chunk's bytes (received in place, no unpack)."""
         if not self.transport.supports_direct:
@@ -169,11 +181,15 @@ class ReceiveSession:
                 continue
             chunk, spec = chunks[0], self.plan.specs[chunks[0].tensor]
             target = targets[chunk.tensor]
-            if (target.dtype == spec.torch_dtype and target.is_contiguous()
-                    and target.device == self.transport.device):
+            if (
+                target.dtype == spec.torch_dtype
+                and target.is_contiguous()
+                and target.device == self.transport.device
+            ):
                 raw = target.detach().reshape(-1).view(torch.uint8)
-                direct[k] = raw[chunk.start * spec.itemsize:
-                                (chunk.start + chunk.numel) * spec.itemsize]
+                direct[k] = raw[
+                    chunk.start * spec.itemsize : (chunk.start + chunk.numel) * spec.itemsize
+                ]
         return direct
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -196,7 +212,8 @@ class ReceiveSession:
                     if chunk.tensor not in building:
                         spec = plan.specs[chunk.tensor]
                         building[chunk.tensor] = torch.empty(
-                            spec.shape, dtype=spec.torch_dtype, device=bucket.device)
+                            spec.shape, dtype=spec.torch_dtype, device=bucket.device
+                        )
                     targets[chunk.tensor] = building[chunk.tensor]
                 unpack_bucket(plan, k, bucket, targets, num_threads=self.num_threads)
                 done = []
@@ -253,8 +270,9 @@ class WeightReceiver:
         ``transport`` is the sender's endpoint, or a non-positive timeout.
     """
 
-    def __init__(self, transport: Transport, timeout: float = 60.0,
-                 num_threads: Optional[int] = None):
+    def __init__(
+        self, transport: Transport, timeout: float = 60.0, num_threads: Optional[int] = None
+    ):
         if transport.is_sender:
             raise ValueError("WeightReceiver: the transport is rank 0, the sender's endpoint")
         if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
@@ -286,8 +304,9 @@ class WeightReceiver:
         verdict, plan = header.pop("_transport_error", ""), None
         try:
             if header.get("format") != HEADER_FORMAT:
-                raise ValueError(f"header format {header.get('format')!r}, "
-                                 f"expected {HEADER_FORMAT!r}")
+                raise ValueError(
+                    f"header format {header.get('format')!r}, expected {HEADER_FORMAT!r}"
+                )
             plan = BucketPlan.from_metadata(header["plan"])
             version = int(header["version"])
             aliases = dict(header.get("aliases", {}))
@@ -304,5 +323,6 @@ class WeightReceiver:
         rejected = engine_failures(statuses)
         if rejected:
             raise WeightSyncError("weight update rejected, nothing changed: " + "; ".join(rejected))
-        return ReceiveSession(self.transport, self.timeout, plan, version, aliases,
-                              self.num_threads)
+        return ReceiveSession(
+            self.transport, self.timeout, plan, version, aliases, self.num_threads
+        )

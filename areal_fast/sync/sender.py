@@ -97,9 +97,15 @@ class WeightSender:
         ``bucket_bytes`` not a positive multiple of 256, or a non-positive timeout.
     """
 
-    def __init__(self, transport: Optional[Transport], bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 wire_dtype: Optional[torch.dtype] = None, timeout: float = 60.0,
-                 num_threads: Optional[int] = None, solo_bytes: int = DEFAULT_SOLO_BYTES):
+    def __init__(
+        self,
+        transport: Optional[Transport],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        wire_dtype: Optional[torch.dtype] = None,
+        timeout: float = 60.0,
+        num_threads: Optional[int] = None,
+        solo_bytes: int = DEFAULT_SOLO_BYTES,
+    ):
         if not (isinstance(bucket_bytes, int) and bucket_bytes > 0 and bucket_bytes % 256 == 0):
             raise ValueError(f"bucket_bytes = {bucket_bytes!r} must be a positive multiple of 256")
         if not (isinstance(timeout, (int, float)) and 0 < timeout < float("inf")):
@@ -154,17 +160,24 @@ class WeightSender:
         tp, timeout = self.transport, self.timeout
         try:
             slots = tp.send_buffers(max(max(plan.bucket_sizes, default=0), 256))
-            tp.send_header({"format": HEADER_FORMAT, "version": int(version),
-                            "plan": plan.to_metadata(), "aliases": dict(source.aliases)},
-                           timeout)
+            tp.send_header(
+                {
+                    "format": HEADER_FORMAT,
+                    "version": int(version),
+                    "plan": plan.to_metadata(),
+                    "aliases": dict(source.aliases),
+                },
+                timeout,
+            )
             rejected = engine_failures(tp.gather_status("", timeout))
         except BaseException:
             source.sync_flag(False)  # FSDP2: the other ranks stop gathering too
             raise
         if rejected:
             source.sync_flag(False)
-            raise WeightSyncError(f"weight update v{version} rejected, nothing changed: "
-                                  + "; ".join(rejected))
+            raise WeightSyncError(
+                f"weight update v{version} rejected, nothing changed: " + "; ".join(rejected)
+            )
         source.sync_flag(True)
         tp.accepted()
         try:
@@ -178,8 +191,13 @@ class WeightSender:
         failed = engine_failures(tp.gather_status("", timeout))
         if failed:
             raise WeightSyncError(f"weight update v{version} failed on " + "; ".join(failed))
-        return SyncStats(version, sum(spec.nbytes for spec in plan.specs), plan.total_bytes,
-                         plan.num_buckets, time.perf_counter() - start)
+        return SyncStats(
+            version,
+            sum(spec.nbytes for spec in plan.specs),
+            plan.total_bytes,
+            plan.num_buckets,
+            time.perf_counter() - start,
+        )
 
     def _send_buckets(self, source: ModuleSource, plan: BucketPlan, slots) -> None:
         tp, timeout, pending = self.transport, self.timeout, None
@@ -191,25 +209,31 @@ class WeightSender:
             direct = self._pack(source, plan, k, slots[k % 2], tp.supports_direct)
             if pending is not None:
                 pending.wait(timeout)
-            pending = (tp.start_send_direct(direct, k) if direct is not None
-                       else tp.start_send(k % 2, plan.bucket_sizes[k], k))
+            pending = (
+                tp.start_send_direct(direct, k)
+                if direct is not None
+                else tp.start_send(k % 2, plan.bucket_sizes[k], k)
+            )
         if pending is not None:
             pending.wait(timeout)
         tp.finish_send(plan.num_buckets, timeout)
 
-    def _follow(self, source: ModuleSource, plan: BucketPlan, version: int,
-                start: float) -> SyncStats:
+    def _follow(
+        self, source: ModuleSource, plan: BucketPlan, version: int, start: float
+    ) -> SyncStats:
         """A non-sending FSDP2 rank: gather each bucket's tensors in the sending rank's order
         for as long as it says to go on."""
         for k in range(plan.num_buckets):
             if not source.sync_flag(True):
-                raise WeightSyncError(f"weight update v{version} was stopped by the sending "
-                                      f"rank (see its error)")
+                raise WeightSyncError(
+                    f"weight update v{version} was stopped by the sending rank (see its error)"
+                )
             for _ in self._gather(source, self._bucket_tensors(plan, k)):
                 pass
         if not source.sync_flag(True):
-            raise WeightSyncError(f"weight update v{version} failed on the sending rank while "
-                                  f"sending (see its error)")
+            raise WeightSyncError(
+                f"weight update v{version} failed on the sending rank while sending (see its error)"
+            )
         return SyncStats(version, 0, 0, plan.num_buckets, time.perf_counter() - start)
 
     def _gather(self, source: ModuleSource, indices: list[int]) -> list[torch.Tensor]:
@@ -232,8 +256,9 @@ class WeightSender:
                 out.append(chunk.tensor)
         return out
 
-    def _pack(self, source: ModuleSource, plan: BucketPlan, k: int, slot: torch.Tensor,
-              direct_ok: bool) -> Optional[torch.Tensor]:
+    def _pack(
+        self, source: ModuleSource, plan: BucketPlan, k: int, slot: torch.Tensor, direct_ok: bool
+    ) -> Optional[torch.Tensor]:
         """Pack bucket ``k`` into ``slot``; or, when the bucket is one chunk of one tensor
         already in the wire dtype on the transport's device (and the transport can send from
         any memory), return that chunk's bytes to send without a copy."""
@@ -247,6 +272,8 @@ class WeightSender:
             tensor = sources[chunk.tensor]
             if tensor.dtype == spec.torch_dtype and tensor.is_contiguous():
                 raw = tensor.reshape(-1).view(torch.uint8)
-                return raw[chunk.start * spec.itemsize:(chunk.start + chunk.numel) * spec.itemsize]
+                return raw[
+                    chunk.start * spec.itemsize : (chunk.start + chunk.numel) * spec.itemsize
+                ]
         pack_bucket(plan, k, sources, slot, num_threads=self.num_threads)
         return None

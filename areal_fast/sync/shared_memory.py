@@ -55,15 +55,19 @@ def plan_layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list
     ValueError
         A name that appears twice.
     """
-    specs = [TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-             for name, t in named_tensors]
+    specs = [
+        TensorSpec(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+        for name, t in named_tensors
+    ]
     total = max(sum(-(-s.nbytes // ALIGNMENT) * ALIGNMENT for s in specs), ALIGNMENT)
     try:
         plan = plan_buckets(specs, total)
     except ValueError as exc:
         raise ValueError(f"weight buffer: {exc}") from None
-    return [WeightEntry(s.name, s.shape, s.dtype, c.offset, s.nbytes)
-            for s, c in zip(specs, plan.chunks)], total
+    return [
+        WeightEntry(s.name, s.shape, s.dtype, c.offset, s.nbytes)
+        for s, c in zip(specs, plan.chunks)
+    ], total
 
 
 def reserve_file(folder: Path, nbytes: int, what: str) -> Path:
@@ -82,8 +86,9 @@ def reserve_file(folder: Path, nbytes: int, what: str) -> Path:
         os.posix_fallocate(fd, 0, nbytes)
     except OSError as exc:
         path.unlink(missing_ok=True)
-        raise OSError(exc.errno, f"{what}: {nbytes} bytes do not fit in {folder} "
-                                 f"({exc.strerror})") from exc
+        raise OSError(
+            exc.errno, f"{what}: {nbytes} bytes do not fit in {folder} ({exc.strerror})"
+        ) from exc
     finally:
         os.close(fd)
     return path
@@ -106,12 +111,14 @@ class SharedWeightBuffer:
     def __init__(self, spec: WeightBufferSpec, owner: bool):
         self.spec = spec
         self.owner = owner
-        self._data = torch.from_file(spec.path, shared=True, size=spec.total_bytes,
-                                     dtype=torch.uint8)
+        self._data = torch.from_file(
+            spec.path, shared=True, size=spec.total_bytes, dtype=torch.uint8
+        )
 
     @classmethod
-    def create(cls, named_tensors: Iterable[tuple[str, torch.Tensor]],
-               directory: str | None = None) -> "SharedWeightBuffer":
+    def create(
+        cls, named_tensors: Iterable[tuple[str, torch.Tensor]], directory: str | None = None
+    ) -> "SharedWeightBuffer":
         """A new zero-filled buffer laid out for ``named_tensors`` (their values are not copied).
 
         Raises
@@ -139,7 +146,7 @@ class SharedWeightBuffer:
     def view(self, entry: WeightEntry) -> torch.Tensor:
         """The tensor of ``entry`` as a view into the mapped buffer (no copy)."""
         dtype = getattr(torch, entry.dtype)
-        raw = self._data[entry.offset:entry.offset + entry.nbytes]
+        raw = self._data[entry.offset : entry.offset + entry.nbytes]
         return raw.view(dtype).view(entry.shape)
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -157,16 +164,22 @@ class SharedWeightBuffer:
             entry = by_name.get(name)
             if entry is None:
                 raise ValueError(f"weight buffer: no entry for tensor {name!r}")
-            if tuple(tensor.shape) != entry.shape or str(tensor.dtype).split(".")[-1] != entry.dtype:
-                raise ValueError(f"weight buffer: {name!r} is {tuple(tensor.shape)} "
-                                 f"{tensor.dtype}, the layout says {entry.shape} {entry.dtype}")
+            if (
+                tuple(tensor.shape) != entry.shape
+                or str(tensor.dtype).split(".")[-1] != entry.dtype
+            ):
+                raise ValueError(
+                    f"weight buffer: {name!r} is {tuple(tensor.shape)} "
+                    f"{tensor.dtype}, the layout says {entry.shape} {entry.dtype}"
+                )
             self.view(entry).copy_(tensor.detach())
             written.add(name)
             total += entry.nbytes
         missing = [e.name for e in self.spec.entries if e.name not in written]
         if missing:
-            raise ValueError(f"weight buffer: {len(missing)} tensors not written, "
-                             f"first {missing[0]!r}")
+            raise ValueError(
+                f"weight buffer: {len(missing)} tensors not written, first {missing[0]!r}"
+            )
         return total
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -68,8 +68,13 @@ class ModuleSource:
         ``tie_word_embeddings``). Receivers keep them aliased.
     """
 
-    def __init__(self, module: nn.Module, name_map: Optional[NameMap] = None,
-                 include_buffers: bool = False, sending: bool = True):
+    def __init__(
+        self,
+        module: nn.Module,
+        name_map: Optional[NameMap] = None,
+        include_buffers: bool = False,
+        sending: bool = True,
+    ):
         self.module = module
         self.sending = sending
         self.aliases: dict[str, str] = {}
@@ -78,8 +83,9 @@ class ModuleSource:
         named = list(module.named_parameters(remove_duplicate=False))
         if include_buffers:  # persistent ones: those a state_dict holds
             persistent = set(module.state_dict(keep_vars=True))
-            named += [(n, b) for n, b in module.named_buffers(remove_duplicate=False)
-                      if n in persistent]
+            named += [
+                (n, b) for n, b in module.named_buffers(remove_duplicate=False) if n in persistent
+            ]
         seen_engine_names: set[str] = set()
         for name, tensor in named:
             mapped = name_map(name) if name_map else name
@@ -155,12 +161,16 @@ class FSDP2Source(ModuleSource):
     def sync_flag(self, go: bool) -> bool:
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if go else 0], dtype=torch.int64,
-                            device=_group_device(dist.get_backend()))
+        flag = torch.tensor(
+            [1 if go else 0], dtype=torch.int64, device=_group_device(dist.get_backend())
+        )
         dist.broadcast(flag, src=self.send_rank)
         return bool(flag.item())
 
 
 def _group_device(backend: str) -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in backend \
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if "nccl" in backend
         else torch.device("cpu")
+    )

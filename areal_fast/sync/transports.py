@@ -87,8 +87,9 @@ def parse_header(raw, where: str) -> dict:
 
 def _check_timeout(timeout: float) -> float:
     if not (isinstance(timeout, (int, float)) and 0 < timeout and math.isfinite(timeout)):
-        raise ValueError(f"weight-sync timeout = {timeout!r} must be a positive, finite number "
-                         f"of seconds")
+        raise ValueError(
+            f"weight-sync timeout = {timeout!r} must be a positive, finite number of seconds"
+        )
     return float(timeout)
 
 
@@ -139,8 +140,10 @@ class Transport(ABC):
             Naming the earlier failure.
         """
         if self.broken is not None:
-            raise WeightSyncError(f"{type(self).__name__} is unusable after an earlier failure "
-                                  f"({self.broken}); create a new group and transport")
+            raise WeightSyncError(
+                f"{type(self).__name__} is unusable after an earlier failure "
+                f"({self.broken}); create a new group and transport"
+            )
 
     def accepted(self) -> None:
         """Sender: every receiver accepted the plan (mapped transports may now drop names
@@ -198,9 +201,17 @@ class Transport(ABC):
 
 # --------------------------------------------------------------------------- process groups
 
-def init_sync_group(rank: int, world_size: int, master_port: int, *,
-                    master_addr: str = "127.0.0.1", backend: str = "gloo",
-                    timeout: float = 60.0, device: Optional[torch.device] = None):
+
+def init_sync_group(
+    rank: int,
+    world_size: int,
+    master_port: int,
+    *,
+    master_addr: str = "127.0.0.1",
+    backend: str = "gloo",
+    timeout: float = 60.0,
+    device: Optional[torch.device] = None,
+):
     """A stand-alone process group for weight sync (not the default group).
 
     Parameters
@@ -229,8 +240,10 @@ def init_sync_group(rank: int, world_size: int, master_port: int, *,
         Peers did not join within ``timeout``.
     """
     if world_size < 2 or not 0 <= rank < world_size:
-        raise ValueError(f"weight-sync group: rank {rank} / world_size {world_size} invalid "
-                         f"(need world_size >= 2 and 0 <= rank < world_size)")
+        raise ValueError(
+            f"weight-sync group: rank {rank} / world_size {world_size} invalid "
+            f"(need world_size >= 2 and 0 <= rank < world_size)"
+        )
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight-sync group: backend = {backend!r}, expected 'gloo' or 'nccl'")
     delta = datetime.timedelta(seconds=_check_timeout(timeout))
@@ -248,9 +261,11 @@ def init_sync_group(rank: int, world_size: int, master_port: int, *,
         if "timed out" in str(exc).lower() or "timeout" in str(exc).lower():
             raise WeightSyncTimeout(
                 f"weight-sync group: rank {rank} of {world_size} could not meet its peers at "
-                f"{master_addr}:{master_port} within {timeout:g} s") from exc
-        raise WeightSyncError(f"weight-sync group at {master_addr}:{master_port}: "
-                              f"{str(exc).splitlines()[0]}") from exc
+                f"{master_addr}:{master_port} within {timeout:g} s"
+            ) from exc
+        raise WeightSyncError(
+            f"weight-sync group at {master_addr}:{master_port}: {str(exc).splitlines()[0]}"
+        ) from exc
 
 
 def _wait_work(work, timeout: float, what: str, backend: str, world_size: int) -> None:
@@ -261,8 +276,10 @@ def _wait_work(work, timeout: float, what: str, backend: str, world_size: int) -
             deadline = time.monotonic() + timeout
             while not work.is_completed():  # non-blocking query of the CUDA event
                 if time.monotonic() > deadline:
-                    raise WeightSyncTimeout(f"weight sync ({backend}): {what} did not finish "
-                                            f"within {timeout:g} s ({peers})")
+                    raise WeightSyncTimeout(
+                        f"weight sync ({backend}): {what} did not finish "
+                        f"within {timeout:g} s ({peers})"
+                    )
                 time.sleep(0.0005)
             work.wait()
         else:
@@ -272,14 +289,16 @@ def _wait_work(work, timeout: float, what: str, backend: str, world_size: int) -
     except RuntimeError as exc:
         text = str(exc)
         if "timed out" in text.lower():
-            raise WeightSyncTimeout(f"weight sync ({backend}): {what} did not finish within "
-                                    f"{timeout:g} s ({peers})") from exc
+            raise WeightSyncTimeout(
+                f"weight sync ({backend}): {what} did not finish within {timeout:g} s ({peers})"
+            ) from exc
         peer = ""
         match = re.search(r"\[([0-9a-fA-F.:]+)\]:(\d+)", text.split("]", 1)[-1])
         if match:
             peer = f" — peer {match.group(1)}:{match.group(2)} disappeared"
-        raise WeightSyncError(f"weight sync ({backend}): {what} failed{peer} "
-                              f"({text.splitlines()[0][:200]})") from exc
+        raise WeightSyncError(
+            f"weight sync ({backend}): {what} failed{peer} ({text.splitlines()[0][:200]})"
+        ) from exc
 
 
 class TorchDistTransport(Transport):
@@ -308,8 +327,13 @@ class TorchDistTransport(Transport):
     ``ProcessGroup.broadcast`` / ``allgather`` of torch.distributed (c10d).
     """
 
-    def __init__(self, group, backend: Optional[str] = None,
-                 device: Optional[torch.device] = None, group_timeout: Optional[float] = None):
+    def __init__(
+        self,
+        group,
+        backend: Optional[str] = None,
+        device: Optional[torch.device] = None,
+        group_timeout: Optional[float] = None,
+    ):
         if backend is None:
             name = getattr(group, "name", lambda: "gloo")()
             backend = "nccl" if "nccl" in str(name).lower() else "gloo"
@@ -318,8 +342,11 @@ class TorchDistTransport(Transport):
         self.group_timeout = group_timeout
         self.rank, self.world_size = group.rank(), group.size()
         if device is None:
-            device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
-                      else torch.device("cpu"))
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if backend == "nccl"
+                else torch.device("cpu")
+            )
         self.device = torch.device(device)
         self._send: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._recv: list[Optional[torch.Tensor]] = [None, None]
@@ -346,8 +373,10 @@ class TorchDistTransport(Transport):
 
     def send_buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._send is None or self._send[0].numel() < nbytes:
-            self._send = (torch.empty(nbytes, dtype=torch.uint8, device=self.device),
-                          torch.empty(nbytes, dtype=torch.uint8, device=self.device))
+            self._send = (
+                torch.empty(nbytes, dtype=torch.uint8, device=self.device),
+                torch.empty(nbytes, dtype=torch.uint8, device=self.device),
+            )
         return self._send
 
     def send_header(self, header: dict, timeout: float) -> None:
@@ -391,7 +420,7 @@ class TorchDistTransport(Transport):
     def gather_status(self, message: str, timeout: float) -> list[str]:
         mine = torch.zeros(STATUS_BYTES, dtype=torch.uint8)
         raw = message.encode()[:STATUS_BYTES]
-        mine[:len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else mine[:0]
+        mine[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else mine[:0]
         mine = mine.to(self.device)
         outs = [torch.empty_like(mine) for _ in range(self.world_size)]
         work = self._post(lambda: self.group.allgather([outs], [mine]))
@@ -410,6 +439,7 @@ class TorchDistTransport(Transport):
 
 # --------------------------------------------------------------------------- mapped buffers
 
+
 class _MappedTransport(Transport):
     """Sender-owned buffers that receivers map and read in place; control over a gloo group.
 
@@ -422,8 +452,9 @@ class _MappedTransport(Transport):
     """
 
     def __init__(self, control_group, group_timeout: Optional[float] = None):
-        self.control = TorchDistTransport(control_group, "gloo", torch.device("cpu"),
-                                          group_timeout=group_timeout)
+        self.control = TorchDistTransport(
+            control_group, "gloo", torch.device("cpu"), group_timeout=group_timeout
+        )
         self.rank, self.world_size = self.control.rank, self.control.world_size
         self._slots: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         self._mapped: dict[str, torch.Tensor] = {}
@@ -432,16 +463,13 @@ class _MappedTransport(Transport):
 
     # subclasses: allocate / describe (once per receiver) / map one slot
     @abstractmethod
-    def _allocate(self, nbytes: int) -> torch.Tensor:
-        ...
+    def _allocate(self, nbytes: int) -> torch.Tensor: ...
 
     @abstractmethod
-    def _describe(self, slot: int, buf: torch.Tensor) -> dict:
-        ...
+    def _describe(self, slot: int, buf: torch.Tensor) -> dict: ...
 
     @abstractmethod
-    def _map(self, descriptor: dict) -> torch.Tensor:
-        ...
+    def _map(self, descriptor: dict) -> torch.Tensor: ...
 
     @property
     def broken(self) -> Optional[str]:  # type: ignore[override]
@@ -463,7 +491,8 @@ class _MappedTransport(Transport):
             self._slots = (self._allocate(nbytes), self._allocate(nbytes))
             self._descriptors = {
                 str(rank): [self._describe(i, buf) for i, buf in enumerate(self._slots)]
-                for rank in range(1, self.world_size)}
+                for rank in range(1, self.world_size)
+            }
         return self._slots
 
     def _free_slots(self) -> None:
@@ -485,8 +514,9 @@ class _MappedTransport(Transport):
             self._receiver_slots = self._map_all(slots)
         except Exception as exc:  # becomes this rank's verdict in the accept round
             self._receiver_slots = []
-            header["_transport_error"] = f"{type(self).__name__} cannot map the sender's " \
-                                         f"buffers: {exc}"
+            header["_transport_error"] = (
+                f"{type(self).__name__} cannot map the sender's buffers: {exc}"
+            )
         return header
 
     def _map_all(self, descriptors: list) -> list[torch.Tensor]:
@@ -510,8 +540,10 @@ class _MappedTransport(Transport):
 
     def start_send(self, slot: int, nbytes: int, index: int) -> Pending:
         if index >= 2 and self._acked <= index - 2:
-            raise WeightSyncError(f"mapped transport: bucket {index} sent into slot {slot} "
-                                  f"before bucket {index - 2} was released (wait_slot_free)")
+            raise WeightSyncError(
+                f"mapped transport: bucket {index} sent into slot {slot} "
+                f"before bucket {index - 2} was released (wait_slot_free)"
+            )
         self._before_notice()
         notice = self._notice([index, slot, nbytes])
         work = self.control._broadcast(notice)
@@ -520,6 +552,7 @@ class _MappedTransport(Transport):
         def wait(timeout: float) -> torch.Tensor:
             self.control._run(work, timeout, what)
             return self._slots[slot]
+
         return Pending(wait)
 
     def wait_slot_free(self, index: int, timeout: float) -> None:
@@ -540,14 +573,19 @@ class _MappedTransport(Transport):
             self.control._run(work, timeout, f"bucket {index} notice")
             got_index, slot, size = (int(v) for v in notice.tolist())
             if got_index != index or size != nbytes or slot not in (0, 1):
-                raise WeightSyncError(f"mapped transport: expected bucket {index} of {nbytes} "
-                                      f"bytes, the sender announced bucket {got_index} of {size} "
-                                      f"bytes in slot {slot}")
+                raise WeightSyncError(
+                    f"mapped transport: expected bucket {index} of {nbytes} "
+                    f"bytes, the sender announced bucket {got_index} of {size} "
+                    f"bytes in slot {slot}"
+                )
             buf = self._receiver_slots[slot]
             if buf.numel() < nbytes:
-                raise WeightSyncError(f"mapped transport: bucket {index} ({nbytes} bytes) "
-                                      f"overruns slot {slot} ({buf.numel()} bytes)")
+                raise WeightSyncError(
+                    f"mapped transport: bucket {index} ({nbytes} bytes) "
+                    f"overruns slot {slot} ({buf.numel()} bytes)"
+                )
             return buf[:nbytes]
+
         return Pending(wait)
 
     def release(self, index: int, timeout: float) -> None:
@@ -581,8 +619,9 @@ class SharedMemoryTransport(_MappedTransport):
         Where the slot files live (default /dev/shm).
     """
 
-    def __init__(self, control_group, directory: Optional[str] = None,
-                 group_timeout: Optional[float] = None):
+    def __init__(
+        self, control_group, directory: Optional[str] = None, group_timeout: Optional[float] = None
+    ):
         super().__init__(control_group, group_timeout)
         self._device = torch.device("cpu")
         self._dir = Path(directory) if directory else shm_dir()
@@ -611,8 +650,7 @@ class SharedMemoryTransport(_MappedTransport):
         path = descriptor.get("path")
         if not path or not Path(path).is_file():
             raise WeightSyncError(f"shared-memory transport: slot file {path!r} does not exist")
-        return torch.from_file(path, shared=True, size=int(descriptor["nbytes"]),
-                               dtype=torch.uint8)
+        return torch.from_file(path, shared=True, size=int(descriptor["nbytes"]), dtype=torch.uint8)
 
     def _free_slots(self) -> None:
         super()._free_slots()
@@ -638,8 +676,10 @@ def cuda_device_by_uuid(device_uuid: str) -> torch.device:
     for index in range(torch.cuda.device_count()):
         if cuda_device_uuid(torch.device("cuda", index)) == device_uuid:
             return torch.device("cuda", index)
-    raise WeightSyncError(f"CUDA IPC: the sender's GPU {device_uuid} is not visible in this "
-                          f"process (CUDA IPC needs the engine on the same GPU)")
+    raise WeightSyncError(
+        f"CUDA IPC: the sender's GPU {device_uuid} is not visible in this "
+        f"process (CUDA IPC needs the engine on the same GPU)"
+    )
 
 
 class CudaIpcTransport(_MappedTransport):
@@ -664,8 +704,7 @@ class CudaIpcTransport(_MappedTransport):
     does for CUDA tensors.
     """
 
-    def __init__(self, control_group, device: torch.device,
-                 group_timeout: Optional[float] = None):
+    def __init__(self, control_group, device: torch.device, group_timeout: Optional[float] = None):
         super().__init__(control_group, group_timeout)
         self._device = torch.device(device)
         if self._device.type != "cuda":
@@ -680,16 +719,24 @@ class CudaIpcTransport(_MappedTransport):
         # one export per receiver: torch counts each export as one consumer reference
         shared = buf.untyped_storage()._share_cuda_()
         fields = [base64.b64encode(v).decode() if isinstance(v, bytes) else v for v in shared]
-        return {"uuid": cuda_device_uuid(self._device), "nbytes": buf.numel(),
-                "share": fields, "binary": [isinstance(v, bytes) for v in shared]}
+        return {
+            "uuid": cuda_device_uuid(self._device),
+            "nbytes": buf.numel(),
+            "share": fields,
+            "binary": [isinstance(v, bytes) for v in shared],
+        }
 
     def _map(self, descriptor: dict) -> torch.Tensor:
         device = cuda_device_by_uuid(descriptor["uuid"])
         if device != self._device:
-            raise WeightSyncError(f"CUDA IPC: the sender's buffers are on {device} (UUID "
-                                  f"{descriptor['uuid']}), this engine runs on {self._device}")
-        fields = [base64.b64decode(v) if is_bytes else v
-                  for v, is_bytes in zip(descriptor["share"], descriptor["binary"])]
+            raise WeightSyncError(
+                f"CUDA IPC: the sender's buffers are on {device} (UUID "
+                f"{descriptor['uuid']}), this engine runs on {self._device}"
+            )
+        fields = [
+            base64.b64decode(v) if is_bytes else v
+            for v, is_bytes in zip(descriptor["share"], descriptor["binary"])
+        ]
         fields[0] = device.index
         with torch.cuda.device(device):
             storage = torch.UntypedStorage._new_shared_cuda(*fields)
@@ -705,6 +752,7 @@ class CudaIpcTransport(_MappedTransport):
 
 
 # --------------------------------------------------------------------------- disk
+
 
 class DiskTransport(Transport):
     """Fallback: each bucket is a safetensors file in a shared directory.
@@ -738,22 +786,27 @@ class DiskTransport(Transport):
     safetensors (``safetensors.torch.save_file`` / ``load_file``).
     """
 
-    def __init__(self, directory: str, rank: int, world_size: int, run_id: str,
-                 poll_interval: float = 0.005):
+    def __init__(
+        self, directory: str, rank: int, world_size: int, run_id: str, poll_interval: float = 0.005
+    ):
         if world_size < 2 or not 0 <= rank < world_size:
             raise ValueError(f"DiskTransport: rank {rank} / world_size {world_size} invalid")
         if not (isinstance(run_id, str) and re.fullmatch(r"[A-Za-z0-9_-]{1,64}", run_id)):
-            raise ValueError(f"DiskTransport: run_id = {run_id!r} must be 1-64 letters, digits, "
-                             f"'-' or '_'")
+            raise ValueError(
+                f"DiskTransport: run_id = {run_id!r} must be 1-64 letters, digits, '-' or '_'"
+            )
         if not (isinstance(poll_interval, (int, float)) and 0 < poll_interval < 60):
-            raise ValueError(f"DiskTransport: poll_interval = {poll_interval!r} must be in "
-                             f"(0, 60) seconds")
+            raise ValueError(
+                f"DiskTransport: poll_interval = {poll_interval!r} must be in (0, 60) seconds"
+            )
         self.root = Path(directory)
         self.run_id = run_id
         self.root.mkdir(parents=True, exist_ok=True)
         if rank == 0 and any(self.root.glob(f"{run_id}-update-*")):
-            raise ValueError(f"DiskTransport: {directory} already holds updates of run "
-                             f"{run_id!r}; use a new run id")
+            raise ValueError(
+                f"DiskTransport: {directory} already holds updates of run "
+                f"{run_id!r}; use a new run id"
+            )
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cpu")
         self.poll_interval = poll_interval
@@ -778,14 +831,17 @@ class DiskTransport(Transport):
         deadline = time.monotonic() + _check_timeout(timeout)
         while not path.exists():
             if time.monotonic() > deadline:
-                raise WeightSyncTimeout(f"disk transport: {what} ({path}) did not appear within "
-                                        f"{timeout:g} s")
+                raise WeightSyncTimeout(
+                    f"disk transport: {what} ({path}) did not appear within {timeout:g} s"
+                )
             time.sleep(self.poll_interval)
 
     def send_buffers(self, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._send is None or self._send[0].numel() < nbytes:
-            self._send = (torch.empty(nbytes, dtype=torch.uint8),
-                          torch.empty(nbytes, dtype=torch.uint8))
+            self._send = (
+                torch.empty(nbytes, dtype=torch.uint8),
+                torch.empty(nbytes, dtype=torch.uint8),
+            )
         return self._send
 
     def send_header(self, header: dict, timeout: float) -> None:
@@ -808,17 +864,20 @@ class DiskTransport(Transport):
         bucket = self._send[slot][:nbytes].clone()  # the slot is refilled while this writes
         path = self._dir / f"bucket-{index}.safetensors"
         future: Future = self._pool.submit(
-            self._write_atomic, path, lambda p: save_file({"bucket": bucket}, p))
+            self._write_atomic, path, lambda p: save_file({"bucket": bucket}, p)
+        )
 
         def wait(timeout: float) -> torch.Tensor:
             try:
                 future.result(timeout=_check_timeout(timeout))
             except TimeoutError as exc:
-                raise WeightSyncTimeout(f"disk transport: writing {path} took over "
-                                        f"{timeout:g} s") from exc
+                raise WeightSyncTimeout(
+                    f"disk transport: writing {path} took over {timeout:g} s"
+                ) from exc
             except OSError as exc:
                 raise WeightSyncError(f"disk transport: cannot write {path} ({exc})") from exc
             return self._send[slot]
+
         return Pending(wait)
 
     def start_recv(self, nbytes: int, index: int) -> Pending:
@@ -832,15 +891,20 @@ class DiskTransport(Transport):
             try:
                 bucket = load_file(str(path))["bucket"]
             except (SafetensorError, KeyError, OSError) as exc:
-                raise WeightSyncError(f"disk transport: bucket {index} file {path} is damaged "
-                                      f"({str(exc).splitlines()[0][:160]})") from exc
+                raise WeightSyncError(
+                    f"disk transport: bucket {index} file {path} is damaged "
+                    f"({str(exc).splitlines()[0][:160]})"
+                ) from exc
             if bucket.dtype != torch.uint8 or bucket.numel() != nbytes:
-                raise WeightSyncError(f"disk transport: bucket {index} file {path} holds "
-                                      f"{bucket.numel()} bytes, the plan says {nbytes} "
-                                      f"(truncated or from another update)")
+                raise WeightSyncError(
+                    f"disk transport: bucket {index} file {path} holds "
+                    f"{bucket.numel()} bytes, the plan says {nbytes} "
+                    f"(truncated or from another update)"
+                )
             if bucket.data_ptr() % 256:  # the file's header length decides the alignment
                 bucket = bucket.clone()
             return bucket
+
         return Pending(wait)
 
     def gather_status(self, message: str, timeout: float) -> list[str]:
@@ -852,8 +916,9 @@ class DiskTransport(Transport):
         deadline = time.monotonic() + _check_timeout(timeout)
         for rank in range(self.world_size):
             path = self._dir / f"status-{tag}-{rank}.txt"
-            self._wait_file(path, max(deadline - time.monotonic(), 1e-3),
-                            f"status {tag} of rank {rank}")
+            self._wait_file(
+                path, max(deadline - time.monotonic(), 1e-3), f"status {tag} of rank {rank}"
+            )
             out.append(path.read_text())
         if self.rank == 0 and self._round >= 1:  # every rank is past update r - 1
             self._remove_round(self._round - 1)
@@ -868,7 +933,15 @@ class DiskTransport(Transport):
 
 
 __all__ = [
-    "WeightSyncError", "WeightSyncTimeout", "Pending", "Transport", "init_sync_group",
-    "TorchDistTransport", "SharedMemoryTransport", "CudaIpcTransport", "DiskTransport",
-    "cuda_device_uuid", "cuda_device_by_uuid",
+    "WeightSyncError",
+    "WeightSyncTimeout",
+    "Pending",
+    "Transport",
+    "init_sync_group",
+    "TorchDistTransport",
+    "SharedMemoryTransport",
+    "CudaIpcTransport",
+    "DiskTransport",
+    "cuda_device_uuid",
+    "cuda_device_by_uuid",
 ]

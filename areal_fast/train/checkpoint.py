@@ -28,10 +28,13 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict,
-                                                     set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
 FORMAT = "areal_fast.train_state/1"
 STATE_FILE = "train_state.json"
@@ -59,17 +62,25 @@ def save_train_state(engine, directory: str) -> None:
     optim_state = get_optimizer_state_dict(engine.model, engine.optimizer, options=options)
     if rank == 0:
         aliases = _tied_aliases(engine.model)
-        save_file({k: v.contiguous() for k, v in model_state.items() if k not in aliases},
-                  os.path.join(directory, MODEL_FILE))
+        save_file(
+            {k: v.contiguous() for k, v in model_state.items() if k not in aliases},
+            os.path.join(directory, MODEL_FILE),
+        )
         torch.save(optim_state, os.path.join(directory, OPTIM_FILE))
     write_json_durably(os.path.join(directory, f"rng_rank{rank}.json"), _rng_state())
     _barrier(engine, distributed)
     if rank == 0:
         names = [MODEL_FILE, OPTIM_FILE] + [f"rng_rank{r}.json" for r in range(world_size)]
-        write_json_durably(os.path.join(directory, STATE_FILE), {
-            "format": FORMAT, "version": engine.version, "world_size": world_size,
-            "scheduler": engine.scheduler.state_dict(),
-            "files": {n: os.path.getsize(os.path.join(directory, n)) for n in names}})
+        write_json_durably(
+            os.path.join(directory, STATE_FILE),
+            {
+                "format": FORMAT,
+                "version": engine.version,
+                "world_size": world_size,
+                "scheduler": engine.scheduler.state_dict(),
+                "files": {n: os.path.getsize(os.path.join(directory, n)) for n in names},
+            },
+        )
     _barrier(engine, distributed)
 
 
@@ -96,8 +107,11 @@ def load_train_state(engine, directory: str) -> None:
     rank, _, distributed = _rank_info(engine)
     meta = read_train_state(directory)
     _check_model_file(os.path.join(directory, MODEL_FILE), engine.model)
-    rng = _read_json(os.path.join(directory, f"rng_rank{rank}.json")) \
-        if rank < meta["world_size"] else None
+    rng = (
+        _read_json(os.path.join(directory, f"rng_rank{rank}.json"))
+        if rank < meta["world_size"]
+        else None
+    )
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
     model_state, optim_state, error = {}, {}, ""
     if rank == 0:  # the others receive both by broadcast
@@ -132,8 +146,7 @@ def read_train_state(directory) -> dict:
     meta = _read_json(path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path}: format is not {FORMAT!r}")
-    for key, kind in (("version", int), ("world_size", int), ("scheduler", dict),
-                      ("files", dict)):
+    for key, kind in (("version", int), ("world_size", int), ("scheduler", dict), ("files", dict)):
         if not isinstance(meta.get(key), kind):
             raise ValueError(f"{path}: {key!r} is missing or not a {kind.__name__}")
     for name, size in meta["files"].items():
@@ -141,8 +154,10 @@ def read_train_state(directory) -> dict:
         if not os.path.isfile(file):
             raise ValueError(f"{file} is missing (listed in {STATE_FILE})")
         if os.path.getsize(file) != size:
-            raise ValueError(f"{file} has {os.path.getsize(file)} bytes, {STATE_FILE} says "
-                             f"{size} (truncated or replaced)")
+            raise ValueError(
+                f"{file} has {os.path.getsize(file)} bytes, {STATE_FILE} says "
+                f"{size} (truncated or replaced)"
+            )
     return meta
 
 
@@ -175,17 +190,25 @@ def _read_optimizer(path: str, model) -> tuple[dict, str]:
     except Exception as exc:
         return {}, f"{path} is not a readable optimizer state: {_one_line(exc)}"
     expected = _expected_shapes(model)
-    if not (isinstance(state, dict) and isinstance(state.get("state"), dict)
-            and isinstance(state.get("param_groups"), list)):
+    if not (
+        isinstance(state, dict)
+        and isinstance(state.get("state"), dict)
+        and isinstance(state.get("param_groups"), list)
+    ):
         return {}, f"{path}: not an optimizer state dict (state, param_groups)"
     for name, entry in state["state"].items():
         if name not in expected:
             return {}, f"{path}: state for {name!r}, which the model does not have"
         for key, value in entry.items():
-            if (isinstance(value, torch.Tensor) and value.ndim
-                    and tuple(value.shape) != expected[name]):
-                return {}, (f"{path}: {name}.{key} has shape {tuple(value.shape)}, the model "
-                            f"{expected[name]}")
+            if (
+                isinstance(value, torch.Tensor)
+                and value.ndim
+                and tuple(value.shape) != expected[name]
+            ):
+                return {}, (
+                    f"{path}: {name}.{key} has shape {tuple(value.shape)}, the model "
+                    f"{expected[name]}"
+                )
     named = [n for group in state["param_groups"] for n in group.get("params", [])]
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     if sorted(named) != sorted(trainable):
@@ -201,8 +224,9 @@ def _compare_shapes(path: str, expected: dict, found: dict, what: str) -> None:
         if name not in expected:
             raise ValueError(f"{path}: {what} {name!r} is not in the model")
         if found[name] != expected[name]:
-            raise ValueError(f"{path}: {what} {name!r} has shape {found[name]}, the model "
-                             f"{expected[name]}")
+            raise ValueError(
+                f"{path}: {what} {name!r} has shape {found[name]}, the model {expected[name]}"
+            )
 
 
 def _expected_shapes(model) -> dict[str, tuple[int, ...]]:
@@ -233,10 +257,11 @@ def _with_aliases(state: dict, model) -> dict:
 # ---------------------------------------------------------------------------- RNG, files
 def _rng_state() -> dict:
     np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state().tolist(),
-             "numpy": [np_state[0], np_state[1].tolist(), *map(_plain, np_state[2:])],
-             "python": [random.getstate()[0], list(random.getstate()[1]),
-                        random.getstate()[2]]}
+    state = {
+        "torch": torch.get_rng_state().tolist(),
+        "numpy": [np_state[0], np_state[1].tolist(), *map(_plain, np_state[2:])],
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+
 from areal_fast._checks import at_least
 from areal_fast.rl.advantages import ADVANTAGE_MODES
 from areal_fast.rl.config import LossConfig
@@ -41,8 +42,11 @@ class OptimizerConfig:
             raise ValueError(f"weight_decay = {self.weight_decay} must be a finite number >= 0")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule = {self.lr_schedule!r} is not one of {LR_SCHEDULES}")
-        if (isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int)
-                or self.warmup_steps < 0):
+        if (
+            isinstance(self.warmup_steps, bool)
+            or not isinstance(self.warmup_steps, int)
+            or self.warmup_steps < 0
+        ):
             raise ValueError(f"warmup_steps = {self.warmup_steps!r} must be an int >= 0")
 
 
@@ -69,6 +73,7 @@ class ActorConfig:
             raise ValueError(f"pack_method = {self.pack_method!r} is not 'kk' or 'ffd'")
         at_least("max_tokens_per_mb", self.max_tokens_per_mb, 1)
         if self.prox_logp_method not in PROX_LOGP_METHODS:
-            raise ValueError(f"prox_logp_method = {self.prox_logp_method!r} is not "
-                             f"'recompute' or 'loglinear'")
+            raise ValueError(
+                f"prox_logp_method = {self.prox_logp_method!r} is not 'recompute' or 'loglinear'"
+            )
         at_least("ppo_n_minibatches", self.ppo_n_minibatches, 1)

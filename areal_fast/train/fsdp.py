@@ -33,14 +33,24 @@ from torch.distributed.tensor import DTensor
 from areal_fast.ops.packing import partition_balanced
 from areal_fast.rl.batch import PackedBatch
 from areal_fast.train.config import ActorConfig
-from areal_fast.train.torch_engine import (SHARDED_FORWARD, BatchTotals, TorchTrainEngine,
-                                           _num_trained_seqs, unsharded_forward_logprobs)
+from areal_fast.train.torch_engine import (
+    SHARDED_FORWARD,
+    BatchTotals,
+    TorchTrainEngine,
+    _num_trained_seqs,
+    unsharded_forward_logprobs,
+)
 
 BACKENDS = ("gloo", "nccl")
 
 
-def init_trainer_group(rank: int, world_size: int, init_method: str,
-                       backend: Optional[str] = None, timeout_s: float = 600.0) -> DeviceMesh:
+def init_trainer_group(
+    rank: int,
+    world_size: int,
+    init_method: str,
+    backend: Optional[str] = None,
+    timeout_s: float = 600.0,
+) -> DeviceMesh:
     """Join the trainers' default process group and return its 1-D data-parallel mesh.
 
     Parameters
@@ -74,13 +84,19 @@ def init_trainer_group(rank: int, world_size: int, init_method: str,
     if device_type == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
     except Exception as exc:
         first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise RuntimeError(f"trainer rank {rank}/{world_size} could not join the {backend} "
-                           f"group at {init_method}: {first_line}") from exc
+        raise RuntimeError(
+            f"trainer rank {rank}/{world_size} could not join the {backend} "
+            f"group at {init_method}: {first_line}"
+        ) from exc
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
 
 
@@ -175,23 +191,26 @@ class FSDPTrainEngine(TorchTrainEngine):
         Where small collectives (counts, statistics) run: CPU for gloo, this GPU for nccl.
     """
 
-    def __init__(self, model, actor: ActorConfig, *, mesh: DeviceMesh, ref_model=None,
-                 **kwargs):
+    def __init__(self, model, actor: ActorConfig, *, mesh: DeviceMesh, ref_model=None, **kwargs):
         if mesh.ndim != 1:
             raise ValueError(f"mesh must be 1-D (data parallel), got {mesh.ndim} dimensions")
         self.mesh = mesh
         self.group = mesh.get_group()
         self.rank = dist.get_rank(self.group)
         self.world_size = mesh.size()
-        self.comm_device = torch.device("cpu") if mesh.device_type == "cpu" else \
-            torch.device(mesh.device_type, torch.cuda.current_device())
+        self.comm_device = (
+            torch.device("cpu")
+            if mesh.device_type == "cpu"
+            else torch.device(mesh.device_type, torch.cuda.current_device())
+        )
         shard_model(model, mesh)
         if ref_model is not None:
             shard_model(ref_model.eval().requires_grad_(False), mesh)
         super().__init__(model, actor, ref_model=ref_model, **kwargs)
 
-    def accumulate_gradients(self, batch: PackedBatch,
-                             prox_logprobs: Optional[torch.Tensor] = None) -> dict[str, float]:
+    def accumulate_gradients(
+        self, batch: PackedBatch, prox_logprobs: Optional[torch.Tensor] = None
+    ) -> dict[str, float]:
         stats = super().accumulate_gradients(batch, prox_logprobs)
         if self.ref_model is not None:
             self.ref_model.reshard()  # no backward reshards the no-grad root: free it here
@@ -210,8 +229,7 @@ class FSDPTrainEngine(TorchTrainEngine):
     recompute_logprobs.__doc__ = TorchTrainEngine.recompute_logprobs.__doc__
 
     # ---------------------------------------------------------------- collectives
-    def _all_reduce(self, values: list, dtype: torch.dtype,
-                    op=dist.ReduceOp.SUM) -> torch.Tensor:
+    def _all_reduce(self, values: list, dtype: torch.dtype, op=dist.ReduceOp.SUM) -> torch.Tensor:
         tensor = torch.tensor(values, dtype=dtype, device=self.comm_device)
         dist.all_reduce(tensor, op=op, group=self.group)
         return tensor.cpu()
@@ -234,8 +252,9 @@ class FSDPTrainEngine(TorchTrainEngine):
             raise ValueError(f"FSDP rank {self.rank} got an empty batch part")
         parts = super()._micro_batch_parts(batch)
         while True:
-            most, minus_fewest = self._all_reduce([len(parts), -len(parts)], torch.int64,
-                                                  dist.ReduceOp.MAX).tolist()
+            most, minus_fewest = self._all_reduce(
+                [len(parts), -len(parts)], torch.int64, dist.ReduceOp.MAX
+            ).tolist()
             if most == -minus_fewest:
                 return parts
             if len(parts) < most:
@@ -243,9 +262,13 @@ class FSDPTrainEngine(TorchTrainEngine):
 
     def _repartition(self, batch: PackedBatch, count: int) -> list[list[int]]:
         lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
-        parts = partition_balanced(lengths, self.max_tokens_per_mb, method="kk",
-                                   group_ids=batch.group_ids if self.keep_groups else None,
-                                   min_num_mbs=count)
+        parts = partition_balanced(
+            lengths,
+            self.max_tokens_per_mb,
+            method="kk",
+            group_ids=batch.group_ids if self.keep_groups else None,
+            min_num_mbs=count,
+        )
         return parts + [[] for _ in range(count - len(parts))]
 
     def _reduce_stats(self, sums: dict[str, float]) -> dict[str, float]:
@@ -292,13 +315,13 @@ class FSDPTrainEngine(TorchTrainEngine):
         back at one tensor, so ``save_pretrained`` writes it once, as for the unsharded model
         (the same tensor names as :meth:`TorchTrainEngine.save`).
         """
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions,
-                                                             get_model_state_dict)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         from areal_fast.train.checkpoint import _tied_aliases
 
         state = get_model_state_dict(
-            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if self.rank == 0:
             for alias, name in _tied_aliases(self.model).items():
                 if alias in state and name in state:

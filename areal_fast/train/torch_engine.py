@@ -13,17 +13,19 @@ from areal_fast.ops.logprobs import linear_logprobs
 from areal_fast.ops.packing import partition_balanced
 from areal_fast.ops.segment import segment_sum
 from areal_fast.rl.batch import PackedBatch, select_sequences
-from areal_fast.rl.decoupled import (behav_weight_stats, check_token_versions,
-                                     loglinear_prox_logprobs, staleness_stats)
+from areal_fast.rl.decoupled import (
+    behav_weight_stats,
+    check_token_versions,
+    loglinear_prox_logprobs,
+    staleness_stats,
+)
 from areal_fast.rl.objectives import grpo_loss
-from areal_fast.train.config import (LR_SCHEDULES, PROX_LOGP_METHODS,  # noqa: F401
-                                     ActorConfig, OptimizerConfig)
+from areal_fast.train.config import LR_SCHEDULES, PROX_LOGP_METHODS, ActorConfig, OptimizerConfig  # noqa: F401
 
 SHARDED_FORWARD = "fsdp_packed_forward_logprobs"
 
 
-def lr_factor(update: int, schedule: str, warmup_steps: int,
-              total_updates: Optional[int]) -> float:
+def lr_factor(update: int, schedule: str, warmup_steps: int, total_updates: Optional[int]) -> float:
     """Learning-rate multiplier of optimizer update ``update`` (0-based).
 
     Warmup: ``(update + 1) / (warmup_steps + 1)`` for ``update < warmup_steps``. Then, with
@@ -49,8 +51,9 @@ class BatchTotals(NamedTuple):
     trained_seqs: int  # sequences with at least one trained token
 
 
-def packed_forward_logprobs(model, batch: PackedBatch, temperature: float,
-                            with_entropy: bool = True):
+def packed_forward_logprobs(
+    model, batch: PackedBatch, temperature: float, with_entropy: bool = True
+):
     """Token log-probs (and entropy) of a packed batch through a HF causal LM.
 
     The decoder runs once over the concatenated tokens with ``position_ids`` restarting at 0
@@ -87,22 +90,33 @@ def packed_forward_logprobs(model, batch: PackedBatch, temperature: float,
     return unsharded_forward_logprobs(model, batch, temperature, with_entropy)
 
 
-def unsharded_forward_logprobs(model, batch: PackedBatch, temperature: float,
-                               with_entropy: bool = True):
+def unsharded_forward_logprobs(
+    model, batch: PackedBatch, temperature: float, with_entropy: bool = True
+):
     """:func:`packed_forward_logprobs` on a model whose parameters are all present."""
     _check_supported(model.config)
     device = next(model.parameters()).device
     cu_seqlens = batch.cu_seqlens.to(device)
     out = model.get_decoder()(
         input_ids=batch.input_ids[None].to(device),
-        position_ids=batch.position_ids[None].to(device), attention_mask=None, use_cache=False,
-        cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-        max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
+        position_ids=batch.position_ids[None].to(device),
+        attention_mask=None,
+        use_cache=False,
+        cu_seq_lens_q=cu_seqlens,
+        cu_seq_lens_k=cu_seqlens,
+        max_length_q=batch.max_seqlen,
+        max_length_k=batch.max_seqlen,
+    )
     hidden = out.last_hidden_state[0]
     head = model.get_output_embeddings()
-    result = linear_logprobs(hidden, head.weight, batch.labels.to(device),
-                             temperature=temperature, return_entropy=with_entropy,
-                             bias=getattr(head, "bias", None))
+    result = linear_logprobs(
+        hidden,
+        head.weight,
+        batch.labels.to(device),
+        temperature=temperature,
+        return_entropy=with_entropy,
+        bias=getattr(head, "bias", None),
+    )
     return result if with_entropy else (result, None)
 
 
@@ -110,8 +124,10 @@ def _check_supported(config) -> None:
     """Refuse model features the packed log-prob path does not reproduce."""
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if getattr(config, key, None):
-            raise ValueError(f"model config {key} = {getattr(config, key)} is not supported by "
-                             f"packed training (log-probs would differ from the model's)")
+            raise ValueError(
+                f"model config {key} = {getattr(config, key)} is not supported by "
+                f"packed training (log-probs would differ from the model's)"
+            )
     if getattr(config, "logit_scale", None) not in (None, 1, 1.0):
         raise ValueError(f"model config logit_scale = {config.logit_scale} is not supported")
 
@@ -182,17 +198,26 @@ class TorchTrainEngine:
         number > 0; ``initial_version`` or ``total_steps`` out of range.
     """
 
-    def __init__(self, model, actor: ActorConfig, *, temperature: float, ref_model=None,
-                 packed_attention: bool = True, initial_version: int = 0,
-                 total_steps: Optional[int] = None):
+    def __init__(
+        self,
+        model,
+        actor: ActorConfig,
+        *,
+        temperature: float,
+        ref_model=None,
+        packed_attention: bool = True,
+        initial_version: int = 0,
+        total_steps: Optional[int] = None,
+    ):
         if not isinstance(actor, ActorConfig):
             raise TypeError(f"actor must be an ActorConfig, got {type(actor).__name__}")
         if actor.loss.kl_coef > 0 and ref_model is None:
             raise ValueError("actor.loss.kl_coef > 0 needs a reference model")
         positive_finite("temperature", temperature)
         _check_decoupled_args(actor.prox_logp_method, actor.ppo_n_minibatches, initial_version)
-        if total_steps is not None and (isinstance(total_steps, bool)
-                                        or not isinstance(total_steps, int) or total_steps < 1):
+        if total_steps is not None and (
+            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
+        ):
             raise ValueError(f"total_steps = {total_steps!r} must be an int >= 1 or None")
         if packed_attention:
             name = register_packed_attention()
@@ -207,8 +232,12 @@ class TorchTrainEngine:
         self.ref_model = None if ref_model is None else ref_model.eval().requires_grad_(False)
         optim = actor.optim
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps,
-            weight_decay=optim.weight_decay)
+            model.parameters(),
+            lr=optim.lr,
+            betas=(optim.beta1, optim.beta2),
+            eps=optim.eps,
+            weight_decay=optim.weight_decay,
+        )
         self.total_steps = total_steps
         self.scheduler = self._make_scheduler(optim, total_steps, actor.ppo_n_minibatches)
         self.version = initial_version
@@ -218,16 +247,20 @@ class TorchTrainEngine:
     # read-only views of the actor settings (one home: ``self.actor``)
     loss_config = property(lambda self: self.actor.loss, doc="``actor.loss``")
     optim = property(lambda self: self.actor.optim, doc="``actor.optim``")
-    max_tokens_per_mb = property(lambda self: self.actor.max_tokens_per_mb,
-                                 doc="``actor.max_tokens_per_mb``")
+    max_tokens_per_mb = property(
+        lambda self: self.actor.max_tokens_per_mb, doc="``actor.max_tokens_per_mb``"
+    )
     pack_method = property(lambda self: self.actor.pack_method, doc="``actor.pack_method``")
     keep_groups = property(lambda self: self.actor.keep_groups, doc="``actor.keep_groups``")
-    use_decoupled_loss = property(lambda self: self.actor.use_decoupled_loss,
-                                  doc="``actor.use_decoupled_loss``")
-    prox_logp_method = property(lambda self: self.actor.prox_logp_method,
-                                doc="``actor.prox_logp_method``")
-    ppo_n_minibatches = property(lambda self: self.actor.ppo_n_minibatches,
-                                 doc="``actor.ppo_n_minibatches``")
+    use_decoupled_loss = property(
+        lambda self: self.actor.use_decoupled_loss, doc="``actor.use_decoupled_loss``"
+    )
+    prox_logp_method = property(
+        lambda self: self.actor.prox_logp_method, doc="``actor.prox_logp_method``"
+    )
+    ppo_n_minibatches = property(
+        lambda self: self.actor.ppo_n_minibatches, doc="``actor.ppo_n_minibatches``"
+    )
 
     def _make_scheduler(self, optim: OptimizerConfig, total_steps, ppo_n_minibatches):
         """A LambdaLR over :func:`lr_factor`, stepped once per optimizer update."""
@@ -235,6 +268,7 @@ class TorchTrainEngine:
 
         def factor(update: int) -> float:  # a plain function: LambdaLR saves no state of it
             return lr_factor(update, optim.lr_schedule, optim.warmup_steps, total_updates)
+
         return torch.optim.lr_scheduler.LambdaLR(self.optimizer, factor)
 
     def micro_batches(self, batch: PackedBatch) -> list[PackedBatch]:
@@ -243,8 +277,12 @@ class TorchTrainEngine:
 
     def _micro_batch_parts(self, batch: PackedBatch) -> list[list[int]]:
         lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
-        return partition_balanced(lengths, self.max_tokens_per_mb, method=self.pack_method,
-                                  group_ids=batch.group_ids if self.keep_groups else None)
+        return partition_balanced(
+            lengths,
+            self.max_tokens_per_mb,
+            method=self.pack_method,
+            group_ids=batch.group_ids if self.keep_groups else None,
+        )
 
     def minibatch_parts(self, batch: PackedBatch) -> list[list[int]]:
         """Sequence indices of the ``ppo_n_minibatches`` minibatches of ``batch``.
@@ -265,11 +303,11 @@ class TorchTrainEngine:
         num_items = batch.num_seqs if groups is None else len(set(groups.tolist()))
         if num_items < n:
             unit = "groups" if groups is not None else "sequences"
-            raise ValueError(f"ppo_n_minibatches = {n} exceeds the {num_items} {unit} of the "
-                             f"batch")
+            raise ValueError(f"ppo_n_minibatches = {n} exceeds the {num_items} {unit} of the batch")
         lengths = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
-        parts = partition_balanced(lengths, max(sum(lengths), 1), method="kk",
-                                   group_ids=groups, min_num_mbs=n)
+        parts = partition_balanced(
+            lengths, max(sum(lengths), 1), method="kk", group_ids=groups, min_num_mbs=n
+        )
         assert len(parts) == n, (len(parts), n)
         return parts
 
@@ -349,8 +387,7 @@ class TorchTrainEngine:
 
     def _clip_gradients(self) -> float:
         """Clip the global gradient norm to ``optim.grad_clip``; the pre-clip norm."""
-        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(),
-                                                    self.optim.grad_clip))
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip))
 
     def _prox_before_update(self, batch: PackedBatch):
         """Proximal log-probs [T] computed before any update, or None where the loss makes
@@ -373,14 +410,16 @@ class TorchTrainEngine:
         out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
         for part in self._micro_batch_parts(batch):
             mb = select_sequences(batch, part or [0])  # [] pads: see _padding_pass
-            logprobs, _ = packed_forward_logprobs(self.model, mb, self.temperature,
-                                                  with_entropy=False)
+            logprobs, _ = packed_forward_logprobs(
+                self.model, mb, self.temperature, with_entropy=False
+            )
             if part:
                 out[_token_index(batch.cu_seqlens, part).to(device)] = logprobs.float()
         return out
 
-    def accumulate_gradients(self, batch: PackedBatch,
-                             prox_logprobs: torch.Tensor | None = None) -> dict[str, float]:
+    def accumulate_gradients(
+        self, batch: PackedBatch, prox_logprobs: torch.Tensor | None = None
+    ) -> dict[str, float]:
         """Forward and backward over the micro-batches of ``batch``; gradients add up in
         ``.grad`` to those of one pass over the whole batch. Returns loss statistics.
 
@@ -392,8 +431,9 @@ class TorchTrainEngine:
         if prox_logprobs is not None and not self.use_decoupled_loss:
             raise ValueError("prox_logprobs is given but use_decoupled_loss is False")
         if prox_logprobs is not None and prox_logprobs.shape != (batch.num_tokens,):
-            raise ValueError(f"prox_logprobs must be [T={batch.num_tokens}], "
-                             f"got {tuple(prox_logprobs.shape)}")
+            raise ValueError(
+                f"prox_logprobs must be [T={batch.num_tokens}], got {tuple(prox_logprobs.shape)}"
+            )
         sums: dict[str, float] = {"loss": 0.0}
         totals = self.batch_totals(batch)
         total_tokens = max(totals.tokens, 1)
@@ -432,16 +472,25 @@ class TorchTrainEngine:
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
-                ref, _ = packed_forward_logprobs(self.ref_model, mb, self.temperature,
-                                                 with_entropy=False)
+                ref, _ = packed_forward_logprobs(
+                    self.ref_model, mb, self.temperature, with_entropy=False
+                )
         if self.loss_config.entropy_coef == 0:
             entropy = entropy.detach()
         mask = mb.loss_mask.to(device)
         behav = mb.behav_logprobs.to(device)
         prox = self._proximal_logprobs(mb, logprobs, prox)
-        loss, stats = grpo_loss(logprobs, behav, mb.advantages.to(device), mask,
-                                mb.cu_seqlens.to(device), self.loss_config,
-                                prox_logprobs=prox, ref_logprobs=ref, entropy=entropy)
+        loss, stats = grpo_loss(
+            logprobs,
+            behav,
+            mb.advantages.to(device),
+            mask,
+            mb.cu_seqlens.to(device),
+            self.loss_config,
+            prox_logprobs=prox,
+            ref_logprobs=ref,
+            entropy=entropy,
+        )
         diff = torch.where(mask, (logprobs.detach() - behav).abs(), 0.0).sum()
         stats["behav_logprob_abs_diff"] = diff / mask.sum().clamp(min=1)
         if prox is not None:
@@ -458,9 +507,13 @@ class TorchTrainEngine:
         if self.prox_logp_method == "recompute":
             # Only reached when this forward runs at the step-start weights (one minibatch).
             return logprobs.detach()
-        return loglinear_prox_logprobs(logprobs.detach(), mb.behav_logprobs.to(device),
-                                       mb.versions.to(device), self.version,
-                                       mb.loss_mask.to(device))
+        return loglinear_prox_logprobs(
+            logprobs.detach(),
+            mb.behav_logprobs.to(device),
+            mb.versions.to(device),
+            self.version,
+            mb.loss_mask.to(device),
+        )
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Parameters to send to inference engines (tied tensors once)."""
@@ -514,11 +567,18 @@ def _combine_minibatch_stats(results: list[tuple[int, dict[str, float]]]) -> dic
 
 def _check_decoupled_args(prox_logp_method, ppo_n_minibatches, initial_version) -> None:
     if prox_logp_method not in PROX_LOGP_METHODS:
-        raise ValueError(f"prox_logp_method = {prox_logp_method!r} is not one of "
-                         f"{PROX_LOGP_METHODS}")
-    if (isinstance(ppo_n_minibatches, bool) or not isinstance(ppo_n_minibatches, int)
-            or ppo_n_minibatches < 1):
+        raise ValueError(
+            f"prox_logp_method = {prox_logp_method!r} is not one of {PROX_LOGP_METHODS}"
+        )
+    if (
+        isinstance(ppo_n_minibatches, bool)
+        or not isinstance(ppo_n_minibatches, int)
+        or ppo_n_minibatches < 1
+    ):
         raise ValueError(f"ppo_n_minibatches = {ppo_n_minibatches!r} must be an int >= 1")
-    if (isinstance(initial_version, bool) or not isinstance(initial_version, int)
-            or initial_version < 0):
+    if (
+        isinstance(initial_version, bool)
+        or not isinstance(initial_version, int)
+        or initial_version < 0
+    ):
         raise ValueError(f"initial_version = {initial_version!r} must be an int >= 0")

@@ -19,24 +19,37 @@ CALCULATOR = {
     "function": {
         "name": "calculator",
         "description": "Evaluate an arithmetic expression, e.g. '(12 + 7) * 3'.",
-        "parameters": {"type": "object",
-                       "properties": {"expression": {"type": "string"}},
-                       "required": ["expression"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
     },
 }
-INSTRUCTION = ("You may call the calculator tool for arithmetic. "
-               "End with the final answer as a number.")
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-           ast.Div: operator.truediv, ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod,
-           ast.Pow: operator.pow}
+INSTRUCTION = (
+    "You may call the calculator tool for arithmetic. End with the final answer as a number."
+)
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
 def calculate(expression: str) -> str:
     """Value of an arithmetic expression as text, or "error: ..." (never raises)."""
+
     def value(node):
-        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) \
-                and not isinstance(node.value, bool):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, (int, float))
+            and not isinstance(node.value, bool)
+        ):
             return node.value
         if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
             left, right = value(node.left), value(node.right)
@@ -46,6 +59,7 @@ def calculate(expression: str) -> str:
         if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
             return _UNARY[type(node.op)](value(node.operand))
         raise ValueError(f"unsupported expression element {type(node).__name__}")
+
     try:
         if len(expression) > 200:
             raise ValueError("expression too long")
@@ -67,7 +81,8 @@ class CalculatorAgent:
         messages = build_prompt_messages(data["question"], INSTRUCTION)
         for _ in range(self.max_calls):
             response = await client.chat.completions.create(
-                model="policy", messages=messages, tools=[CALCULATOR])
+                model="policy", messages=messages, tools=[CALCULATOR]
+            )
             message = response.choices[0].message
             if not message.tool_calls:
                 return math_reward(message.content or "", data["answer"])
@@ -77,6 +92,7 @@ class CalculatorAgent:
                     expression = json.loads(call.function.arguments).get("expression", "")
                 except (json.JSONDecodeError, AttributeError):
                     expression = ""
-                messages.append({"role": "tool", "tool_call_id": call.id,
-                                 "content": calculate(str(expression))})
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "content": calculate(str(expression))}
+                )
         return 0.0

@@ -12,8 +12,10 @@ Train it (GSM8K from the shared data folder, or the offline arithmetic task):
 
 from areal_fast.data.rewards import DEFAULT_INSTRUCTION, build_prompt_messages, math_reward
 
-FEEDBACK = ("Your answer is incorrect. Reflect on where the reasoning went wrong, then try "
-            "again. Give only the final answer as a number.")
+FEEDBACK = (
+    "Your answer is incorrect. Reflect on where the reasoning went wrong, then try "
+    "again. Give only the final answer as a number."
+)
 
 
 class MultiTurnMathAgent:
@@ -31,8 +33,13 @@ class MultiTurnMathAgent:
         The user turn after a wrong answer.
     """
 
-    def __init__(self, max_turns: int = 3, turn_discount: float = 0.9,
-                 instruction: str = DEFAULT_INSTRUCTION, feedback: str = FEEDBACK):
+    def __init__(
+        self,
+        max_turns: int = 3,
+        turn_discount: float = 0.9,
+        instruction: str = DEFAULT_INSTRUCTION,
+        feedback: str = FEEDBACK,
+    ):
         if max_turns < 1:
             raise ValueError(f"max_turns = {max_turns} must be >= 1")
         self.max_turns, self.turn_discount = max_turns, turn_discount
@@ -45,7 +52,9 @@ class MultiTurnMathAgent:
             response = await client.chat.completions.create(model="policy", messages=messages)
             reply = response.choices[0].message.content or ""
             if math_reward(reply, data["answer"]) == 1.0:
-                return self.turn_discount ** turn
-            messages = messages + [{"role": "assistant", "content": reply},
-                                   {"role": "user", "content": self.feedback}]
+                return self.turn_discount**turn
+            messages = messages + [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": self.feedback},
+            ]
         return 0.0

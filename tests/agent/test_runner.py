@@ -17,18 +17,18 @@ from dataclasses import dataclass
 import numpy
 import pytest
 
+from areal_fast.agent.bridge import EngineBridge
 from areal_fast.agent.client import SessionDefaults
 from areal_fast.agent.protocol import BadRequest, chat_completion, choice
-from areal_fast.agent.bridge import EngineBridge
 from areal_fast.agent.runner import AgentConfig, AgentRunner, GroupSessions, load_agent
 from areal_fast.agent.session import ModelCall, Session
 from areal_fast.agent.store import TrajectoryConfig, TrajectoryStoreError, read_trajectories
 from areal_fast.agent.workload import AgentWorkload, AgentWorkloadSpec
 from areal_fast.controller import messages as msg
 from areal_fast.controller.async_loop import AsyncController, RunPlan
+from areal_fast.controller.rollout_worker import RolloutWorker, RolloutWorkerSpec
 from areal_fast.controller.shards import ShardMetadata
 from areal_fast.controller.step_record import agent_totals
-from areal_fast.controller.rollout_worker import RolloutWorker, RolloutWorkerSpec
 from areal_fast.rollout.config import RolloutConfig
 from areal_fast.rollout.engine import GenOutput, SamplingParams
 
@@ -43,16 +43,22 @@ class EchoBackend:
             raise BadRequest("the session has ended")
         number, session.next_call = session.next_call, session.next_call + 1
         rid = f"chatcmpl-{session.session_id[:8]}-{number}"
-        session.calls.append(ModelCall(f"{rid}:0", [1, 2], [3], [-0.5], [0], "stop",
-                                       request.messages, "42"))
+        session.calls.append(
+            ModelCall(f"{rid}:0", [1, 2], [3], [-0.5], [0], "stop", request.messages, "42")
+        )
         return chat_completion(rid, "m", [choice(0, "42", [], "stop", None)], 2, 1)
 
 
 def start_runner(agent, config=None, grace=10.0):
     """A started runner over :class:`EchoBackend` and the queue its groups arrive on."""
     done: queue.Queue = queue.Queue()
-    runner = AgentRunner(agent, lambda loop: (EchoBackend(), None),
-                         config or AgentConfig(timeout=30.0), done.put, grace=grace)
+    runner = AgentRunner(
+        agent,
+        lambda loop: (EchoBackend(), None),
+        config or AgentConfig(timeout=30.0),
+        done.put,
+        grace=grace,
+    )
     runner.start()
     return runner, done
 
@@ -84,8 +90,10 @@ def test_sibling_sessions_get_their_own_copy_of_data():
     [group] = run_groups(appending_agent, [(0, data)], n=4)
     # every session saw one message and count 0: none saw another's changes
     assert [s.reward for s in group.sessions] == [10.0] * 4
-    assert all(s.data == {"messages": [{"role": "user", "content": "hi"}],
-                          "meta": {"count": 0}} for s in group.sessions)
+    assert all(
+        s.data == {"messages": [{"role": "user", "content": "hi"}], "meta": {"count": 0}}
+        for s in group.sessions
+    )
     assert data == {"messages": [{"role": "user", "content": "hi"}], "meta": {"count": 0}}
 
 
@@ -142,8 +150,7 @@ def test_a_group_whose_sessions_cannot_start_is_reported_dropped(caplog):
     with caplog.at_level(logging.WARNING, logger="areal_fast.agent"):
         bad, good = run_groups(good_agent, [(0, uncopyable), (1, {"question": "q"})], n=2)
     assert [(s.status, s.drop_reason) for s in bad.sessions] == [("dropped", "agent_error")] * 2
-    assert all(s.error.startswith("the sessions could not start: TypeError:")
-               for s in bad.sessions)
+    assert all(s.error.startswith("the sessions could not start: TypeError:") for s in bad.sessions)
     assert all(s.group_id == 0 and s.data["question"] == "q" for s in bad.sessions)
     assert [s.reward for s in good.sessions] == [1.0, 1.0]  # the loop goes on
     assert sum("could not start" in r.message for r in caplog.records) == 1
@@ -163,8 +170,10 @@ def test_a_blocked_event_loop_fails_cancel_all_with_one_line():
         assert entered.wait(20)
         with pytest.raises(RuntimeError) as exc:
             runner.cancel_all(timeout=0.5)
-        assert str(exc.value).startswith("agent sessions did not stop within 0.5 s of being "
-                                         "cancelled: an agent blocks the event loop")
+        assert str(exc.value).startswith(
+            "agent sessions did not stop within 0.5 s of being "
+            "cancelled: an agent blocks the event loop"
+        )
         assert "\n" not in str(exc.value)
         unblock.set()
         runner.cancel_all(timeout=20)  # the loop is free again
@@ -219,9 +228,17 @@ def test_load_agent_checks_a_class_without_constructing_it():
 
 
 def _call(session: Session, request: int, parent=None) -> ModelCall:
-    return ModelCall(f"chatcmpl-{session.session_id[:8]}-{request}:0", [1, 2], [3, 4],
-                     [-0.1, -0.2], [0, 0], "stop", [{"role": "user", "content": "q"}], "hi",
-                     parent=parent)
+    return ModelCall(
+        f"chatcmpl-{session.session_id[:8]}-{request}:0",
+        [1, 2],
+        [3, 4],
+        [-0.1, -0.2],
+        [0, 0],
+        "stop",
+        [{"role": "user", "content": "q"}],
+        "hi",
+        parent=parent,
+    )
 
 
 def _group() -> GroupSessions:
@@ -238,16 +255,20 @@ def _group() -> GroupSessions:
 
 
 def _workload(tiny_model_dir, tmp_path, **agent) -> AgentWorkload:
-    spec = AgentWorkloadSpec(AgentConfig(path="test_runner:good_agent", **agent),
-                             str(tiny_model_dir),
-                             TrajectoryConfig(enabled=True, directory=str(tmp_path),
-                                              compression="none", write_threads=1))
+    spec = AgentWorkloadSpec(
+        AgentConfig(path="test_runner:good_agent", **agent),
+        str(tiny_model_dir),
+        TrajectoryConfig(
+            enabled=True, directory=str(tmp_path), compression="none", write_threads=1
+        ),
+    )
     return AgentWorkload(spec, None, itertools.count(), "w", lambda group: None)
 
 
 @pytest.mark.parametrize("dropped_reward", [None, 0.0, -0.5])
 def test_dropped_reward_trains_dropped_sessions_that_called_the_model(
-        tiny_model_dir, tmp_path, dropped_reward):
+    tiny_model_dir, tmp_path, dropped_reward
+):
     workload = _workload(tiny_model_dir, tmp_path, dropped_reward=dropped_reward)
     group = _group()
     try:
@@ -269,8 +290,11 @@ def test_dropped_reward_trains_dropped_sessions_that_called_the_model(
     timed_out = group.sessions[1]
     assert (timed_out.status, timed_out.reward) == ("dropped", None)
     record = records[timed_out.session_id]
-    assert (record["status"], record["drop_reason"], record["reward"]) == \
-        ("dropped", "timeout", None)
+    assert (record["status"], record["drop_reason"], record["reward"]) == (
+        "dropped",
+        "timeout",
+        None,
+    )
     assert len(records) == 4
 
 
@@ -290,8 +314,11 @@ class AbortOnce:
     def submit(self, requests, front=False):
         for r in requests:
             n = r.max_new_tokens if r.offset else 1
-            self.outputs.append(GenOutput(r.rid, [5] * n, [-0.1] * n, [r.offset] * n,
-                                          "length" if r.offset else "abort"))
+            self.outputs.append(
+                GenOutput(
+                    r.rid, [5] * n, [-0.1] * n, [r.offset] * n, "length" if r.offset else "abort"
+                )
+            )
 
     def get_outputs(self, timeout):
         out, self.outputs = self.outputs, []
@@ -407,12 +434,16 @@ def make_worker():
     made = []
 
     def make(conn=None, agent=None, fail_close=False):
-        worker = RolloutWorker("rollout-0", conn or FakeConn(),
-                               RolloutWorkerSpec(FakeEngineFactory(fail_close), None),
-                               b"k" * 32)
+        worker = RolloutWorker(
+            "rollout-0",
+            conn or FakeConn(),
+            RolloutWorkerSpec(FakeEngineFactory(fail_close), None),
+            b"k" * 32,
+        )
         worker.agent = agent or FakeAgent()
         made.append(worker)
         return worker
+
     yield make
     for worker in made:
         worker.store.close()
@@ -447,8 +478,9 @@ def test_group_done_carries_the_resumed_calls_since_the_previous_one(make_worker
 
 
 def test_a_store_failure_at_the_end_fails_the_worker_before_cancelled(make_worker):
-    error = TrajectoryStoreError("trajectory writer could not write /x/w-0.jsonl: OSError: "
-                                 "disk full; 3 records not written")
+    error = TrajectoryStoreError(
+        "trajectory writer could not write /x/w-0.jsonl: OSError: disk full; 3 records not written"
+    )
     worker = make_worker(agent=FakeAgent(flush_error=error))
     worker._handle_control(msg.SubmitGroups([_request(0)]))
     with pytest.raises(TrajectoryStoreError, match="disk full"):
@@ -464,8 +496,10 @@ def test_shutdown_closes_everything_and_raises_the_first_error(make_worker, capl
             worker.run()
     assert agent.closed and worker.engine.closed and worker.store._closed
     assert isinstance(worker.conn.sent[0], msg.WorkerReady)
-    assert any("closing the engine failed: RuntimeError: engine close failed" in r.message
-               for r in caplog.records)
+    assert any(
+        "closing the engine failed: RuntimeError: engine close failed" in r.message
+        for r in caplog.records
+    )
 
 
 # ------------------------------------------------------------------------- controller
@@ -484,10 +518,15 @@ class FakeHandle:
 
 def _controller():
     worker = FakeHandle("rollout-0")
-    controller = AsyncController([worker], FakeHandle("trainer"), (), lambda gid: None,
-                                 RunPlan(4, 2),
-                                 RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=4),
-                                 lambda record: None)
+    controller = AsyncController(
+        [worker],
+        FakeHandle("trainer"),
+        (),
+        lambda gid: None,
+        RunPlan(4, 2),
+        RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=4),
+        lambda record: None,
+    )
     return controller, worker
 
 
@@ -512,10 +551,19 @@ def test_controller_ignores_a_group_it_is_not_running(caplog):
 def test_compression_ratio_is_recomputed_from_summed_bytes():
     controller, _ = _controller()
     controller.agent_stats = {
-        "a": {"trajectory/raw_bytes": 1000.0, "trajectory/stored_bytes": 100.0,
-              "trajectory/compression_ratio": 10.0, "agent/sessions": 4.0},
-        "b": {"trajectory/raw_bytes": 300.0, "trajectory/stored_bytes": 100.0,
-              "trajectory/compression_ratio": 3.0, "agent/sessions": 2.0}}
+        "a": {
+            "trajectory/raw_bytes": 1000.0,
+            "trajectory/stored_bytes": 100.0,
+            "trajectory/compression_ratio": 10.0,
+            "agent/sessions": 4.0,
+        },
+        "b": {
+            "trajectory/raw_bytes": 300.0,
+            "trajectory/stored_bytes": 100.0,
+            "trajectory/compression_ratio": 3.0,
+            "agent/sessions": 2.0,
+        },
+    }
     totals = agent_totals(controller.agent_stats)
     assert totals["trajectory/compression_ratio"] == 6.5
     assert totals["agent/sessions"] == 6.0 and totals["trajectory/raw_bytes"] == 1300.0

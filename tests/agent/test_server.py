@@ -26,12 +26,19 @@ from areal_fast.agent.client import ChatBackend, GenResult, SessionDefaults
 from areal_fast.agent.server import AgentServer
 from areal_fast.agent.session import Session
 
-CALCULATOR = {"type": "function", "function": {
-    "name": "calculator", "description": "Evaluate an arithmetic expression.",
-    "parameters": {"type": "object", "properties": {"expression": {"type": "string"}},
-                   "required": ["expression"]}}}
-TOOL_REPLY = ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n'
-              '</tool_call>')
+CALCULATOR = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string"}},
+            "required": ["expression"],
+        },
+    },
+}
+TOOL_REPLY = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2+3"}}\n</tool_call>'
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +61,16 @@ class Scripted:
         ids = self.fmt.encode_text(text) + [self.fmt.tokenizer.eos_token_id]
         rng = random.Random(seed)
         result = GenResult(ids, [-rng.random() for _ in ids], [self.version] * len(ids), "stop")
-        self.calls.append(dict(input_ids=list(input_ids), max_new_tokens=max_new_tokens,
-                               temperature=temperature, top_p=top_p, seed=seed,
-                               result=result))
+        self.calls.append(
+            dict(
+                input_ids=list(input_ids),
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed,
+                result=result,
+            )
+        )
         await asyncio.sleep(0)
         return result
 
@@ -103,8 +117,10 @@ def sdk_error_body(exc: openai.APIStatusError) -> dict:
     return body if "error" in body else {"error": body}
 
 
-MESSAGES = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Say hello."}]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Say hello."},
+]
 
 
 # ------------------------------------------------------------------ chat completions
@@ -116,8 +132,9 @@ def test_chat_call_is_recorded_token_exact(fmt):
     async def main():
         async with serving(fmt, gen) as (server, session, token):
             async with client(server, token) as oa:
-                resp = await oa.chat.completions.create(model="tiny", messages=MESSAGES,
-                                                        max_tokens=40, temperature=0.7)
+                resp = await oa.chat.completions.create(
+                    model="tiny", messages=MESSAGES, max_tokens=40, temperature=0.7
+                )
             return resp, session
 
     resp, session = asyncio.run(main())
@@ -141,8 +158,9 @@ def test_n_choices_with_logprobs(fmt):
     async def main():
         async with serving(fmt, gen) as (server, session, token):
             async with client(server, token) as oa:
-                resp = await oa.chat.completions.create(model="tiny", messages=MESSAGES, n=3,
-                                                        logprobs=True)
+                resp = await oa.chat.completions.create(
+                    model="tiny", messages=MESSAGES, n=3, logprobs=True
+                )
             return resp, session
 
     resp, session = asyncio.run(main())
@@ -165,29 +183,34 @@ def test_tool_call_round_trip_continues_token_exactly(fmt):
         async with serving(fmt, gen) as (server, session, token):
             async with client(server, token) as oa:
                 msgs = [{"role": "user", "content": "What is 2+3?"}]
-                first = await oa.chat.completions.create(model="tiny", messages=msgs,
-                                                         tools=[CALCULATOR])
+                first = await oa.chat.completions.create(
+                    model="tiny", messages=msgs, tools=[CALCULATOR]
+                )
                 choice = first.choices[0]
                 assert choice.finish_reason == "tool_calls"
                 (tc,) = choice.message.tool_calls
                 assert tc.function.name == "calculator"
                 assert json.loads(tc.function.arguments) == {"expression": "2+3"}
-                msgs += [choice.message.model_dump(exclude_none=True),
-                         {"role": "tool", "tool_call_id": tc.id, "content": "5"}]
-                second = await oa.chat.completions.create(model="tiny", messages=msgs,
-                                                          tools=[CALCULATOR])
+                msgs += [
+                    choice.message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": tc.id, "content": "5"},
+                ]
+                second = await oa.chat.completions.create(
+                    model="tiny", messages=msgs, tools=[CALCULATOR]
+                )
             return second, session
 
     second, session = asyncio.run(main())
     assert second.choices[0].message.content == "The answer is 5."
     first_call, second_call = session.calls
     assert second_call.parent == first_call.call_id
-    assert second_call.input_ids[:len(first_call.full_ids)] == first_call.full_ids
+    assert second_call.input_ids[: len(first_call.full_ids)] == first_call.full_ids
     assert len(second_call.input_ids) > len(first_call.full_ids)
     assert gen.calls[1]["input_ids"] == second_call.input_ids
     session.finish(1.0)
-    assert [len(t.completion_ids) for t in session.export("concat")] == \
-        [len(second_call.full_ids) - len(first_call.input_ids)]
+    assert [len(t.completion_ids) for t in session.export("concat")] == [
+        len(second_call.full_ids) - len(first_call.input_ids)
+    ]
 
 
 def test_models_lists_the_session_model(fmt):
@@ -196,8 +219,9 @@ def test_models_lists_the_session_model(fmt):
             async with client(server, token) as oa:
                 return [m.model_dump(exclude_none=True) for m in (await oa.models.list()).data]
 
-    assert asyncio.run(main()) == [{"id": "tiny", "object": "model", "created": 0,
-                                    "owned_by": "areal-fast"}]
+    assert asyncio.run(main()) == [
+        {"id": "tiny", "object": "model", "created": 0, "owned_by": "areal-fast"}
+    ]
 
 
 def test_requests_are_served_concurrently(fmt):
@@ -218,7 +242,8 @@ def test_requests_are_served_concurrently(fmt):
             async with client(server, token) as a, client(server, token2) as b:
                 r1, r2 = await asyncio.gather(
                     a.chat.completions.create(model="tiny", messages=MESSAGES),
-                    b.chat.completions.create(model="tiny", messages=MESSAGES))
+                    b.chat.completions.create(model="tiny", messages=MESSAGES),
+                )
             return r1, r2, session, other
 
     r1, r2, s1, s2 = asyncio.run(main())
@@ -232,9 +257,9 @@ def test_concurrent_calls_of_one_session_get_distinct_ids_and_seeds(fmt):
     async def main():
         async with serving(fmt, gen) as (server, session, token):
             async with client(server, token) as oa:
-                resps = await asyncio.gather(*[
-                    oa.chat.completions.create(model="tiny", messages=MESSAGES)
-                    for _ in range(3)])
+                resps = await asyncio.gather(
+                    *[oa.chat.completions.create(model="tiny", messages=MESSAGES) for _ in range(3)]
+                )
             return resps, session
 
     resps, session = asyncio.run(main())
@@ -252,15 +277,18 @@ def test_authentication(fmt):
             async with client(server, token) as oa:
                 with pytest.raises(openai.AuthenticationError) as missing:
                     await oa.chat.completions.create(
-                        model="tiny", messages=MESSAGES,
-                        extra_headers={"Authorization": openai.Omit()})
+                        model="tiny",
+                        messages=MESSAGES,
+                        extra_headers={"Authorization": openai.Omit()},
+                    )
             async with client(server, "not-a-token") as oa:
                 with pytest.raises(openai.AuthenticationError) as wrong:
                     await oa.chat.completions.create(model="tiny", messages=MESSAGES)
                 with pytest.raises(openai.AuthenticationError):
                     await oa.models.list()
-            status, body = await post(server, None, {"messages": MESSAGES},
-                                      headers={"Authorization": f"Basic {token}"})
+            status, body = await post(
+                server, None, {"messages": MESSAGES}, headers={"Authorization": f"Basic {token}"}
+            )
             assert status == 401
             assert_error(body, "authentication_error")
             async with client(server, token) as oa:
@@ -281,8 +309,7 @@ def test_authentication(fmt):
 def test_tokens_are_fresh_and_random(fmt):
     async def main():
         async with serving(fmt, Scripted(fmt)) as (server, session, token):
-            return {token} | {server.open_session(Session(), SessionDefaults())
-                              for _ in range(50)}
+            return {token} | {server.open_session(Session(), SessionDefaults()) for _ in range(50)}
 
     tokens = asyncio.run(main())
     assert len(tokens) == 51 and all(len(t) >= 40 for t in tokens)
@@ -298,8 +325,9 @@ def test_bad_requests_get_400_naming_the_key(fmt):
         out = {}
         async with serving(fmt, gen) as (server, session, token):
             out["json"] = await post(server, token, None, raw=b"{not json")
-            out["nan"] = await post(server, token, None,
-                                    raw=b'{"messages": [], "temperature": NaN}')
+            out["nan"] = await post(
+                server, token, None, raw=b'{"messages": [], "temperature": NaN}'
+            )
             out["array"] = await post(server, token, [1, 2])
             out["empty"] = await post(server, token, {"messages": []})
             out["temp"] = await post(server, token, {"messages": MESSAGES, "temperature": 5})
@@ -309,8 +337,7 @@ def test_bad_requests_get_400_naming_the_key(fmt):
             out["unknown"] = await post(server, token, {"messages": MESSAGES, "foo": 1})
             async with client(server, token) as oa:
                 with pytest.raises(openai.BadRequestError) as exc:
-                    await oa.chat.completions.create(model="tiny", messages=MESSAGES,
-                                                     temperature=5)
+                    await oa.chat.completions.create(model="tiny", messages=MESSAGES, temperature=5)
                 out["sdk"] = exc.value
             return out, session
 
@@ -362,12 +389,13 @@ def test_oversized_body_gets_413(fmt):
             async def chunks():  # no Content-Length: chunked transfer encoding
                 data = json.dumps(big).encode()
                 for i in range(0, len(data), 512):
-                    yield data[i:i + 512]
+                    yield data[i : i + 512]
 
             hdrs = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
             async with aiohttp.ClientSession() as http:
-                async with http.post(server.url + "/chat/completions", data=chunks(),
-                                     headers=hdrs) as r:
+                async with http.post(
+                    server.url + "/chat/completions", data=chunks(), headers=hdrs
+                ) as r:
                     chunked = r.status, await r.json()
             small = await post(server, token, {"messages": [{"role": "user", "content": "hi"}]})
             return sized, chunked, small
@@ -426,6 +454,7 @@ def test_a_parser_failure_is_not_called_an_engine_failure(fmt, monkeypatch, capl
 
     def broken(body):
         raise KeyError("content")
+
     monkeypatch.setattr(server_module, "parse_chat_request", broken)
 
     async def main():
@@ -510,7 +539,7 @@ def test_binds_loopback_and_close_is_idempotent(fmt):
     async def main():
         server = AgentServer(ChatBackend(fmt, Scripted(fmt)))
         with pytest.raises(RuntimeError):
-            server.url
+            _ = server.url
         await server.start()
         with pytest.raises(RuntimeError):
             await server.start()
@@ -554,8 +583,9 @@ class EngineGenerate:
 
         loop, rid = asyncio.get_running_loop(), next(self.rids)
         self.waiting[rid] = (loop, loop.create_future())
-        self.engine.submit([GenRequest(rid, list(input_ids), max_new_tokens, temperature,
-                                       top_p, seed)])
+        self.engine.submit(
+            [GenRequest(rid, list(input_ids), max_new_tokens, temperature, top_p, seed)]
+        )
         out = await self.waiting[rid][1]
         return GenResult(out.output_ids, out.logprobs, out.versions, out.stop_reason)
 
@@ -588,10 +618,12 @@ def test_real_engine_through_the_sdk(tiny_model_dir):
         defaults = SessionDefaults(max_tokens=12, seed=session_seed)
         async with serving(fmt, generate, defaults) as (server, session, token):
             async with client(server, token) as oa:
-                a = await oa.chat.completions.create(model="m", messages=msgs, n=2,
-                                                     logprobs=True, seed=99)
-                b = await oa.chat.completions.create(model="m", messages=msgs, logprobs=True,
-                                                     seed=99)
+                a = await oa.chat.completions.create(
+                    model="m", messages=msgs, n=2, logprobs=True, seed=99
+                )
+                b = await oa.chat.completions.create(
+                    model="m", messages=msgs, logprobs=True, seed=99
+                )
             return a, b, session
 
     try:
@@ -609,7 +641,8 @@ def test_real_engine_through_the_sdk(tiny_model_dir):
         assert choice.message.content == fmt.parse_output(call.output_ids, False)[0]
     # Sampling is seeded per choice: the same session seed and request seeds reproduce
     # every choice.
-    assert [c.output_ids for c in again.calls] == [c.output_ids for c in session.calls], \
+    assert [c.output_ids for c in again.calls] == [c.output_ids for c in session.calls], (
         session_seed
+    )
     assert [c.logprobs for c in again.calls] == [c.logprobs for c in session.calls]
     assert a.usage.completion_tokens == sum(len(c.output_ids) for c in session.calls[:2])

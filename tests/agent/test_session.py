@@ -11,10 +11,10 @@ import time
 import pytest
 import torch
 
+from areal_fast.agent.bridge import EngineBridge
 from areal_fast.agent.chat_format import ChatFormat
 from areal_fast.agent.client import AgentClient, ChatBackend, GenResult, SessionDefaults
 from areal_fast.agent.protocol import BadRequest
-from areal_fast.agent.bridge import EngineBridge
 from areal_fast.agent.runner import AgentConfig, AgentRunner, load_agent
 from areal_fast.agent.session import ModelCall, Session
 from areal_fast.rl.batch import IGNORE_INDEX, pack_trajectories
@@ -65,6 +65,7 @@ def _run_with_engine(engine, tokenizer, coro_fn):
             return await coro_fn(ChatBackend(ChatFormat(tokenizer), bridge.generate))
         finally:
             pump.close()
+
     return asyncio.run(main())
 
 
@@ -76,13 +77,17 @@ def test_session_captures_exactly_the_engines_tokens(engine, tokenizer, fresh_se
 
     async def agent(backend):
         client = AgentClient(session, backend, SessionDefaults(max_tokens=12, seed=fresh_seed))
-        first = await client.chat.completions.create(messages=question, temperature=1.0,
-                                                     seed=fresh_seed)
+        first = await client.chat.completions.create(
+            messages=question, temperature=1.0, seed=fresh_seed
+        )
         reply = first.choices[0].message
-        follow = question + [{"role": "assistant", "content": reply.content},
-                             {"role": "user", "content": "Wrong. Try again."}]
-        await client.chat.completions.create(messages=follow, temperature=0.8, n=2,
-                                             seed=fresh_seed + 1, logprobs=True)
+        follow = question + [
+            {"role": "assistant", "content": reply.content},
+            {"role": "user", "content": "Wrong. Try again."},
+        ]
+        await client.chat.completions.create(
+            messages=follow, temperature=0.8, n=2, seed=fresh_seed + 1, logprobs=True
+        )
         return 1.0
 
     _run_with_engine(engine, tokenizer, agent)
@@ -90,16 +95,22 @@ def test_session_captures_exactly_the_engines_tokens(engine, tokenizer, fresh_se
     first, second_a, second_b = session.calls
     assert first.input_ids == fmt.prompt_ids(question)
     assert second_a.parent == first.call_id == second_b.parent
-    assert second_a.input_ids[:len(first.full_ids)] == first.full_ids
+    assert second_a.input_ids[: len(first.full_ids)] == first.full_ids
     assert second_a.input_ids == second_b.input_ids
     # request k's base seed mixes the session seed, k and the request's seed
     base0 = sample_seed(sample_seed(fresh_seed, 0), fresh_seed)
     base1 = sample_seed(sample_seed(fresh_seed, 1), fresh_seed + 1)
-    expected_seeds = [(first, sample_seed(base0, 0), 1.0),
-                      (second_a, sample_seed(base1, 0), 0.8),
-                      (second_b, sample_seed(base1, 1), 0.8)]
-    engine.submit([GenRequest(100 + i, c.input_ids, 12, t, 1.0, seed, 0)
-                   for i, (c, seed, t) in enumerate(expected_seeds)])
+    expected_seeds = [
+        (first, sample_seed(base0, 0), 1.0),
+        (second_a, sample_seed(base1, 0), 0.8),
+        (second_b, sample_seed(base1, 1), 0.8),
+    ]
+    engine.submit(
+        [
+            GenRequest(100 + i, c.input_ids, 12, t, 1.0, seed, 0)
+            for i, (c, seed, t) in enumerate(expected_seeds)
+        ]
+    )
     outs = {}
     while len(outs) < 3:
         outs.update({o.rid: o for o in engine.get_outputs(5.0)})
@@ -124,9 +135,15 @@ class AbortingEngine:
             self.requests.append((r, front))
             n = r.max_new_tokens if r.offset else 2
             ids = [10 + r.offset + j for j in range(n)]
-            self.outputs.append(GenOutput(r.rid, ids, [-(r.offset + j) / 10 for j in range(n)],
-                                          [1 if r.offset else 0] * n,
-                                          "length" if r.offset else "abort"))
+            self.outputs.append(
+                GenOutput(
+                    r.rid,
+                    ids,
+                    [-(r.offset + j) / 10 for j in range(n)],
+                    [1 if r.offset else 0] * n,
+                    "length" if r.offset else "abort",
+                )
+            )
 
     def get_outputs(self, timeout):
         out, self.outputs = self.outputs, []
@@ -144,6 +161,7 @@ def test_a_call_aborted_by_a_weight_update_resumes_seamlessly():
             bridge.pump(0)
             await asyncio.sleep(0)
         return await task, bridge
+
     result, bridge = asyncio.run(main())
     assert result.output_ids == [10, 11, 12, 13, 14]
     assert result.logprobs == [0.0, -0.1, -0.2, -0.3, -0.4]
@@ -167,7 +185,9 @@ def _scripted(replies):
             if stop == "stop":
                 ids = ids + [tokenizer.eos_token_id]
             return GenResult(ids, [-rng.random() for _ in ids], [7] * len(ids), stop)
+
         return generate
+
     return factory
 
 
@@ -178,11 +198,14 @@ def _three_turn_session(tokenizer, turn_discount=1.0):
 
     async def agent():
         msgs = [{"role": "user", "content": "3+5?"}]
-        for turn in range(3):
+        for _turn in range(3):
             out = await client.chat.completions.create(messages=msgs)
-            msgs = msgs + [{"role": "assistant", "content": out.choices[0].message.content},
-                           {"role": "user", "content": "Incorrect, reflect and retry."}]
+            msgs = msgs + [
+                {"role": "assistant", "content": out.choices[0].message.content},
+                {"role": "user", "content": "Incorrect, reflect and retry."},
+            ]
         session.finish(0.5)
+
     asyncio.run(agent())
     return session
 
@@ -232,14 +255,21 @@ def test_edited_reply_starts_a_fresh_prompt(tokenizer):
     async def agent():
         msgs = [{"role": "user", "content": "hi"}]
         await client.chat.completions.create(messages=msgs)
-        msgs += [{"role": "assistant", "content": "something else"},
-                 {"role": "user", "content": "again"}]
+        msgs += [
+            {"role": "assistant", "content": "something else"},
+            {"role": "user", "content": "again"},
+        ]
         await client.chat.completions.create(messages=msgs)
+
     asyncio.run(agent())
     assert session.calls[1].parent is None
     assert session.calls[1].input_ids == ChatFormat(tokenizer).prompt_ids(
-        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "something else"},
-         {"role": "user", "content": "again"}])
+        [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "something else"},
+            {"role": "user", "content": "again"},
+        ]
+    )
     session.finish(1.0)
     # the model's first reply was replaced by the agent: it is not part of the episode
     [traj] = session.export("concat")
@@ -256,10 +286,13 @@ def test_unchosen_choices_are_left_out_and_rewards_follow_the_path(tokenizer):
     async def agent():
         msgs = [{"role": "user", "content": "pick"}]
         out = await client.chat.completions.create(messages=msgs, n=3)
-        msgs += [{"role": "assistant", "content": out.choices[1].message.content},
-                 {"role": "user", "content": "go on"}]
+        msgs += [
+            {"role": "assistant", "content": out.choices[1].message.content},
+            {"role": "user", "content": "go on"},
+        ]
         await client.chat.completions.create(messages=msgs)
         return out.id
+
     first_id = asyncio.run(agent())
     session.finish(-1.0)
     c0, c1, c2, last = session.calls
@@ -267,7 +300,9 @@ def test_unchosen_choices_are_left_out_and_rewards_follow_the_path(tokenizer):
     assert [c.call_id for c in session.path()] == [c1.call_id, last.call_id]
     per_turn = session.export("per_turn", turn_discount=0.5)
     assert [(t.info["call_ids"], t.reward) for t in per_turn] == [
-        ([c1.call_id], -0.5), ([last.call_id], -1.0)]
+        ([c1.call_id], -0.5),
+        ([last.call_id], -1.0),
+    ]
     [concat] = session.export("concat", turn_discount=0.5)
     assert concat.info["call_ids"] == [c1.call_id, last.call_id] and concat.reward == -0.5
     AgentClient(session, backend, SessionDefaults()).set_reward(first_id, 0.25, index=2)
@@ -280,7 +315,8 @@ _THINK_TEMPLATE = (
     "{% if m['role'] == 'assistant' and not loop.last %}"
     "{% set content = content.split('</think>')[-1] %}{% endif %}"
     "<|im_start|>{{ m['role'] }}\n{{ content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def test_templates_that_rewrite_earlier_turns_still_continue_token_exactly(tokenizer):
@@ -297,14 +333,17 @@ def test_templates_that_rewrite_earlier_turns_still_continue_token_exactly(token
     async def agent():
         msgs = [{"role": "user", "content": "2+2?"}]
         out = await client.chat.completions.create(messages=msgs)
-        msgs += [{"role": "assistant", "content": out.choices[0].message.content},
-                 {"role": "user", "content": "sure?"}]
+        msgs += [
+            {"role": "assistant", "content": out.choices[0].message.content},
+            {"role": "user", "content": "sure?"},
+        ]
         await client.chat.completions.create(messages=msgs)
+
     asyncio.run(agent())
     first, second = session.calls
     assert second.parent == first.call_id
-    assert second.input_ids[:len(first.full_ids)] == first.full_ids
-    env = tok.decode(second.input_ids[len(first.full_ids):])
+    assert second.input_ids[: len(first.full_ids)] == first.full_ids
+    env = tok.decode(second.input_ids[len(first.full_ids) :])
     assert env == "\n<|im_start|>user\nsure?<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -320,12 +359,20 @@ def test_a_dropped_session_records_no_late_call(tokenizer):
 
 def test_tool_calls_round_trip(tokenizer):
     session = Session()
-    call_text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}' \
-                '\n</tool_call>'
+    call_text = (
+        '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3*4"}}\n</tool_call>'
+    )
     backend = ChatBackend(ChatFormat(tokenizer), _scripted([call_text, "12"])(tokenizer))
     client = AgentClient(session, backend, SessionDefaults(max_tokens=200))
-    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {
-        "type": "object", "properties": {"expression": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "calculator",
+                "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}},
+            },
+        }
+    ]
 
     async def agent():
         msgs = [{"role": "user", "content": "3*4?"}]
@@ -333,12 +380,14 @@ def test_tool_calls_round_trip(tokenizer):
         choice = out.choices[0]
         assert choice.finish_reason == "tool_calls"
         [tc] = choice.message.tool_calls
-        assert tc.function.name == "calculator" and tc.function.arguments == \
-            '{"expression": "3*4"}'
-        msgs += [choice.message.model_dump(exclude_none=True),
-                 {"role": "tool", "tool_call_id": tc.id, "content": "12"}]
+        assert tc.function.name == "calculator" and tc.function.arguments == '{"expression": "3*4"}'
+        msgs += [
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": tc.id, "content": "12"},
+        ]
         out = await client.chat.completions.create(messages=msgs, tools=tools)
         assert out.choices[0].message.content == "12"
+
     asyncio.run(agent())
     assert session.calls[1].parent == session.calls[0].call_id
     assert session.calls[0].tool_calls[0]["function"]["name"] == "calculator"
@@ -348,14 +397,14 @@ def test_bad_requests_name_the_key(tokenizer):
     session = Session()
     backend = ChatBackend(ChatFormat(tokenizer), _scripted(["x"] * 5)(tokenizer))
     client = AgentClient(session, backend, SessionDefaults(max_tokens_cap=50))
-    cases = [({"messages": []}, "messages"),
-             ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
-             ({"messages": [{"role": "user", "content": "x"}], "temperature": -1},
-              "temperature"),
-             ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 51},
-              "max_tokens_cap"),
-             ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
-             ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n")]
+    cases = [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 51}, "max_tokens_cap"),
+        ({"messages": [{"role": "user", "content": "x"}], "stream": True}, "stream"),
+        ({"messages": [{"role": "user", "content": "x"}], "n": 0}, "n"),
+    ]
     for kwargs, key in cases:
         with pytest.raises(BadRequest, match=key.replace("[", r"\[").replace("]", r"\]")):
             asyncio.run(client.chat.completions.create(**kwargs))
@@ -364,9 +413,11 @@ def test_bad_requests_name_the_key(tokenizer):
 
 # ---------------------------------------------------------------- the runner
 
+
 async def good_agent(data, client):
-    out = await client.chat.completions.create(messages=[{"role": "user",
-                                                          "content": data["question"]}])
+    out = await client.chat.completions.create(
+        messages=[{"role": "user", "content": data["question"]}]
+    )
     return 1.0 if out.choices[0].message.content else 0.0
 
 
@@ -415,7 +466,8 @@ class ClassAgent:
         from areal_fast.agent.runner import current_client
 
         out = await current_client().chat.completions.create(
-            messages=[{"role": "user", "content": data["question"]}])
+            messages=[{"role": "user", "content": data["question"]}]
+        )
         return self.bonus + len(out.choices)
 
 
@@ -431,27 +483,37 @@ def _run_groups(tokenizer, agent, n, config=None, groups=1):
         done.append(result)
         if len(done) == groups:
             event.set()
+
     runner = AgentRunner(agent, factory, config, on_done)
     runner.start()
     try:
         for g in range(groups):
-            runner.submit_group(g, {"question": "6*7?", "answer": "42"}, n, 11,
-                                SessionDefaults(max_tokens=8))
+            runner.submit_group(
+                g, {"question": "6*7?", "answer": "42"}, n, 11, SessionDefaults(max_tokens=8)
+            )
         assert event.wait(30)
     finally:
         runner.close()
     return done
 
 
-@pytest.mark.parametrize("bad,reason", [(raising_agent, "agent_error"), (slow_agent, "timeout"),
-                                        (text_agent, "bad_reward"), (nan_agent, "bad_reward"),
-                                        (silent_agent, "no_calls")])
+@pytest.mark.parametrize(
+    "bad,reason",
+    [
+        (raising_agent, "agent_error"),
+        (slow_agent, "timeout"),
+        (text_agent, "bad_reward"),
+        (nan_agent, "bad_reward"),
+        (silent_agent, "no_calls"),
+    ],
+)
 def test_bad_agents_are_dropped_with_a_reason(tokenizer, bad, reason, caplog):
     calls = iter(range(100))
 
     async def mixed(data, client):
         agent = bad if next(calls) % 2 == 0 else good_agent
         return await agent(data, client)
+
     [group] = _run_groups(tokenizer, mixed, n=4)
     statuses = sorted((s.status, s.drop_reason) for s in group.sessions)
     assert statuses == [("done", "")] * 2 + [("dropped", reason)] * 2
@@ -475,11 +537,16 @@ def test_kwargs_for_a_function_agent_are_refused():
         load_agent("test_session:good_agent", {"x": 1})
 
 
-@pytest.mark.parametrize("path,match", [("nomodule_xyz:agent", "cannot import"),
-                                        ("test_session:missing", "has no 'missing'"),
-                                        ("test_session:Pump", "cannot construct Pump"),
-                                        ("test_session:_scripted", "not an async function"),
-                                        ("test_session", "module:name")])
+@pytest.mark.parametrize(
+    "path,match",
+    [
+        ("nomodule_xyz:agent", "cannot import"),
+        ("test_session:missing", "has no 'missing'"),
+        ("test_session:Pump", "cannot construct Pump"),
+        ("test_session:_scripted", "not an async function"),
+        ("test_session", "module:name"),
+    ],
+)
 def test_load_agent_errors_name_the_path(path, match):
     with pytest.raises(ValueError, match=match):
         load_agent(path) if ":" in path else AgentConfig(path=path)

@@ -16,11 +16,17 @@ import pytest
 import zstandard
 
 from areal_fast.agent import store
-from areal_fast.agent.store import (TrajectoryConfig, TrajectoryStoreError, TrajectoryWriter,
-                                    read_trajectories)
+from areal_fast.agent.store import (
+    TrajectoryConfig,
+    TrajectoryStoreError,
+    TrajectoryWriter,
+    read_trajectories,
+)
 
-WORDS = ("the model answers tool call reward step token policy value Ünïcödé 数学 🙂 "
-         "\"quoted\" back\\slash tab\t newline\n").split(" ")
+WORDS = (
+    "the model answers tool call reward step token policy value Ünïcödé 数学 🙂 "
+    '"quoted" back\\slash tab\t newline\n'
+).split(" ")
 
 
 def fresh_rng():
@@ -34,11 +40,16 @@ def random_record(rng: random.Random, i: int) -> dict:
         "id": i,
         "tokens": [rng.randrange(49152) for _ in range(n)],
         "logprobs": [-rng.expovariate(1.0) * 10 ** rng.randint(-12, 2) for _ in range(n)],
-        "messages": [{"role": rng.choice(["user", "assistant", "tool"]),
-                      "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 40)))}
-                     for _ in range(rng.randint(1, 4))],
-        "reward": rng.choice([None, True, 0, rng.random(), -1e-300, 5e-324,
-                              1.7976931348623157e308]),
+        "messages": [
+            {
+                "role": rng.choice(["user", "assistant", "tool"]),
+                "content": " ".join(rng.choice(WORDS) for _ in range(rng.randint(0, 40))),
+            }
+            for _ in range(rng.randint(1, 4))
+        ],
+        "reward": rng.choice(
+            [None, True, 0, rng.random(), -1e-300, 5e-324, 1.7976931348623157e308]
+        ),
         "meta": {"nested": {"deep": [rng.random(), {"x": rng.getrandbits(70)}]}, "empty": {}},
     }
 
@@ -71,16 +82,22 @@ def put_concurrently(writer: TrajectoryWriter, records: list[dict], producers: i
 def test_round_trip_concurrent_producers(tmp_path, compression, threads):
     rng, seed = fresh_rng()
     records = [random_record(rng, i) for i in range(600)]
-    cfg = TrajectoryConfig(cache_size=rng.choice([7, 64, 1000]), write_threads=threads,
-                           compression=compression, compression_level=rng.choice([-3, 1, 3, 9]))
+    cfg = TrajectoryConfig(
+        cache_size=rng.choice([7, 64, 1000]),
+        write_threads=threads,
+        compression=compression,
+        compression_level=rng.choice([-3, 1, 3, 9]),
+    )
     with TrajectoryWriter(tmp_path, cfg, name="rank0") as writer:
         put_concurrently(writer, records, producers=4)
         writer.flush(timeout=60)
         stats = writer.stats
     suffix = ".jsonl.zst" if compression == "zstd" else ".jsonl"
     files = sorted(p.name for p in tmp_path.iterdir())
-    assert files and all(f.startswith("rank0-") and f.endswith(suffix) for f in files), \
-        (seed, files)
+    assert files and all(f.startswith("rank0-") and f.endswith(suffix) for f in files), (
+        seed,
+        files,
+    )
     assert len(files) <= threads, (seed, files)
     got = list(read_trajectories(tmp_path))
     assert Counter(map(canon, got)) == Counter(map(canon, records)), f"seed={seed}"
@@ -90,8 +107,9 @@ def test_round_trip_concurrent_producers(tmp_path, compression, threads):
         assert by_id[r["id"]] == r, f"seed={seed} id={r['id']}"
     assert stats.records_written == len(records), f"seed={seed}"
     assert stats.errors == 0 and writer.error is None
-    raw = sum(len(json.dumps(r, separators=(",", ":"), ensure_ascii=False).encode()) + 1
-              for r in records)
+    raw = sum(
+        len(json.dumps(r, separators=(",", ":"), ensure_ascii=False).encode()) + 1 for r in records
+    )
     assert stats.raw_bytes == raw, f"seed={seed}"
     assert stats.stored_bytes == sum(p.stat().st_size for p in tmp_path.iterdir())
     if compression == "none":
@@ -113,8 +131,9 @@ def test_zstd_files_are_standard_and_smaller(tmp_path):
         with open(path, "rb") as f:  # multi-frame stream, read by plain zstandard
             reader = zstandard.ZstdDecompressor().stream_reader(f, read_across_frames=True)
             lines += reader.read().decode("utf-8").splitlines()
-    assert Counter(lines) == Counter(json.dumps(r, separators=(",", ":"), ensure_ascii=False)
-                                     for r in records), f"seed={seed}"
+    assert Counter(lines) == Counter(
+        json.dumps(r, separators=(",", ":"), ensure_ascii=False) for r in records
+    ), f"seed={seed}"
     as_dict = stats.as_dict()
     assert as_dict["trajectory/records_written"] == 300
     assert as_dict["trajectory/compression_ratio"] == stats.compression_ratio
@@ -127,8 +146,9 @@ def test_zstd_command_line_reads_the_files(tmp_path):
     with TrajectoryWriter(tmp_path, TrajectoryConfig(cache_size=8, write_threads=2)) as writer:
         for r in records:
             writer.put(r)
-    out = subprocess.run(["zstd", "-dc", *map(str, sorted(tmp_path.iterdir()))],
-                         capture_output=True, check=True).stdout
+    out = subprocess.run(
+        ["zstd", "-dc", *map(str, sorted(tmp_path.iterdir()))], capture_output=True, check=True
+    ).stdout
     got = [json.loads(line) for line in out.decode("utf-8").splitlines()]
     assert Counter(map(canon, got)) == Counter(map(canon, records)), f"seed={seed}"
 
@@ -246,8 +266,11 @@ def test_same_name_twice_in_one_directory_is_refused(tmp_path):
 def test_reopen_appends_and_mixed_compression(tmp_path):
     rng, seed = fresh_rng()
     records = [random_record(rng, i) for i in range(30)]
-    for chunk, compression in ((records[:10], "zstd"), (records[10:20], "zstd"),
-                               (records[20:], "none")):
+    for chunk, compression in (
+        (records[:10], "zstd"),
+        (records[10:20], "zstd"),
+        (records[20:], "none"),
+    ):
         cfg = TrajectoryConfig(write_threads=1, compression=compression)
         with TrajectoryWriter(tmp_path, cfg) as writer:
             for r in chunk:
@@ -325,16 +348,19 @@ def test_read_missing_directory_and_empty_files(tmp_path):
         list(read_trajectories(tmp_path))
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"cache_size": 0}, "trajectory.cache_size"),
-    ({"write_threads": 0}, "trajectory.write_threads"),
-    ({"write_threads": 2.5}, "trajectory.write_threads"),
-    ({"compression": "gzip"}, "trajectory.compression"),
-    ({"compression_level": 23}, "trajectory.compression_level"),
-    ({"compression_level": -8}, "trajectory.compression_level"),
-    ({"cache_size": True}, "trajectory.cache_size"),
-    ({"enabled": "yes"}, "trajectory.enabled"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"cache_size": 0}, "trajectory.cache_size"),
+        ({"write_threads": 0}, "trajectory.write_threads"),
+        ({"write_threads": 2.5}, "trajectory.write_threads"),
+        ({"compression": "gzip"}, "trajectory.compression"),
+        ({"compression_level": 23}, "trajectory.compression_level"),
+        ({"compression_level": -8}, "trajectory.compression_level"),
+        ({"cache_size": True}, "trajectory.cache_size"),
+        ({"enabled": "yes"}, "trajectory.enabled"),
+    ],
+)
 def test_config_validation_names_the_key(kwargs, key):
     with pytest.raises(ValueError) as info:
         TrajectoryConfig(**kwargs)
@@ -373,11 +399,10 @@ def test_failed_write_is_cut_off_the_file(tmp_path, monkeypatch):
 
         def write(self, data):
             if len(data) > 1:
-                return self.f.write(data[:len(data) // 2])
+                return self.f.write(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(store, "open", lambda *a, **k: HalfFull(real_open(*a, **k)),
-                        raising=False)
+    monkeypatch.setattr(store, "open", lambda *a, **k: HalfFull(real_open(*a, **k)), raising=False)
     writer = TrajectoryWriter(tmp_path, TrajectoryConfig(write_threads=1))
     writer.put({"late": 1})
     with pytest.raises(TrajectoryStoreError, match="No space left.*1 records not written"):
@@ -392,16 +417,16 @@ def test_linger_packs_paced_records_into_one_frame(tmp_path):
     compress better than one frame each); flush writes what is queued without waiting."""
     rng, seed = fresh_rng()
     records = [random_record(rng, i) for i in range(10)]
-    lingering = TrajectoryWriter(tmp_path / "a", TrajectoryConfig(write_threads=4,
-                                                                  linger_seconds=30.0))
+    lingering = TrajectoryWriter(
+        tmp_path / "a", TrajectoryConfig(write_threads=4, linger_seconds=30.0)
+    )
     for r in records:
         lingering.put(r)
     start = time.monotonic()
     lingering.flush(timeout=10)
     assert time.monotonic() - start < 10  # flush did not wait out the 30 s linger
     lingering.close()
-    eager = TrajectoryWriter(tmp_path / "b", TrajectoryConfig(write_threads=1,
-                                                              linger_seconds=0.0))
+    eager = TrajectoryWriter(tmp_path / "b", TrajectoryConfig(write_threads=1, linger_seconds=0.0))
     for r in records:
         eager.put(r)
         eager.flush(timeout=10)
@@ -409,8 +434,11 @@ def test_linger_packs_paced_records_into_one_frame(tmp_path):
     a, b = lingering.stats, eager.stats
     assert (a.frames, b.frames) == (1, 10), seed
     assert a.raw_bytes == b.raw_bytes and a.stored_bytes < b.stored_bytes, seed
-    assert list(read_trajectories(tmp_path / "a")) == records == \
-        list(read_trajectories(tmp_path / "b"))
+    assert (
+        list(read_trajectories(tmp_path / "a"))
+        == records
+        == list(read_trajectories(tmp_path / "b"))
+    )
 
 
 def test_linger_seconds_is_checked():

@@ -19,16 +19,31 @@ CALCULATOR = ROOT / "examples" / "agent_calculator.yaml"
 
 
 def _args(model_dir, root, config, *extra):
-    return ["train", "--config", str(config), "--no-progress", f"model.path={model_dir}",
-            f"fileroot={root}", "total_steps=2", "batch_size=3", "rollout.group_size=2",
-            "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.eval_size=8",
-            "data.train_size=50", "eval.before=false",
-            f"agent.path={ROOT / 'examples' / 'agents' / config_agent(config)}", *extra]
+    return [
+        "train",
+        "--config",
+        str(config),
+        "--no-progress",
+        f"model.path={model_dir}",
+        f"fileroot={root}",
+        "total_steps=2",
+        "batch_size=3",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        "eval.max_new_tokens=6",
+        "data.eval_size=8",
+        "data.train_size=50",
+        "eval.before=false",
+        f"agent.path={ROOT / 'examples' / 'agents' / config_agent(config)}",
+        *extra,
+    ]
 
 
 def config_agent(config: Path) -> str:
-    return {"agent_multiturn.yaml": "multiturn_math.py:MultiTurnMathAgent",
-            "agent_calculator.yaml": "calculator.py:CalculatorAgent"}[config.name]
+    return {
+        "agent_multiturn.yaml": "multiturn_math.py:MultiTurnMathAgent",
+        "agent_calculator.yaml": "calculator.py:CalculatorAgent",
+    }[config.name]
 
 
 def _sessions(run: Path) -> list[Session]:
@@ -49,10 +64,10 @@ def test_multiturn_agent_trains_and_stores_sessions(tiny_model_dir, tmp_path):
     for s in sessions:
         assert s.status == "done" and 1 <= len(s.calls) <= 3
         # a right answer at turn k earns 0.9^k; no right answer earns 0
-        assert s.reward in [0.0] + [0.9 ** k for k in range(len(s.calls))]
+        assert s.reward in [0.0] + [0.9**k for k in range(len(s.calls))]
         for parent, child in zip(s.calls, s.calls[1:]):
             assert child.parent == parent.call_id
-            assert child.input_ids[:len(parent.full_ids)] == parent.full_ids
+            assert child.input_ids[: len(parent.full_ids)] == parent.full_ids
         [traj] = s.export("concat")
         packed = pack_trajectories([traj], torch.tensor([1.0]))
         trained = (packed.labels != IGNORE_INDEX).sum().item()
@@ -72,13 +87,15 @@ def test_http_mode_with_the_openai_client(tiny_model_dir, tmp_path):
         assert all(len(c.output_ids) == len(c.logprobs) == len(c.versions) for c in s.calls)
 
 
-def test_a_store_directory_that_cannot_exist_fails_before_any_work(tiny_model_dir, tmp_path,
-                                                                    capsys):
+def test_a_store_directory_that_cannot_exist_fails_before_any_work(
+    tiny_model_dir, tmp_path, capsys
+):
     """(A store that fails while running stops the worker: see test_runner.py.)"""
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")
-    code = main(_args(tiny_model_dir, tmp_path, MULTITURN,
-                      f"trajectory.directory={blocker / 'store'}"))
+    code = main(
+        _args(tiny_model_dir, tmp_path, MULTITURN, f"trajectory.directory={blocker / 'store'}")
+    )
     assert code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("areal-fast: error: trajectory.directory = ") and "a_file" in last
@@ -107,18 +124,21 @@ def test_an_agent_that_always_fails_ends_the_run(tiny_model_dir, tmp_path, capsy
     assert "agent_error: KeyError" in last
 
 
-@pytest.mark.parametrize("override,key", [("agent.export=tree", "agent.export"),
-                                          ("agent.turn_discount=1.5", "agent.turn_discount"),
-                                          ("agent.dropped_reward=nan", "agent.dropped_reward"),
-                                          ("trajectory.compression=gzip",
-                                           "trajectory.compression"),
-                                          # every call without max_tokens would be refused
-                                          ("agent.max_tokens_cap=4", "rollout.max_new_tokens"),
-                                          # a group of sessions cannot fit a micro-batch
-                                          ("agent.max_prompt_tokens=2100",
-                                           "agent.max_prompt_tokens"),
-                                          # a group's sequences are unbounded
-                                          ("agent.export=per_turn", "agent.export")])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("agent.export=tree", "agent.export"),
+        ("agent.turn_discount=1.5", "agent.turn_discount"),
+        ("agent.dropped_reward=nan", "agent.dropped_reward"),
+        ("trajectory.compression=gzip", "trajectory.compression"),
+        # every call without max_tokens would be refused
+        ("agent.max_tokens_cap=4", "rollout.max_new_tokens"),
+        # a group of sessions cannot fit a micro-batch
+        ("agent.max_prompt_tokens=2100", "agent.max_prompt_tokens"),
+        # a group's sequences are unbounded
+        ("agent.export=per_turn", "agent.export"),
+    ],
+)
 def test_config_errors_name_the_key(tiny_model_dir, tmp_path, capsys, override, key):
     assert main(_args(tiny_model_dir, tmp_path, MULTITURN, override)) == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
@@ -136,7 +156,8 @@ def test_agent_lengths_must_fit_a_micro_batch():
     assert str(exc.value) == (
         "agent.max_prompt_tokens = 1000: with max_tokens up to 32 (agent.max_tokens_cap, "
         "default rollout.max_new_tokens) a group of rollout.group_size = 4 sessions "
-        "(actor.keep_groups) can reach 4128 tokens, more than actor.max_tokens_per_mb = 4096")
+        "(actor.keep_groups) can reach 4128 tokens, more than actor.max_tokens_per_mb = 4096"
+    )
     # one session's sequence is what must fit without keep_groups; the cap counts when set
     load_config(str(MULTITURN), ["agent.max_prompt_tokens=1000", "actor.keep_groups=false"])
     with pytest.raises(ConfigError, match="can reach 4112 tokens"):
@@ -149,10 +170,22 @@ def test_agent_lengths_must_fit_a_micro_batch():
 @pytest.mark.slow
 def test_multiturn_example_trains_the_demo_model(tmp_path):
     """The example config itself, shortened, on SmolLM2-135M."""
-    args = ["train", "--config", str(MULTITURN), "--no-progress", f"fileroot={tmp_path}",
-            "total_steps=1", "batch_size=2", "rollout.group_size=2", "rollout.max_new_tokens=16",
-            "eval.before=false", "data.eval_size=4", "eval.max_new_tokens=8",
-            "data.train_size=20", f"agent.path={ROOT / 'examples' / 'agents' / config_agent(MULTITURN)}"]
+    args = [
+        "train",
+        "--config",
+        str(MULTITURN),
+        "--no-progress",
+        f"fileroot={tmp_path}",
+        "total_steps=1",
+        "batch_size=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=16",
+        "eval.before=false",
+        "data.eval_size=4",
+        "eval.max_new_tokens=8",
+        "data.train_size=20",
+        f"agent.path={ROOT / 'examples' / 'agents' / config_agent(MULTITURN)}",
+    ]
     assert main(args) == 0
     run = tmp_path / "agent-multiturn" / "trial0"
     [record] = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]

@@ -25,8 +25,8 @@ from areal_fast.controller.messages import GroupRequest
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.controller.workers import WorkerError
-from areal_fast.launch.config import LauncherConfig
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster
+from areal_fast.launch.config import LauncherConfig
 from areal_fast.rollout.config import RolloutConfig
 from areal_fast.rollout.engine import SamplingParams, sample_seed
 from areal_fast.rollout.simulated import (
@@ -44,6 +44,7 @@ FLAT = "flat"  # answer of groups whose samples all get reward 1
 
 # ---- module-level pieces the worker processes unpickle -------------------------------
 
+
 def flat_or_parity_reward(completion_text: str, answer: str) -> float:
     """1.0 for every sample of a FLAT group (all equal: filtered out), else the parity
     reward of the simulated engine."""
@@ -54,8 +55,7 @@ class RecordingTrainEngine(SimulatedTrainEngine):
     """Simulated trainer that appends every trained sequence to a JSONL file: group id,
     reward, completion tokens, their versions and the trainer version at the step."""
 
-    def __init__(self, token_seconds: float, path: str, die_at_step: int = 0,
-                 how: str = "exit"):
+    def __init__(self, token_seconds: float, path: str, die_at_step: int = 0, how: str = "exit"):
         super().__init__(token_seconds, num_weights=16)
         self.path, self.die_at_step, self.how = path, die_at_step, how
 
@@ -67,10 +67,15 @@ class RecordingTrainEngine(SimulatedTrainEngine):
         for s in range(batch.num_seqs):
             span = slice(bounds[s], bounds[s + 1])
             mask = batch.loss_mask[span]
-            rows.append({"trainer_version": self.version, "group_id": int(batch.group_ids[s]),
-                         "reward": float(batch.rewards[s]),
-                         "completion": batch.labels[span][mask].tolist(),
-                         "versions": batch.versions[span][mask].tolist()})
+            rows.append(
+                {
+                    "trainer_version": self.version,
+                    "group_id": int(batch.group_ids[s]),
+                    "reward": float(batch.rewards[s]),
+                    "completion": batch.labels[span][mask].tolist(),
+                    "versions": batch.versions[span][mask].tolist(),
+                }
+            )
         stats = super().train_step(batch)
         with open(self.path, "a") as fh:
             fh.write("".join(json.dumps(r) + "\n" for r in rows))
@@ -119,8 +124,10 @@ class HoldingEngine(SimulatedEngine):
     def _admit(self, now: float) -> None:
         super()._admit(now)
         if self._version < self.until:
-            self._heap = [(now + 3600.0 if run.request.seed in self.hold else finish, rid, run)
-                          for finish, rid, run in self._heap]
+            self._heap = [
+                (now + 3600.0 if run.request.seed in self.hold else finish, rid, run)
+                for finish, rid, run in self._heap
+            ]
             heapq.heapify(self._heap)
 
 
@@ -146,9 +153,16 @@ class DyingEngineFactory:
 
 # ---- helpers ---------------------------------------------------------------------------
 
+
 def engine_config(median: float = 20.0, cap: int = 60, sigma: float = 0.8) -> SimulatedEngineConfig:
-    return SimulatedEngineConfig(token_seconds=2e-4, max_running=256, median_length=median,
-                                 sigma=sigma, max_length=cap, vocab_size=1000)
+    return SimulatedEngineConfig(
+        token_seconds=2e-4,
+        max_running=256,
+        median_length=median,
+        sigma=sigma,
+        max_length=cap,
+        vocab_size=1000,
+    )
 
 
 def expected_completion(config: SimulatedEngineConfig, seed: int, budget: int) -> list[int]:
@@ -175,25 +189,43 @@ class Requests:
 
     def __call__(self, group_id: int) -> GroupRequest:
         flat = self.flat_every and group_id % self.flat_every == 0
-        return GroupRequest(group_id, PROMPT, self.params, self.seed(group_id),
-                            FLAT if flat else "")
+        return GroupRequest(
+            group_id, PROMPT, self.params, self.seed(group_id), FLAT if flat else ""
+        )
 
 
-def run_controller(rollout: RolloutWorkerSpec, trainer: TrainerWorkerSpec, requests,
-                   settings: tuple[RunPlan, RolloutConfig], num_workers: int = 1,
-                   weight_files: list | None = None, timeouts: Timeouts | None = None):
+def run_controller(
+    rollout: RolloutWorkerSpec,
+    trainer: TrainerWorkerSpec,
+    requests,
+    settings: tuple[RunPlan, RolloutConfig],
+    num_workers: int = 1,
+    weight_files: list | None = None,
+    timeouts: Timeouts | None = None,
+):
     """Start a LocalCluster and run the controller; ``weight_files`` receives the paths of
     the trainer's shared-memory weight buffers."""
     records: list[dict] = []
-    spec = ClusterSpec(rollout, trainer, num_rollout_workers=num_workers,
-                       launcher=LauncherConfig(startup_timeout=60))
+    spec = ClusterSpec(
+        rollout,
+        trainer,
+        num_rollout_workers=num_workers,
+        launcher=LauncherConfig(startup_timeout=60),
+    )
     with LocalCluster(spec) as cluster:
         if weight_files is not None:
             weight_files.extend(Path(b.path) for b in cluster.weight_buffers)
         plan, rollout_config = settings
-        controller = AsyncController(cluster.rollout_workers, cluster.trainer,
-                                     cluster.weight_buffers, requests, plan, rollout_config,
-                                     records.append, timeouts=timeouts)
+        controller = AsyncController(
+            cluster.rollout_workers,
+            cluster.trainer,
+            cluster.weight_buffers,
+            requests,
+            plan,
+            rollout_config,
+            records.append,
+            timeouts=timeouts,
+        )
         counts = controller.run()
     return counts, records
 
@@ -202,8 +234,9 @@ def read_trained(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def check_trained_samples(rows: list[dict], requests: Requests,
-                          config: SimulatedEngineConfig, eta: int | None) -> None:
+def check_trained_samples(
+    rows: list[dict], requests: Requests, config: SimulatedEngineConfig, eta: int | None
+) -> None:
     """Each trained group once, its samples complete and in order, versions non-decreasing
     and (unless ``eta`` is None) no token staler than η."""
     by_group: dict[int, list[dict]] = collections.defaultdict(list)
@@ -220,15 +253,21 @@ def check_trained_samples(rows: list[dict], requests: Requests,
             assert s["versions"] == sorted(s["versions"])
             for v in s["versions"]:
                 assert 0 <= s["trainer_version"] - v <= (float("inf") if eta is None else eta), (
-                    gid, i, s["trainer_version"], s["versions"])
+                    gid,
+                    i,
+                    s["trainer_version"],
+                    s["versions"],
+                )
 
 
-def cluster_specs(tmp_path: Path, config: SimulatedEngineConfig, train_token_seconds: float,
-                  reward=sim_reward):
+def cluster_specs(
+    tmp_path: Path, config: SimulatedEngineConfig, train_token_seconds: float, reward=sim_reward
+):
     log = tmp_path / "trained.jsonl"
     rollout = RolloutWorkerSpec(SimulatedEngineFactory(config), reward, threads=1)
-    trainer = TrainerWorkerSpec(RecordingTrainerFactory(train_token_seconds, str(log)),
-                                fetch_timeout=30.0, threads=1)
+    trainer = TrainerWorkerSpec(
+        RecordingTrainerFactory(train_token_seconds, str(log)), fetch_timeout=30.0, threads=1
+    )
     return rollout, trainer, log
 
 
@@ -239,6 +278,7 @@ def fresh_seed() -> int:
 
 
 # ---- tests -----------------------------------------------------------------------------
+
 
 def test_children_import_this_module_by_name():
     """Spawned workers unpickle the factories as ``test_async_loop.X``."""
@@ -253,17 +293,18 @@ def test_accounting_with_dynamic_filter(tmp_path):
     config = engine_config()
     rollout, trainer, log = cluster_specs(tmp_path, config, 1e-5, flat_or_parity_reward)
     requests = Requests(fresh_seed(), SamplingParams(n=3, max_new_tokens=50), flat_every=3)
-    settings = (RunPlan(total_steps=5, batch_size=4),
-                RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=8,
-                              dynamic_filter=True))
+    settings = (
+        RunPlan(total_steps=5, batch_size=4),
+        RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=8, dynamic_filter=True),
+    )
     timeouts = Timeouts(train_step=30, weight_update=30, rollout_stall=30)
-    counts, records = run_controller(rollout, trainer, requests, settings, num_workers=2,
-                                     timeouts=timeouts)
+    counts, records = run_controller(
+        rollout, trainer, requests, settings, num_workers=2, timeouts=timeouts
+    )
 
     assert counts.trained == 5 * 4
     assert counts.submitted == counts.trained + sum(counts.dropped.values())
-    assert set(counts.dropped) <= {"dynamic_filter", "stale", "unused_at_end",
-                                   "in_flight_at_end"}
+    assert set(counts.dropped) <= {"dynamic_filter", "stale", "unused_at_end", "in_flight_at_end"}
     assert counts.dropped["dynamic_filter"] > 0
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     rows = read_trained(log)
@@ -284,7 +325,8 @@ def test_accounting_with_dynamic_filter(tmp_path):
     for record in records:
         assert record["zero_adv_group_fraction"] == 0.0
         assert record["trained_tokens"] == sum(
-            len(r["completion"]) for r in rows if r["trainer_version"] == record["step"] - 1)
+            len(r["completion"]) for r in rows if r["trainer_version"] == record["step"] - 1
+        )
     check_trained_samples(rows, requests, config, eta=1)  # too-stale groups were dropped
 
 
@@ -296,8 +338,10 @@ def test_interrupted_samples_lose_and_repeat_nothing(tmp_path):
     rollout, trainer, log = cluster_specs(tmp_path, config, 2e-5)
     requests = Requests(fresh_seed(), SamplingParams(n=3, max_new_tokens=50))
     eta = 2
-    settings = (RunPlan(total_steps=8, batch_size=3),
-                RolloutConfig(max_head_offpolicyness=eta, max_concurrent_rollouts=9))
+    settings = (
+        RunPlan(total_steps=8, batch_size=3),
+        RolloutConfig(max_head_offpolicyness=eta, max_concurrent_rollouts=9),
+    )
     counts, records = run_controller(rollout, trainer, requests, settings)
 
     assert counts.interruptions > 0
@@ -316,8 +360,10 @@ def test_varied_lengths_resume_exactly(tmp_path):
     config = engine_config(median=30, cap=90)
     rollout, trainer, log = cluster_specs(tmp_path, config, 2e-5)
     requests = Requests(fresh_seed(), SamplingParams(n=3, max_new_tokens=60))
-    settings = (RunPlan(total_steps=8, batch_size=3),
-                RolloutConfig(max_head_offpolicyness=2, max_concurrent_rollouts=9))
+    settings = (
+        RunPlan(total_steps=8, batch_size=3),
+        RolloutConfig(max_head_offpolicyness=2, max_concurrent_rollouts=9),
+    )
     counts, records = run_controller(rollout, trainer, requests, settings, num_workers=2)
 
     assert counts.interruptions > 0
@@ -334,8 +380,10 @@ def test_eta_zero_is_on_policy(tmp_path):
     config = engine_config()
     rollout, trainer, log = cluster_specs(tmp_path, config, 1e-5)
     requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
-    settings = (RunPlan(total_steps=5, batch_size=3),
-                RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=16))
+    settings = (
+        RunPlan(total_steps=5, batch_size=3),
+        RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=16),
+    )
     counts, records = run_controller(rollout, trainer, requests, settings, num_workers=2)
 
     rows = read_trained(log)
@@ -356,12 +404,12 @@ def run_with_held_group(tmp_path, drop_stale: bool):
     requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
     hold = frozenset(sample_seed(requests.seed(1), i) for i in range(2))
     log = tmp_path / "trained.jsonl"
-    rollout = RolloutWorkerSpec(HoldingEngineFactory(config, hold, until=3), sim_reward,
-                                threads=1)
+    rollout = RolloutWorkerSpec(HoldingEngineFactory(config, hold, until=3), sim_reward, threads=1)
     trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log)), threads=1)
-    settings = (RunPlan(total_steps=6, batch_size=1),
-                RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=4,
-                              drop_stale=drop_stale))
+    settings = (
+        RunPlan(total_steps=6, batch_size=1),
+        RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=4, drop_stale=drop_stale),
+    )
     counts, _ = run_controller(rollout, trainer, requests, settings)
     return counts, read_trained(log), requests, config
 
@@ -389,12 +437,15 @@ def test_drop_stale_off_trains_the_late_group(tmp_path):
 def test_rollout_worker_death_is_reported_by_name(tmp_path, how):
     config = engine_config()
     log = tmp_path / "trained.jsonl"
-    rollout = RolloutWorkerSpec(DyingEngineFactory(config, die_at=4, how=how), sim_reward,
-                                threads=1)
+    rollout = RolloutWorkerSpec(
+        DyingEngineFactory(config, die_at=4, how=how), sim_reward, threads=1
+    )
     trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log)), threads=1)
     requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
-    settings = (RunPlan(total_steps=50, batch_size=2),
-                RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=2))
+    settings = (
+        RunPlan(total_steps=50, batch_size=2),
+        RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=2),
+    )
     start = time.monotonic()
     with pytest.raises(WorkerError) as err:
         run_controller(rollout, trainer, requests, settings)
@@ -410,11 +461,14 @@ def test_trainer_death_is_reported_by_name(tmp_path, how):
     config = engine_config()
     log = tmp_path / "trained.jsonl"
     rollout = RolloutWorkerSpec(SimulatedEngineFactory(config), sim_reward, threads=1)
-    trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log), die_at_step=3, how=how),
-                                threads=1)
+    trainer = TrainerWorkerSpec(
+        RecordingTrainerFactory(1e-5, str(log), die_at_step=3, how=how), threads=1
+    )
     requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
-    settings = (RunPlan(total_steps=50, batch_size=2),
-                RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=4))
+    settings = (
+        RunPlan(total_steps=50, batch_size=2),
+        RolloutConfig(max_head_offpolicyness=1, max_concurrent_rollouts=4),
+    )
     start, files = time.monotonic(), []
     try:
         with pytest.raises(WorkerError) as err:
@@ -432,11 +486,12 @@ def test_trainer_death_is_reported_by_name(tmp_path, how):
 def test_killed_trainer_leaves_no_weight_files(tmp_path):
     log = tmp_path / "trained.jsonl"
     rollout = RolloutWorkerSpec(SimulatedEngineFactory(engine_config()), sim_reward, threads=1)
-    trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log), die_at_step=2),
-                                threads=1)
+    trainer = TrainerWorkerSpec(RecordingTrainerFactory(1e-5, str(log), die_at_step=2), threads=1)
     requests = Requests(fresh_seed(), SamplingParams(n=2, max_new_tokens=50))
-    settings = (RunPlan(total_steps=50, batch_size=2),
-                RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=2))
+    settings = (
+        RunPlan(total_steps=50, batch_size=2),
+        RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=2),
+    )
     files: list[Path] = []
     try:
         with pytest.raises(WorkerError, match="'trainer'.*exit code 3"):

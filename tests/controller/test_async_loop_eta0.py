@@ -17,10 +17,10 @@ from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.data.rewards import DEFAULT_INSTRUCTION
 from areal_fast.data.tasks import load_problems
-from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
-from areal_fast.launch.experiment import save_checkpoint
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster
 from areal_fast.launch.config import LauncherConfig
+from areal_fast.launch.experiment import save_checkpoint
+from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
 from areal_fast.models.config import ModelConfig
 from areal_fast.models.loading import load_causal_lm, load_tokenizer
 from areal_fast.rl.advantages import group_advantages
@@ -34,8 +34,7 @@ from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine
 
 SEED = 7
 STEPS, BATCH = 2, 3
-TASK_KWARGS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
-               "operators": ["+"]}
+TASK_KWARGS = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1, "operators": ["+"]}
 
 
 def char_parity_reward(completion_text: str, answer: str) -> float:
@@ -44,9 +43,13 @@ def char_parity_reward(completion_text: str, answer: str) -> float:
 
 
 def _components():
-    actor = ActorConfig(loss=LossConfig(eps_clip=0.2),
-                        optim=OptimizerConfig(lr=1e-3, grad_clip=1.0), max_tokens_per_mb=512,
-                        keep_groups=False, use_decoupled_loss=False)
+    actor = ActorConfig(
+        loss=LossConfig(eps_clip=0.2),
+        optim=OptimizerConfig(lr=1e-3, grad_clip=1.0),
+        max_tokens_per_mb=512,
+        keep_groups=False,
+        use_decoupled_loss=False,
+    )
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=8)
     return actor, params
 
@@ -54,8 +57,11 @@ def _components():
 def _reference_loop(engine, trainer, tokenizer, problems, params) -> list[dict]:
     """Synchronous GRPO, one step at a time: sample B groups with the seeds the controller
     uses, score, group advantages, pack, one optimizer step, copy the weights to the engine."""
-    stream, prompts, records = ProblemStream(problems, SEED), ChatPrompts(
-        tokenizer, DEFAULT_INSTRUCTION), []
+    stream, prompts, records = (
+        ProblemStream(problems, SEED),
+        ChatPrompts(tokenizer, DEFAULT_INSTRUCTION),
+        [],
+    )
     for step in range(STEPS):
         batch = stream.next_batch(BATCH)
         seeds = [group_seed(SEED, step * BATCH + i) for i in range(BATCH)]
@@ -65,13 +71,19 @@ def _reference_loop(engine, trainer, tokenizer, problems, params) -> list[dict]:
             traj.reward = char_parity_reward(text, batch[traj.group_id].answer)
             traj.group_id += step * BATCH
         rewards = torch.tensor([t.reward for t in trajs])
-        advantages = group_advantages(rewards, group_ids=torch.tensor([t.group_id for t in trajs]),
-                                      mode="grpo")
+        advantages = group_advantages(
+            rewards, group_ids=torch.tensor([t.group_id for t in trajs]), mode="grpo"
+        )
         stats = trainer.train_step(pack_trajectories(trajs, advantages))
         engine.update_weights(list(trainer.named_weights()), step + 1)
-        records.append({"step": step + 1, **stats, "reward_mean": float(rewards.double().mean()),
-                        "response_length_mean": sum(len(t.completion_ids) for t in trajs)
-                        / len(trajs)})
+        records.append(
+            {
+                "step": step + 1,
+                **stats,
+                "reward_mean": float(rewards.double().mean()),
+                "response_length_mean": sum(len(t.completion_ids) for t in trajs) / len(trajs),
+            }
+        )
     return records
 
 
@@ -96,29 +108,39 @@ def _async_run(model_dir: Path, problems, tmp_path: Path):
     model = ModelConfig(path=str(model_dir))
     rollout = RolloutConfig(temperature=params.temperature, max_batch_size=64)
     spec = ClusterSpec(
-        rollout=RolloutWorkerSpec(HFEngineFactory(model, rollout), char_parity_reward,
-                                  threads=1),
-        trainer=TrainerWorkerSpec(TorchTrainerFactory(model, actor, rollout, seed=SEED), actor,
-                                  threads=1),
-        num_rollout_workers=1, launcher=LauncherConfig(startup_timeout=120))
-    requests = MathRequests(ProblemStream(problems, SEED),
-                            ChatPrompts(tokenizer, DEFAULT_INSTRUCTION), params, SEED)
+        rollout=RolloutWorkerSpec(HFEngineFactory(model, rollout), char_parity_reward, threads=1),
+        trainer=TrainerWorkerSpec(
+            TorchTrainerFactory(model, actor, rollout, seed=SEED), actor, threads=1
+        ),
+        num_rollout_workers=1,
+        launcher=LauncherConfig(startup_timeout=120),
+    )
+    requests = MathRequests(
+        ProblemStream(problems, SEED), ChatPrompts(tokenizer, DEFAULT_INSTRUCTION), params, SEED
+    )
     plan = RunPlan(total_steps=STEPS, batch_size=BATCH)
     rollout_config = RolloutConfig(max_head_offpolicyness=0, max_concurrent_rollouts=BATCH)
     records: list[dict] = []
     checkpoint = tmp_path / "async-checkpoint"
     with LocalCluster(spec) as cluster:
-        controller = AsyncController(cluster.rollout_workers, cluster.trainer,
-                                     cluster.weight_buffers, requests, plan, rollout_config,
-                                     records.append)
+        controller = AsyncController(
+            cluster.rollout_workers,
+            cluster.trainer,
+            cluster.weight_buffers,
+            requests,
+            plan,
+            rollout_config,
+            records.append,
+        )
         counts = controller.run()
         save_checkpoint(cluster, str(checkpoint), timeout=120)
     return records, counts, load_file(str(checkpoint / "model.safetensors"))
 
 
 def test_eta_zero_async_equals_sync_loop(tiny_model_dir, tmp_path):
-    problems = load_problems("basic_arithmetic", split="train", size=20, seed=0,
-                             task_kwargs=TASK_KWARGS)
+    problems = load_problems(
+        "basic_arithmetic", split="train", size=20, seed=0, task_kwargs=TASK_KWARGS
+    )
     sync_records, sync_weights = _sync_run(tiny_model_dir, problems)
     async_records, counts, async_weights = _async_run(tiny_model_dir, problems, tmp_path)
 

@@ -7,16 +7,23 @@ import os
 import pickle
 import random
 import secrets
+from multiprocessing import AuthenticationError
 
 import msgpack
 import pytest
 import torch
 
 from areal_fast.controller import messages as msg
-from areal_fast.controller.shard_io import shard_tensors
-from areal_fast.controller.shards import (DistributedBatch, ShardMetadata, ShardStore,
-                                         TensorMetadata, fetch_shards, tensor_metadata)
 from areal_fast.controller.codec import MESSAGE_TYPES, CodecError, decode_message, encode_message
+from areal_fast.controller.shard_io import shard_tensors
+from areal_fast.controller.shards import (
+    DistributedBatch,
+    ShardMetadata,
+    ShardStore,
+    TensorMetadata,
+    fetch_shards,
+    tensor_metadata,
+)
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry
@@ -24,36 +31,76 @@ from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry
 
 def _shard(rng: random.Random, node: str = "rollout-0") -> ShardMetadata:
     n = rng.randint(3, 50)
-    fields = {"input_ids": TensorMetadata((n,), "int64"),
-              "rewards": TensorMetadata((rng.randint(2, 8),), "float32")}
-    return ShardMetadata(node, f"127.0.0.1:{rng.randint(1024, 65535)}", rng.randint(0, 10**6),
-                         rng.randint(2, 8), 0, fields)
+    fields = {
+        "input_ids": TensorMetadata((n,), "int64"),
+        "rewards": TensorMetadata((rng.randint(2, 8),), "float32"),
+    }
+    return ShardMetadata(
+        node,
+        f"127.0.0.1:{rng.randint(1024, 65535)}",
+        rng.randint(0, 10**6),
+        rng.randint(2, 8),
+        0,
+        fields,
+    )
 
 
 def _examples(rng: random.Random) -> list:
-    params = SamplingParams(n=rng.randint(1, 8), temperature=rng.random() + 0.1,
-                            top_p=rng.uniform(0.5, 1.0), max_new_tokens=rng.randint(1, 99))
-    request = msg.GroupRequest(rng.randint(0, 10**9), [rng.randint(0, 50000) for _ in range(17)],
-                               params, rng.getrandbits(63), answer="42", uid="q-7",
-                               data={"question": "1+1?", "answer": "2", "nested": [1, {"a": None}]})
-    entries = tuple(WeightEntry(f"layers.{i}.w", (rng.randint(1, 9), 3), "float32",
-                                256 * i, 36) for i in range(3))
+    params = SamplingParams(
+        n=rng.randint(1, 8),
+        temperature=rng.random() + 0.1,
+        top_p=rng.uniform(0.5, 1.0),
+        max_new_tokens=rng.randint(1, 99),
+    )
+    request = msg.GroupRequest(
+        rng.randint(0, 10**9),
+        [rng.randint(0, 50000) for _ in range(17)],
+        params,
+        rng.getrandbits(63),
+        answer="42",
+        uid="q-7",
+        data={"question": "1+1?", "answer": "2", "nested": [1, {"a": None}]},
+    )
+    entries = tuple(
+        WeightEntry(f"layers.{i}.w", (rng.randint(1, 9), 3), "float32", 256 * i, 36)
+        for i in range(3)
+    )
     buffer = WeightBufferSpec("/dev/shm/x", 4096, entries)
     shards = [_shard(rng) for _ in range(3)]
-    done = msg.GroupDone(shards[0], 5, [rng.random(), 1.0, float("-inf")], [3, 4, 5],
-                         ["stop", "length", "abort"], 2, {"agent/sessions": 3},
-                         ["timeout: slow"])
-    return [request, msg.SubmitGroups([request, request]), msg.UpdateWeights(7, buffer),
-            msg.DropShards([1, 2, 3]), msg.Evaluate([request]), msg.CancelAll(), msg.Shutdown(),
-            msg.WorkerReady("rollout-1", "127.0.0.1:5000", (buffer, buffer)), done,
-            msg.GroupDone(None, 6, [], [], [], 0),
-            msg.WeightsUpdated(3, rng.random()), msg.EvalDone([{"uid": "a", "correct": True}]),
-            msg.Cancelled(4), msg.WorkerFailed("trainer", "RuntimeError: boom"),
-            msg.TrainStep(DistributedBatch(shards), slot=1),
-            msg.StepDone(3, {"loss": rng.random(), "staleness_hist": [4, 0, 2]}, [1, 2], 77,
-                         0.1, 0.2, 0.3),
-            msg.SaveCheckpoint("/tmp/ckpt"), msg.Saved("/tmp/ckpt"),
-            msg.SaveState("/tmp/state"), msg.StateSaved("/tmp/state", 4)]
+    done = msg.GroupDone(
+        shards[0],
+        5,
+        [rng.random(), 1.0, float("-inf")],
+        [3, 4, 5],
+        ["stop", "length", "abort"],
+        2,
+        {"agent/sessions": 3},
+        ["timeout: slow"],
+    )
+    return [
+        request,
+        msg.SubmitGroups([request, request]),
+        msg.UpdateWeights(7, buffer),
+        msg.DropShards([1, 2, 3]),
+        msg.Evaluate([request]),
+        msg.CancelAll(),
+        msg.Shutdown(),
+        msg.WorkerReady("rollout-1", "127.0.0.1:5000", (buffer, buffer)),
+        done,
+        msg.GroupDone(None, 6, [], [], [], 0),
+        msg.WeightsUpdated(3, rng.random()),
+        msg.EvalDone([{"uid": "a", "correct": True}]),
+        msg.Cancelled(4),
+        msg.WorkerFailed("trainer", "RuntimeError: boom"),
+        msg.TrainStep(DistributedBatch(shards), slot=1),
+        msg.StepDone(
+            3, {"loss": rng.random(), "staleness_hist": [4, 0, 2]}, [1, 2], 77, 0.1, 0.2, 0.3
+        ),
+        msg.SaveCheckpoint("/tmp/ckpt"),
+        msg.Saved("/tmp/ckpt"),
+        msg.SaveState("/tmp/state"),
+        msg.StateSaved("/tmp/state", 4),
+    ]
 
 
 def test_every_message_round_trips_exactly(fresh_seed):
@@ -97,13 +144,15 @@ def test_shard_transfer_is_exact_and_raw(fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
     trajectories = []
     for i in range(3):
-        prompt = torch.randint(0, 1000, (int(torch.randint(2, 9, (1,), generator=gen)),),
-                               generator=gen).tolist()
+        prompt = torch.randint(
+            0, 1000, (int(torch.randint(2, 9, (1,), generator=gen)),), generator=gen
+        ).tolist()
         n = int(torch.randint(1, 12, (1,), generator=gen))
         out = torch.randint(0, 1000, (n,), generator=gen).tolist()
         logps = (-torch.rand(n, generator=gen)).tolist()
-        trajectories.append(Trajectory(prompt, out, logps, [i] * n, "stop", 9,
-                                       float(torch.rand(1, generator=gen))))
+        trajectories.append(
+            Trajectory(prompt, out, logps, [i] * n, "stop", 9, float(torch.rand(1, generator=gen)))
+        )
     tensors = shard_tensors(trajectories)
     authkey = secrets.token_bytes(32)
     store = ShardStore(authkey)
@@ -111,14 +160,14 @@ def test_shard_transfer_is_exact_and_raw(fresh_seed):
     try:
         store.put(9, tensors)
         shard = ShardMetadata("rollout-0", store.address, 9, 3, 0, tensor_metadata(tensors))
-        got, = fetch_shards(DistributedBatch([shard]), authkey, timeout=10)
+        (got,) = fetch_shards(DistributedBatch([shard]), authkey, timeout=10)
         assert got.keys() == tensors.keys()
         for key, value in tensors.items():
             assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
         with pytest.raises(RuntimeError, match="shard 9 is not held"):
             fetch_shards(DistributedBatch([shard]), authkey, timeout=10)
         store.put(9, tensors)
-        with pytest.raises(Exception):  # a peer without the job's key never gets data
+        with pytest.raises(AuthenticationError):  # a peer without the job's key gets no data
             fetch_shards(DistributedBatch([shard]), secrets.token_bytes(32), timeout=10)
         assert len(store) == 1
     finally:

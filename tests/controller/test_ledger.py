@@ -67,8 +67,9 @@ class LedgerMachine(RuleBasedStateMachine):
         self.staleness = StalenessManager(batch, eta, MAX_CONCURRENT)
         self.ledger = Ledger(self.max_staleness, keep_finished=True)
         self.c = FakeController(self.ledger)
-        self.recovery = Recovery(self.c, FakeHandle, RecoveryConfig(max_rollout_restarts=10**6),
-                                 Timeouts())
+        self.recovery = Recovery(
+            self.c, FakeHandle, RecoveryConfig(max_rollout_restarts=10**6), Timeouts()
+        )
         self.first_id, self.resumed_at = 0, -1  # groups before a resume are only counted
         self.ended_before = RunCounts()  # counts at the last resume
         self.cancelled: set[str] = set()
@@ -99,9 +100,18 @@ class LedgerMachine(RuleBasedStateMachine):
             ledger.submit(request(ledger.counts.submitted), worker, self.version)
 
     @precondition(lambda self: self.ledger.running > len(self.ledger.waiting()))
-    @rule(data=st.data(), outcomes=st.lists(st.tuples(
-        st.sampled_from(["kept", "kept", "kept", "flat", "agent"]), st.booleans(),
-        st.integers(0, 2)), min_size=1, max_size=3))
+    @rule(
+        data=st.data(),
+        outcomes=st.lists(
+            st.tuples(
+                st.sampled_from(["kept", "kept", "kept", "flat", "agent"]),
+                st.booleans(),
+                st.integers(0, 2),
+            ),
+            min_size=1,
+            max_size=3,
+        ),
+    )
     def finish(self, data, outcomes):
         """Groups finish (kept, all rewards equal, or every agent session dropped; spooled
         or not; with some interruptions), as the controller decides their fate."""
@@ -111,23 +121,38 @@ class LedgerMachine(RuleBasedStateMachine):
                 return
             # newest first is the simplest draw: older groups then wait and turn stale
             gid = data.draw(st.sampled_from(sorted(on_workers, reverse=True)))
-            shard = None if kind == "agent" else ShardMetadata(
-                on_workers[gid], "127.0.0.1:1", gid, 2, 0, {}, f"/spool/{gid}" * spooled)
+            shard = (
+                None
+                if kind == "agent"
+                else ShardMetadata(
+                    on_workers[gid], "127.0.0.1:1", gid, 2, 0, {}, f"/spool/{gid}" * spooled
+                )
+            )
             rewards = [] if shard is None else [1.0, 1.0 if kind == "flat" else 0.0]
-            done = msg.GroupDone(shard, gid, rewards, [3, 5][:len(rewards)],
-                                 ["stop"] * len(rewards), interruptions)
+            done = msg.GroupDone(
+                shard, gid, rewards, [3, 5][: len(rewards)], ["stop"] * len(rewards), interruptions
+            )
             if self.ledger.closing:
                 self.ledger.finish(done)
                 continue
-            train_version = self.version + len(self.ledger.training) + \
-                self.ledger.num_ready // self.batch
+            train_version = (
+                self.version + len(self.ledger.training) + self.ledger.num_ready // self.batch
+            )
             stale = self.ledger.too_stale(gid, train_version)
-            reason = "agent_sessions_dropped" if shard is None else (
-                "dynamic_filter" if kind == "flat" else "stale" if stale else None)
+            reason = (
+                "agent_sessions_dropped"
+                if shard is None
+                else ("dynamic_filter" if kind == "flat" else "stale" if stale else None)
+            )
             self.ledger.finish(done, reason)
 
-    @precondition(lambda self: not self.ledger.closing and self.ledger.num_ready >= self.batch
-                  and len(self.ledger.training) < PIPELINE)
+    @precondition(
+        lambda self: (
+            not self.ledger.closing
+            and self.ledger.num_ready >= self.batch
+            and len(self.ledger.training) < PIPELINE
+        )
+    )
     @rule()
     def send_batch(self):
         self.ledger.take_batch(self.batch, self.version + len(self.ledger.training), 0.0)
@@ -138,8 +163,9 @@ class LedgerMachine(RuleBasedStateMachine):
         """Submit what the bound allows, finish the newest groups until a batch is ready
         (older ones keep running, and may turn stale), train it."""
         self.submit(MAX_CONCURRENT, worker)
-        while self.ledger.num_ready < self.batch and \
-                self.ledger.running > len(self.ledger.waiting()):
+        while self.ledger.num_ready < self.batch and self.ledger.running > len(
+            self.ledger.waiting()
+        ):
             self.finish(data, [("kept", False, 0)])
         if self.ledger.num_ready >= self.batch and len(self.ledger.training) < PIPELINE:
             self.send_batch()
@@ -174,8 +200,11 @@ class LedgerMachine(RuleBasedStateMachine):
             self.cancelled.discard(worker)  # the new worker has to answer the cancel
         assert self.ledger.running_on(worker) == 0
 
-    @precondition(lambda self: not self.ledger.closing and not self.ledger.training
-                  and self.version > self.resumed_at)
+    @precondition(
+        lambda self: (
+            not self.ledger.closing and not self.ledger.training and self.version > self.resumed_at
+        )
+    )
     @rule(roll=st.integers(0, 3))
     def checkpoint_and_resume(self, roll):
         """A checkpoint now, resumed in a fresh ledger: pending groups counted as dropped."""
@@ -187,15 +216,18 @@ class LedgerMachine(RuleBasedStateMachine):
         resumed.restore(state, pending)
         kept = {k: v for k, v in resumed.counts.as_dict().items() if k != "rollouts_dropped"}
         assert kept == {k: v for k, v in state.items() if k != "rollouts_dropped"}
-        assert resumed.counts.dropped["pending_at_checkpoint"] == \
-            self.ledger.counts.dropped["pending_at_checkpoint"] + pending
+        assert (
+            resumed.counts.dropped["pending_at_checkpoint"]
+            == self.ledger.counts.dropped["pending_at_checkpoint"] + pending
+        )
         self.ledger = self.c.ledger = self.recovery.c.ledger = resumed
         self.first_id, self.resumed_at = resumed.counts.submitted, self.version
         self.ended_before = RunCounts.from_dict(resumed.counts.as_dict())
         self.outcomes = {}
 
-    @precondition(lambda self: not self.ledger.closing and not self.ledger.training
-                  and self.version >= 1)
+    @precondition(
+        lambda self: not self.ledger.closing and not self.ledger.training and self.version >= 1
+    )
     @rule()
     def end_training(self):
         self.ledger.close()
@@ -227,8 +259,11 @@ class LedgerMachine(RuleBasedStateMachine):
             if state in (State.TRAINED, State.DROPPED):
                 previous = self.outcomes.setdefault(gid, state)
                 assert previous is state, f"group {gid} ended twice ({previous}, {state})"
-        live = [g for g in range(self.first_id, ledger.counts.submitted)
-                if ledger.state(g) not in (State.TRAINED, State.DROPPED)]
+        live = [
+            g
+            for g in range(self.first_id, ledger.counts.submitted)
+            if ledger.state(g) not in (State.TRAINED, State.DROPPED)
+        ]
         assert len(live) == ledger.live
 
     @invariant()
@@ -240,8 +275,9 @@ class LedgerMachine(RuleBasedStateMachine):
         assert all(r.reason for r in dropped) and not any(r.reason for r in trained)
         assert len(trained) == ledger.counts.trained - before.trained
         assert len(dropped) == sum(ledger.counts.dropped.values()) - sum(before.dropped.values())
-        assert ledger.counts.submitted == \
-            ledger.live + ledger.counts.trained + sum(ledger.counts.dropped.values())
+        assert ledger.counts.submitted == ledger.live + ledger.counts.trained + sum(
+            ledger.counts.dropped.values()
+        )
 
     @invariant()
     def no_trained_group_staler_than_eta(self):
@@ -267,8 +303,9 @@ def test_illegal_transitions_raise():
     with pytest.raises(LedgerError):
         ledger.submit(request(1), "w", 0)  # not the next id
     ledger.submit(request(0), "w", 0)
-    done = msg.GroupDone(ShardMetadata("w", "a:1", 0, 2, 0, {}), 0, [1.0, 0.0], [2, 2],
-                         ["stop"] * 2, 0)
+    done = msg.GroupDone(
+        ShardMetadata("w", "a:1", 0, 2, 0, {}), 0, [1.0, 0.0], [2, 2], ["stop"] * 2, 0
+    )
     with pytest.raises(LedgerError):
         ledger.assign(0, "v", 0)  # running, not waiting
     with pytest.raises(LedgerError):

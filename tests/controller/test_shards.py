@@ -25,9 +25,15 @@ from areal_fast.controller.shards import (
     fetch_shards,
     tensor_metadata,
 )
-from areal_fast.rl.batch import SEQ_FIELDS, TOKEN_FIELDS, assemble_packed_batch
 from areal_fast.rl.advantages import group_advantages
-from areal_fast.rl.batch import PackedBatch, Trajectory, pack_trajectories
+from areal_fast.rl.batch import (
+    SEQ_FIELDS,
+    TOKEN_FIELDS,
+    PackedBatch,
+    Trajectory,
+    assemble_packed_batch,
+    pack_trajectories,
+)
 from areal_fast.sync.shared_memory import ALIGNMENT, SharedWeightBuffer
 
 AUTHKEY = b"test-authkey-0123456789abcdef012"
@@ -40,11 +46,17 @@ def _random_group(rng: random.Random, group_id: int, size: int) -> list[Trajecto
     out = []
     for _ in range(size):
         n = rng.randint(0, 12)
-        out.append(Trajectory(prompt, [rng.randrange(1, 500) for _ in range(n)],
-                              [-rng.random() * 5 for _ in range(n)],
-                              sorted(rng.randrange(0, 6) for _ in range(n)),
-                              rng.choice(["stop", "length"]), group_id,
-                              float(rng.choice([0.0, 0.5, 1.0]))))
+        out.append(
+            Trajectory(
+                prompt,
+                [rng.randrange(1, 500) for _ in range(n)],
+                [-rng.random() * 5 for _ in range(n)],
+                sorted(rng.randrange(0, 6) for _ in range(n)),
+                rng.choice(["stop", "length"]),
+                group_id,
+                float(rng.choice([0.0, 0.5, 1.0])),
+            )
+        )
     return out
 
 
@@ -72,8 +84,9 @@ def stores():
 def _put(store: ShardStore, node: str, group: list[Trajectory]):
     tensors = shard_tensors(group)
     store.put(group[0].group_id, tensors)
-    meta = ShardMetadata(node, store.address, group[0].group_id, len(group), 0,
-                         tensor_metadata(tensors))
+    meta = ShardMetadata(
+        node, store.address, group[0].group_id, len(group), 0, tensor_metadata(tensors)
+    )
     return meta, tensors
 
 
@@ -87,6 +100,7 @@ def _assert_same_tensors(got: dict, want: dict) -> None:
 
 # ---- ShardStore / fetch_shards -------------------------------------------------------
 
+
 def test_fetch_returns_what_was_put_in_batch_order_and_removes_it(stores, rng):
     groups = _random_groups(rng, 6)
     nodes = ["rollout-0", "rollout-1"]
@@ -99,8 +113,9 @@ def test_fetch_returns_what_was_put_in_batch_order_and_removes_it(stores, rng):
     for got, i in zip(fetched, order):
         _assert_same_tensors(got, put[i][1])
         meta = put[i][0]
-        assert {k: TensorMetadata(tuple(v.shape), str(v.dtype).split(".")[-1])
-                for k, v in got.items()} == meta.fields
+        assert {
+            k: TensorMetadata(tuple(v.shape), str(v.dtype).split(".")[-1]) for k, v in got.items()
+        } == meta.fields
     assert len(stores[0]) == len(stores[1]) == 0
     with pytest.raises(RuntimeError, match=r"worker 'rollout-[01]'.*not held"):
         fetch_shards(batch, AUTHKEY, timeout=10.0)
@@ -136,6 +151,7 @@ def _fetch_in_thread(batch, timeout: float) -> tuple[threading.Thread, dict]:
             result["value"] = fetch_shards(batch, AUTHKEY, timeout)
         except BaseException as exc:  # noqa: BLE001 - inspected by the test
             result["error"] = exc
+
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return thread, result
@@ -159,8 +175,14 @@ def test_fetch_times_out_when_the_worker_does_not_answer(rng):
     try:
         (group,) = _random_groups(rng, 1)
         tensors = shard_tensors(group)
-        meta = ShardMetadata("rollout-9", "127.0.0.1:%d" % silent.getsockname()[1],
-                             group[0].group_id, len(group), 0, tensor_metadata(tensors))
+        meta = ShardMetadata(
+            "rollout-9",
+            "127.0.0.1:%d" % silent.getsockname()[1],
+            group[0].group_id,
+            len(group),
+            0,
+            tensor_metadata(tensors),
+        )
         start = time.monotonic()
         thread, result = _fetch_in_thread(DistributedBatch([meta]), timeout=1.0)
         thread.join(4.0)
@@ -174,11 +196,20 @@ def test_fetch_times_out_when_the_worker_does_not_answer(rng):
 
 # ---- DistributedBatch ----------------------------------------------------------------
 
+
 def _meta(shard_id: int, seqs: int, tokens: int, offset: int = 99) -> ShardMetadata:
-    fields = {"input_ids": TensorMetadata((tokens,), "int64"),
-              "seq_lens": TensorMetadata((seqs,), "int64")}
-    return ShardMetadata(f"rollout-{shard_id % 3}", f"127.0.0.1:{4000 + shard_id % 3}",
-                         shard_id, seqs, offset, fields)
+    fields = {
+        "input_ids": TensorMetadata((tokens,), "int64"),
+        "seq_lens": TensorMetadata((seqs,), "int64"),
+    }
+    return ShardMetadata(
+        f"rollout-{shard_id % 3}",
+        f"127.0.0.1:{4000 + shard_id % 3}",
+        shard_id,
+        seqs,
+        offset,
+        fields,
+    )
 
 
 def test_offsets_and_sizes(rng):
@@ -206,11 +237,16 @@ def test_split_keeps_shards_whole_covers_all_and_balances(rng):
             for part in parts:
                 assert part.shards, "empty part"
                 assert [s.offset for s in part.shards] == [
-                    sum(s.batch_size for s in part.shards[:i]) for i in range(len(part.shards))]
+                    sum(s.batch_size for s in part.shards[:i]) for i in range(len(part.shards))
+                ]
                 for s in part.shards:  # whole: same sizes and fields as the original
                     orig = shards[s.shard_id]
                     assert (s.batch_size, s.fields, s.node_id, s.node_addr) == (
-                        orig.batch_size, orig.fields, orig.node_id, orig.node_addr)
+                        orig.batch_size,
+                        orig.fields,
+                        orig.node_id,
+                        orig.node_addr,
+                    )
             loads = [p.num_tokens for p in parts]
             assert max(loads) - min(loads) <= max(tokens)
             assert sum(loads) == sum(tokens)
@@ -230,13 +266,16 @@ def test_split_rejects_bad_k(k):
 
 # ---- assemble_packed_batch -----------------------------------------------------------
 
+
 @pytest.mark.parametrize("mode", ["grpo", "dr_grpo", "rloo"])
 def test_assemble_equals_pack_trajectories(rng, stores, mode):
     groups = _random_groups(rng, 5)
     trajectories = [t for g in groups for t in g]
-    advantages = group_advantages(torch.tensor([t.reward for t in trajectories]),
-                                  group_ids=torch.tensor([t.group_id for t in trajectories]),
-                                  mode=mode)
+    advantages = group_advantages(
+        torch.tensor([t.reward for t in trajectories]),
+        group_ids=torch.tensor([t.group_id for t in trajectories]),
+        mode=mode,
+    )
     want = pack_trajectories(trajectories, advantages)
     direct = assemble_packed_batch([shard_tensors(g) for g in groups], mode)
     metas = [_put(stores[i % 2], f"rollout-{i % 2}", g)[0] for i, g in enumerate(groups)]
@@ -255,6 +294,7 @@ def test_assemble_equals_pack_trajectories(rng, stores, mode):
 
 # ---- SharedWeightBuffer --------------------------------------------------------------
 
+
 def _named(rng: random.Random, dtype_names: list[str]) -> list[tuple[str, torch.Tensor]]:
     out = []
     for i, name in enumerate(dtype_names):
@@ -267,8 +307,15 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-@pytest.mark.parametrize("dtypes", [["float32"], ["bfloat16"], ["float16"],
-                                    ["float16", "float32", "bfloat16", "float32", "float16"]])
+@pytest.mark.parametrize(
+    "dtypes",
+    [
+        ["float32"],
+        ["bfloat16"],
+        ["float16"],
+        ["float16", "float32", "bfloat16", "float32", "float16"],
+    ],
+)
 def test_weight_buffer_round_trip_is_bit_exact(rng, tmp_path, dtypes):
     named = _named(rng, dtypes) + [("odd", torch.randn(3, 5, 7).to(getattr(torch, dtypes[0])))]
     writer = SharedWeightBuffer.create(named, directory=str(tmp_path))

@@ -31,7 +31,10 @@ class _Run:
     def check_counts(self) -> None:
         c = self.m.counts
         assert (c.running, c.accepted, c.rejected) == (
-            len(self.running), len(self.accepted), self.rejected)
+            len(self.running),
+            len(self.accepted),
+            self.rejected,
+        )
         assert self.m.capacity(self.version) >= 0
         assert c.running <= self.mc
 
@@ -48,8 +51,10 @@ class _Run:
         assert c.running <= self.mc
         if n == cap:  # the capacity is tight: one more would break a bound
             assert self.m.capacity(self.version) == 0
-            assert (c.running == self.mc
-                    or c.accepted + c.running == (self.eta + self.version + 1) * self.B)
+            assert (
+                c.running == self.mc
+                or c.accepted + c.running == (self.eta + self.version + 1) * self.B
+            )
 
     def finish(self, index: int, accepted: bool) -> None:
         gid = self.running.pop(index)
@@ -160,14 +165,17 @@ def test_max_concurrent_caps_capacity():
     assert m.capacity(0) == 2
 
 
-@pytest.mark.parametrize("kwargs,name", [
-    (dict(batch_size=0), "batch_size"),
-    (dict(batch_size=2.5), "batch_size"),
-    (dict(max_head_offpolicyness=-1), "max_head_offpolicyness"),
-    (dict(max_head_offpolicyness=0.5), "max_head_offpolicyness"),
-    (dict(max_concurrent_rollouts=0), "max_concurrent_rollouts"),
-    (dict(max_concurrent_rollouts=-3), "max_concurrent_rollouts"),
-])
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [
+        (dict(batch_size=0), "batch_size"),
+        (dict(batch_size=2.5), "batch_size"),
+        (dict(max_head_offpolicyness=-1), "max_head_offpolicyness"),
+        (dict(max_head_offpolicyness=0.5), "max_head_offpolicyness"),
+        (dict(max_concurrent_rollouts=0), "max_concurrent_rollouts"),
+        (dict(max_concurrent_rollouts=-3), "max_concurrent_rollouts"),
+    ],
+)
 def test_constructor_errors_name_the_argument(kwargs, name):
     args = {**dict(batch_size=2, max_head_offpolicyness=1, max_concurrent_rollouts=4), **kwargs}
     with pytest.raises(ValueError, match=name):

@@ -26,8 +26,7 @@ def test_death_is_raised_after_the_messages_of_the_same_call():
     trainer.peer.send(msg.StepDone(3, {"loss": 0.5}, [1, 2]))
     rollout.peer.close()  # the rollout worker is gone: end of file on its channel
     got = waiter.wait(1.0, "at step 3")
-    assert [(h.name, type(m).__name__, m.version) for h, m in got] == \
-        [("trainer", "StepDone", 3)]
+    assert [(h.name, type(m).__name__, m.version) for h, m in got] == [("trainer", "StepDone", 3)]
     with pytest.raises(WorkerError, match="'rollout-0'.*died.*at step 3") as info:
         waiter.wait(1.0, "at step 3")
     assert info.value.worker == "rollout-0" and info.value.died

@@ -29,11 +29,24 @@ def _reward(completions, **kwargs):
 
 
 def _args(tmp_path, name, **overrides):
-    kwargs = dict(output_dir=str(tmp_path / name), per_device_train_batch_size=BATCH,
-                  num_generations=NUM_GENERATIONS, max_completion_length=MAX_COMPLETION,
-                  max_steps=1, learning_rate=1e-3, temperature=0.8, seed=7, report_to="none",
-                  use_cpu=True, bf16=False, max_grad_norm=0.0, save_strategy="no",
-                  logging_steps=1, disable_tqdm=True, dataloader_num_workers=0)
+    kwargs = dict(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=BATCH,
+        num_generations=NUM_GENERATIONS,
+        max_completion_length=MAX_COMPLETION,
+        max_steps=1,
+        learning_rate=1e-3,
+        temperature=0.8,
+        seed=7,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        max_grad_norm=0.0,
+        save_strategy="no",
+        logging_steps=1,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     kwargs.update(overrides)
     return GRPOConfig(**kwargs)
 
@@ -44,8 +57,14 @@ def _trainer(cls, model_dir, args, callbacks=None, **config_changes):
         setattr(model.config, key, value)
     tok = transformers.AutoTokenizer.from_pretrained(model_dir)
     dataset = datasets.Dataset.from_dict({"prompt": PROMPTS})
-    return cls(model=model, reward_funcs=_reward, args=args, train_dataset=dataset,
-               processing_class=tok, callbacks=callbacks)
+    return cls(
+        model=model,
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tok,
+        callbacks=callbacks,
+    )
 
 
 class _GradSnapshot(transformers.TrainerCallback):
@@ -54,8 +73,9 @@ class _GradSnapshot(transformers.TrainerCallback):
     grads: dict
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        self.grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
-                      if p.grad is not None}
+        self.grads = {
+            n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None
+        }
 
 
 def _assert_grads_close(got: dict, want: dict, rtol=1e-4):
@@ -72,12 +92,15 @@ def test_one_training_step_matches_trl(tiny_model_dir, tmp_path):
     results = {}
     for cls in (GRPOTrainer, AFGRPOTrainer):
         snapshot = _GradSnapshot()
-        trainer = _trainer(cls, tiny_model_dir, _args(tmp_path, cls.__name__, loss_type="grpo"),
-                           callbacks=[snapshot])
+        trainer = _trainer(
+            cls,
+            tiny_model_dir,
+            _args(tmp_path, cls.__name__, loss_type="grpo"),
+            callbacks=[snapshot],
+        )
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.train()
-        moved = max((p - before[n]).abs().max().item()
-                    for n, p in trainer.model.named_parameters())
+        moved = max((p - before[n]).abs().max().item() for n, p in trainer.model.named_parameters())
         results[cls] = (trainer.state.log_history[0], snapshot.grads, moved)
     (want, want_grads, _), (got, got_grads, moved) = results[GRPOTrainer], results[AFGRPOTrainer]
     assert moved > 0, "the adapter's step did not update the parameters"
@@ -99,8 +122,9 @@ def prepared(tiny_model_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("trl-prepared")
     trainer = _trainer(GRPOTrainer, tiny_model_dir, _args(tmp, "gen"))
     trainer.model.train()
-    rows = [{"prompt": p} for p in PROMPTS[:BATCH // NUM_GENERATIONS]
-            for _ in range(NUM_GENERATIONS)]
+    rows = [
+        {"prompt": p} for p in PROMPTS[: BATCH // NUM_GENERATIONS] for _ in range(NUM_GENERATIONS)
+    ]
     torch.manual_seed(0)
     inputs = trainer._generate_and_score_completions(rows)
     mask = inputs["completion_mask"].clone()
@@ -111,12 +135,14 @@ def prepared(tiny_model_dir, tmp_path_factory):
     am = torch.cat([inputs["prompt_mask"], mask], 1)
     with torch.no_grad():
         logps, _, _ = trainer._get_per_token_logps_and_entropies(
-            trainer.model, ids, am, mask.shape[1])
+            trainer.model, ids, am, mask.shape[1]
+        )
     gen = torch.Generator().manual_seed(1)
     inputs["old_per_token_logps"] = logps + 0.3 * torch.randn(logps.shape, generator=gen)
     inputs["ref_per_token_logps"] = logps + 0.2 * torch.randn(logps.shape, generator=gen)
-    inputs["sampling_per_token_logps"] = (inputs["old_per_token_logps"]
-                                          + 0.4 * torch.randn(logps.shape, generator=gen))
+    inputs["sampling_per_token_logps"] = inputs["old_per_token_logps"] + 0.4 * torch.randn(
+        logps.shape, generator=gen
+    )
     inputs["sampling_per_token_logps"][0, 0] = float("nan")  # a token the engine did not score
     inputs["num_items_in_batch"] = mask.sum()
     assert inputs["advantages"].abs().max() > 0
@@ -128,13 +154,21 @@ CASES = {
     "bnpo": dict(loss_type="bnpo"),
     "dr_grpo": dict(loss_type="dr_grpo"),
     "dapo": dict(loss_type="dapo", epsilon_high=0.28),
-    "luspo-gspo": dict(loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4,
-                       epsilon_high=4e-4),
-    "grpo-gspo-kl-delta-entropy": dict(loss_type="grpo", importance_sampling_level="sequence",
-                                       epsilon=0.01, beta=0.04, use_bias_correction_kl=False,
-                                       delta=1.05, entropy_coef=0.01),
-    "bnpo-kl-token-advantages": dict(loss_type="bnpo", beta=0.1, use_bias_correction_kl=False,
-                                     epsilon=0.1),
+    "luspo-gspo": dict(
+        loss_type="luspo", importance_sampling_level="sequence", epsilon=3e-4, epsilon_high=4e-4
+    ),
+    "grpo-gspo-kl-delta-entropy": dict(
+        loss_type="grpo",
+        importance_sampling_level="sequence",
+        epsilon=0.01,
+        beta=0.04,
+        use_bias_correction_kl=False,
+        delta=1.05,
+        entropy_coef=0.01,
+    ),
+    "bnpo-kl-token-advantages": dict(
+        loss_type="bnpo", beta=0.1, use_bias_correction_kl=False, epsilon=0.1
+    ),
     "dapo-vllm-tis": dict(loss_type="dapo"),
 }
 
@@ -145,8 +179,11 @@ def _loss_and_grads(trainer, inputs):
     trainer.current_gradient_accumulation_steps = 2
     loss = trainer.compute_loss(trainer.model, inputs)
     loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters()
-             if p.grad is not None}
+    grads = {
+        n: p.grad.detach().clone()
+        for n, p in trainer.model.named_parameters()
+        if p.grad is not None
+    }
     return loss.detach(), grads
 
 
@@ -169,7 +206,7 @@ def test_loss_and_grads_match_trl(case, prepared, tiny_model_dir, tmp_path):
         assert trainers[AFGRPOTrainer].af_loss_config.tis_cap == 1.2
         trl = trainers[GRPOTrainer]
         trl.use_vllm, trl.vllm_importance_sampling_correction = True, True
-        diff = (inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"])
+        diff = inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]
         diff = torch.nan_to_num(diff * inputs["completion_mask"], nan=0.0)
         inputs["importance_sampling_ratio"] = torch.exp(diff).clamp(max=1.2)
     want_loss, want_grads = _loss_and_grads(trainers[GRPOTrainer], inputs)
@@ -179,8 +216,13 @@ def test_loss_and_grads_match_trl(case, prepared, tiny_model_dir, tmp_path):
     _assert_grads_close(got_grads, want_grads)
     metrics = trainers[AFGRPOTrainer]._metrics["train"]
     assert metrics["clip_ratio/region_mean"][-1] > 0, "no token was clipped: weak test"
-    for name in ("entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                 "clip_ratio/region_mean", "kl"):
+    for name in (
+        "entropy",
+        "clip_ratio/low_mean",
+        "clip_ratio/high_mean",
+        "clip_ratio/region_mean",
+        "kl",
+    ):
         want = trainers[GRPOTrainer]._metrics["train"].get(name)
         if want:
             assert metrics[name][-1] == pytest.approx(want[-1], rel=1e-4, abs=1e-7), name
@@ -193,13 +235,19 @@ def test_logprobs_and_entropy_match_trl(prepared, tiny_qwen_dir, tmp_path):
         trainer = _trainer(cls, tiny_qwen_dir, _args(tmp_path, cls.__name__))
         if cls is AFGRPOTrainer:
             trainer.model.get_output_embeddings().register_forward_hook(
-                lambda module, args, output: head_outputs.append(tuple(output.shape)))
+                lambda module, args, output: head_outputs.append(tuple(output.shape))
+            )
         ids = torch.cat([prepared["prompt_ids"], prepared["completion_ids"]], 1)
         am = torch.cat([prepared["prompt_mask"], prepared["completion_mask"]], 1)
         with torch.no_grad():
             out[cls] = trainer._get_per_token_logps_and_entropies(
-                trainer.model, ids, am, prepared["completion_ids"].shape[1], batch_size=3,
-                compute_entropy=True)[:2]
+                trainer.model,
+                ids,
+                am,
+                prepared["completion_ids"].shape[1],
+                batch_size=3,
+                compute_entropy=True,
+            )[:2]
     for got, want in zip(out[AFGRPOTrainer], out[GRPOTrainer]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6)
     assert (out[AFGRPOTrainer][0][2] == 0).all()  # fully masked row
@@ -217,19 +265,22 @@ def test_logit_scale_and_softcap(prepared, tiny_model_dir, tmp_path):
         am = torch.cat([prepared["prompt_mask"], prepared["completion_mask"]], 1)
         with torch.no_grad():
             out[cls] = trainer._get_per_token_logps_and_entropies(
-                trainer.model, ids, am, prepared["completion_ids"].shape[1])[0]
+                trainer.model, ids, am, prepared["completion_ids"].shape[1]
+            )[0]
     torch.testing.assert_close(out[AFGRPOTrainer], out[GRPOTrainer], rtol=1e-5, atol=2e-6)
     with pytest.raises(ValueError, match="final_logit_softcapping"):
-        _trainer(AFGRPOTrainer, tiny_model_dir, _args(tmp_path, "softcap"),
-                 final_logit_softcapping=30.0)
+        _trainer(
+            AFGRPOTrainer, tiny_model_dir, _args(tmp_path, "softcap"), final_logit_softcapping=30.0
+        )
 
 
 def test_loss_types_differ(prepared, tiny_model_dir, tmp_path):
     """The comparison above can fail: each loss_type gives its own value on the same batch."""
     losses = {}
     for loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
-        trainer = _trainer(AFGRPOTrainer, tiny_model_dir,
-                           _args(tmp_path, loss_type, loss_type=loss_type))
+        trainer = _trainer(
+            AFGRPOTrainer, tiny_model_dir, _args(tmp_path, loss_type, loss_type=loss_type)
+        )
         inputs = dict(prepared)
         if loss_type == "dapo":  # as if the accumulation window held three such micro-batches
             inputs["num_items_in_batch"] = 3 * inputs["num_items_in_batch"]
@@ -257,31 +308,54 @@ def test_loss_config_mapping(tmp_path):
     dr = cfg(loss_type="dr_grpo")
     assert (dr.aggregation, dr.seq_len_norm) == ("seq_mean_token_sum", MAX_COMPLETION)
     lu = cfg(loss_type="luspo", importance_sampling_level="sequence")
-    assert (lu.aggregation, lu.seq_len_norm, lu.ratio_level) == ("seq_mean_token_sum", 1.0,
-                                                                  "sequence")
+    assert (lu.aggregation, lu.seq_len_norm, lu.ratio_level) == (
+        "seq_mean_token_sum",
+        1.0,
+        "sequence",
+    )
     c = cfg(epsilon=0.1, epsilon_high=0.3, delta=2.0, beta=0.05, use_bias_correction_kl=False)
-    assert (c.eps_clip, c.clip_high, c.dual_clip_c, c.kl_coef, c.kl_estimator) == \
-        (0.1, 0.3, 2.0, 0.05, "k3")
+    assert (c.eps_clip, c.clip_high, c.dual_clip_c, c.kl_coef, c.kl_estimator) == (
+        0.1,
+        0.3,
+        2.0,
+        0.05,
+        "k3",
+    )
     assert c.tis_cap is None and c.entropy_coef == 0
 
 
-@pytest.mark.parametrize("changes, option", [
-    (dict(loss_type="cispo"), "loss_type"),
-    (dict(loss_type="sapo"), "loss_type"),
-    (dict(loss_type="vespo"), "loss_type"),
-    (dict(loss_type="nope"), "loss_type"),
-    (dict(epsilon=1.5), "epsilon"),
-    (dict(delta=1.1, epsilon_high=0.28), "delta"),
-    (dict(beta=0.1, use_bias_correction_kl=True), "use_bias_correction_kl"),
-    (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
-    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
-    (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
-    (dict(use_vllm=True, vllm_importance_sampling_correction=True,
-          vllm_importance_sampling_mode="sequence_mask"), "vllm_importance_sampling_mode"),
-    (dict(use_vllm=True, vllm_importance_sampling_correction=True,
-          vllm_importance_sampling_mode="token_truncate",
-          vllm_importance_sampling_clip_min=0.5), "vllm_importance_sampling_clip_min"),
-])
+@pytest.mark.parametrize(
+    "changes, option",
+    [
+        (dict(loss_type="cispo"), "loss_type"),
+        (dict(loss_type="sapo"), "loss_type"),
+        (dict(loss_type="vespo"), "loss_type"),
+        (dict(loss_type="nope"), "loss_type"),
+        (dict(epsilon=1.5), "epsilon"),
+        (dict(delta=1.1, epsilon_high=0.28), "delta"),
+        (dict(beta=0.1, use_bias_correction_kl=True), "use_bias_correction_kl"),
+        (dict(top_entropy_quantile=0.2), "top_entropy_quantile"),
+        (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+        (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
+        (
+            dict(
+                use_vllm=True,
+                vllm_importance_sampling_correction=True,
+                vllm_importance_sampling_mode="sequence_mask",
+            ),
+            "vllm_importance_sampling_mode",
+        ),
+        (
+            dict(
+                use_vllm=True,
+                vllm_importance_sampling_correction=True,
+                vllm_importance_sampling_mode="token_truncate",
+                vllm_importance_sampling_clip_min=0.5,
+            ),
+            "vllm_importance_sampling_clip_min",
+        ),
+    ],
+)
 def test_unsupported_options_raise(changes, option, tmp_path):
     args = copy.copy(_base_args(tmp_path))
     for key, value in changes.items():

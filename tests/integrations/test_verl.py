@@ -11,8 +11,12 @@ import types
 import pytest
 import torch
 
-from areal_fast.integrations.verl import (LOSS_AGG_MODES, register_verl_policy_loss,
-                                          verl_loss_config, verl_policy_loss)
+from areal_fast.integrations.verl import (
+    LOSS_AGG_MODES,
+    register_verl_policy_loss,
+    verl_loss_config,
+    verl_policy_loss,
+)
 from areal_fast.rl.config import LossConfig
 
 
@@ -33,8 +37,9 @@ def _import_core_algos():
     try:
         return importlib.import_module("verl.trainer.ppo.core_algos")
     except ImportError as exc:
-        pytest.skip(f"verl.trainer.ppo.core_algos cannot be imported: {exc}",
-                    allow_module_level=True)
+        pytest.skip(
+            f"verl.trainer.ppo.core_algos cannot be imported: {exc}", allow_module_level=True
+        )
     finally:
         if placeholder is not None and sys.modules.get("ray") is placeholder:
             del sys.modules["ray"]
@@ -42,16 +47,27 @@ def _import_core_algos():
 
 core_algos = _import_core_algos()
 
-GLOBAL_INFO = {"dp_size": 2, "batch_num_tokens": 57, "global_batch_size": 10,
-               "loss_scale_factor": 16}
+GLOBAL_INFO = {
+    "dp_size": 2,
+    "batch_num_tokens": 57,
+    "global_batch_size": 10,
+    "loss_scale_factor": 16,
+}
 
 
 def _actor_config(global_batch_info=None, **overrides):
     from verl.workers.config import ActorConfig
 
-    kwargs = dict(strategy="fsdp", rollout_n=4, ppo_micro_batch_size_per_gpu=2,
-                  clip_ratio=0.2, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0,
-                  global_batch_info=dict(global_batch_info or {}))
+    kwargs = dict(
+        strategy="fsdp",
+        rollout_n=4,
+        ppo_micro_batch_size_per_gpu=2,
+        clip_ratio=0.2,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+        global_batch_info=dict(global_batch_info or {}),
+    )
     kwargs.update(overrides)
     return ActorConfig(**kwargs)
 
@@ -76,9 +92,15 @@ def _inputs(with_weights: bool, rows=6, length=11):
 
 def _run(fn, old, new, advantages, mask, weights, mode, config):
     log_prob = new.clone().requires_grad_(True)
-    loss, metrics = fn(old_log_prob=old, log_prob=log_prob, advantages=advantages,
-                       response_mask=mask, loss_agg_mode=mode, config=config,
-                       rollout_is_weights=weights)
+    loss, metrics = fn(
+        old_log_prob=old,
+        log_prob=log_prob,
+        advantages=advantages,
+        response_mask=mask,
+        loss_agg_mode=mode,
+        config=config,
+        rollout_is_weights=weights,
+    )
     loss.backward()
     return loss.detach(), log_prob.grad, metrics
 
@@ -90,10 +112,12 @@ def test_matches_verl_vanilla(mode, with_weights, info, fresh_seed):
     old, new, advantages, mask, weights = _inputs(with_weights)
     config = _actor_config(info, loss_agg_mode=mode)
     vanilla = core_algos.get_policy_loss_fn("vanilla")
-    want_loss, want_grad, want_metrics = _run(vanilla, old, new, advantages, mask, weights,
-                                              mode, config)
-    got_loss, got_grad, got_metrics = _run(verl_policy_loss, old, new, advantages, mask,
-                                           weights, mode, config)
+    want_loss, want_grad, want_metrics = _run(
+        vanilla, old, new, advantages, mask, weights, mode, config
+    )
+    got_loss, got_grad, got_metrics = _run(
+        verl_policy_loss, old, new, advantages, mask, weights, mode, config
+    )
     msg = f"seed {fresh_seed}"
     assert want_grad.abs().max() > 1e-3, msg
     # fp32: the loss is a sum of ~60 terms of either sign, summed in another order
@@ -113,13 +137,27 @@ def test_registry_and_dictconfig(fresh_seed):
     assert register_verl_policy_loss("areal_fast_test") is not fn  # re-registering replaces
     fn = core_algos.get_policy_loss_fn("areal_fast_test")
     old, new, advantages, mask, weights = _inputs(True)
-    config = omegaconf.OmegaConf.create({"clip_ratio": 0.2, "clip_ratio_low": None,
-                                         "clip_ratio_high": 0.3, "clip_ratio_c": 2.5,
-                                         "global_batch_info": {}})
+    config = omegaconf.OmegaConf.create(
+        {
+            "clip_ratio": 0.2,
+            "clip_ratio_low": None,
+            "clip_ratio_high": 0.3,
+            "clip_ratio_c": 2.5,
+            "global_batch_info": {},
+        }
+    )
     losses = {}
     for mode in LOSS_AGG_MODES:
-        want = _run(core_algos.get_policy_loss_fn("vanilla"), old, new, advantages, mask,
-                    weights, mode, config)
+        want = _run(
+            core_algos.get_policy_loss_fn("vanilla"),
+            old,
+            new,
+            advantages,
+            mask,
+            weights,
+            mode,
+            config,
+        )
         got = _run(fn, old, new, advantages, mask, weights, mode, config)
         torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-7)
@@ -133,26 +171,44 @@ def test_sequence_ratio_template():
     """A template's ratio_level reaches grpo_loss (GSPO-style sequence ratios)."""
     config = _actor_config(loss_agg_mode="seq-mean-token-mean")
     cfg = verl_loss_config(config, "seq-mean-token-mean", 11, LossConfig(ratio_level="sequence"))
-    assert (cfg.ratio_level, cfg.eps_clip, cfg.clip_high, cfg.dual_clip_c) == \
-        ("sequence", 0.2, 0.28, 3.0)
+    assert (cfg.ratio_level, cfg.eps_clip, cfg.clip_high, cfg.dual_clip_c) == (
+        "sequence",
+        0.2,
+        0.28,
+        3.0,
+    )
     old, new, advantages, mask, _ = _inputs(False)
     token = verl_policy_loss(old, new, advantages, mask, "seq-mean-token-mean", config)[0]
-    seq = verl_policy_loss(old, new, advantages, mask, "seq-mean-token-mean", config,
-                           template=LossConfig(ratio_level="sequence"))[0]
+    seq = verl_policy_loss(
+        old,
+        new,
+        advantages,
+        mask,
+        "seq-mean-token-mean",
+        config,
+        template=LossConfig(ratio_level="sequence"),
+    )[0]
     assert not torch.isclose(token, seq)
 
 
-@pytest.mark.parametrize("call, option", [
-    (lambda: register_verl_policy_loss("vanilla"), "name"),
-    (lambda: register_verl_policy_loss("x", LossConfig(kl_coef=0.1)), "kl_coef"),
-    (lambda: register_verl_policy_loss("x", LossConfig(tis_cap=2.0)), "tis_cap"),
-    (lambda: verl_loss_config(_actor_config(), "seq-mean"), "loss_agg_mode"),
-    (lambda: verl_loss_config(_actor_config(clip_ratio_c=1.0)), "clip_ratio_c"),
-    (lambda: verl_loss_config(_actor_config(clip_ratio_low=1.5)), "clip_ratio_low"),
-    (lambda: verl_policy_loss(*_inputs(False)[:4], "token-mean",
-                              _actor_config({"dp_size": 2})), "batch_num_tokens"),
-    (lambda: verl_policy_loss(*_inputs(False)[:4], "token-mean", None), "config"),
-])
+@pytest.mark.parametrize(
+    "call, option",
+    [
+        (lambda: register_verl_policy_loss("vanilla"), "name"),
+        (lambda: register_verl_policy_loss("x", LossConfig(kl_coef=0.1)), "kl_coef"),
+        (lambda: register_verl_policy_loss("x", LossConfig(tis_cap=2.0)), "tis_cap"),
+        (lambda: verl_loss_config(_actor_config(), "seq-mean"), "loss_agg_mode"),
+        (lambda: verl_loss_config(_actor_config(clip_ratio_c=1.0)), "clip_ratio_c"),
+        (lambda: verl_loss_config(_actor_config(clip_ratio_low=1.5)), "clip_ratio_low"),
+        (
+            lambda: verl_policy_loss(
+                *_inputs(False)[:4], "token-mean", _actor_config({"dp_size": 2})
+            ),
+            "batch_num_tokens",
+        ),
+        (lambda: verl_policy_loss(*_inputs(False)[:4], "token-mean", None), "config"),
+    ],
+)
 def test_errors_name_the_option(call, option):
     with pytest.raises(ValueError, match=option):
         call()

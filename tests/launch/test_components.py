@@ -27,17 +27,34 @@ from areal_fast.train.torch_engine import TorchTrainEngine
 
 # every value below differs from its default
 CHANGED = [
-    "actor.keep_groups=false", "actor.use_decoupled_loss=false", "actor.adv_mode=rloo",
-    "actor.max_tokens_per_mb=2048", "actor.pack_method=ffd",
-    "actor.prox_logp_method=loglinear", "actor.ppo_n_minibatches=2",
-    "actor.loss.eps_clip=0.3", "actor.loss.behav_weight_cap=4.0",
-    "actor.loss.aggregation=token_sum", "actor.optim.lr=3e-4", "actor.optim.beta1=0.8",
-    "actor.optim.beta2=0.99", "actor.optim.eps=1e-6", "actor.optim.weight_decay=0.01",
-    "actor.optim.grad_clip=0.5", "actor.optim.lr_schedule=linear",
+    "actor.keep_groups=false",
+    "actor.use_decoupled_loss=false",
+    "actor.adv_mode=rloo",
+    "actor.max_tokens_per_mb=2048",
+    "actor.pack_method=ffd",
+    "actor.prox_logp_method=loglinear",
+    "actor.ppo_n_minibatches=2",
+    "actor.loss.eps_clip=0.3",
+    "actor.loss.behav_weight_cap=4.0",
+    "actor.loss.aggregation=token_sum",
+    "actor.optim.lr=3e-4",
+    "actor.optim.beta1=0.8",
+    "actor.optim.beta2=0.99",
+    "actor.optim.eps=1e-6",
+    "actor.optim.weight_decay=0.01",
+    "actor.optim.grad_clip=0.5",
+    "actor.optim.lr_schedule=linear",
     "actor.optim.warmup_steps=2",
-    "rollout.temperature=0.9", "rollout.max_batch_size=8", "rollout.num_workers=2",
-    "model.dtype=bfloat16", "scheduler.train_world_size=2", "scheduler.dist_timeout=30",
-    "scheduler.host=127.0.0.2", "launcher.startup_timeout=77", "total_steps=7", "seed=5",
+    "rollout.temperature=0.9",
+    "rollout.max_batch_size=8",
+    "rollout.num_workers=2",
+    "model.dtype=bfloat16",
+    "scheduler.train_world_size=2",
+    "scheduler.dist_timeout=30",
+    "scheduler.host=127.0.0.2",
+    "launcher.startup_timeout=77",
+    "total_steps=7",
+    "seed=5",
 ]
 
 
@@ -57,8 +74,7 @@ def test_changed_config_changes_every_value():
         key, _ = override.split("=", 1)
         node_default, node_changed = default, load_config(None, [override])
         for part in key.split("."):
-            node_default, node_changed = getattr(node_default, part), getattr(node_changed,
-                                                                              part)
+            node_default, node_changed = getattr(node_default, part), getattr(node_changed, part)
         assert node_changed != node_default, override
 
 
@@ -134,8 +150,12 @@ def test_trainer_uses_the_config(cfg):
 # Fields a component may hold although a config section has a field of that name: filled
 # per rank / per worker from the config by ClusterSpec (its trainer_specs / rollout_spec), or
 # derived from several keys (threads: worker_threads(cfg) from threads and launcher.*).
-ALLOWED = {(TorchTrainerFactory, "dist_timeout"), (RolloutWorkerSpec, "host"),
-           (RolloutWorkerSpec, "threads"), (TrainerWorkerSpec, "threads")}
+ALLOWED = {
+    (TorchTrainerFactory, "dist_timeout"),
+    (RolloutWorkerSpec, "host"),
+    (RolloutWorkerSpec, "threads"),
+    (TrainerWorkerSpec, "threads"),
+}
 
 
 def _config_field_names() -> set[str]:
@@ -143,8 +163,9 @@ def _config_field_names() -> set[str]:
     names, todo = set(), [ExperimentConfig]
     while todo:
         for f in dataclasses.fields(todo.pop()):
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING \
-                else f.default
+            default = (
+                f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            )
             if dataclasses.is_dataclass(default):
                 todo.append(type(default))
             else:
@@ -152,13 +173,17 @@ def _config_field_names() -> set[str]:
     return names - {"seed", "total_steps"}  # run-level values the trainer takes as such
 
 
-@pytest.mark.parametrize("component", [HFEngineFactory, TorchTrainerFactory,
-                                       TrainerWorkerSpec, RolloutWorkerSpec, ClusterSpec])
+@pytest.mark.parametrize(
+    "component",
+    [HFEngineFactory, TorchTrainerFactory, TrainerWorkerSpec, RolloutWorkerSpec, ClusterSpec],
+)
 def test_components_restate_no_config_field(component):
     restated = {f.name for f in dataclasses.fields(component)} & _config_field_names()
     restated -= {name for cls, name in ALLOWED if cls is component}
-    assert not restated, (f"{component.__name__} restates config fields {sorted(restated)}: "
-                          f"carry the config dataclass instead")
+    assert not restated, (
+        f"{component.__name__} restates config fields {sorted(restated)}: "
+        f"carry the config dataclass instead"
+    )
 
 
 def test_behav_weight_cap_has_one_key():

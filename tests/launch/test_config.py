@@ -5,16 +5,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import GSM8K_DIR, REPO
 from omegaconf import OmegaConf
 
 from areal_fast.launch import config_reference as ref
 from areal_fast.launch.config import ConfigError, ExperimentConfig, did_you_mean, load_config
-from conftest import GSM8K_DIR, REPO
 
 ARITH = REPO / "examples" / "arith.yaml"
 GSM8K = REPO / "examples" / "gsm8k.yaml"
-needs_gsm8k = pytest.mark.skipif(not (GSM8K_DIR / "train.jsonl").is_file(),
-                                 reason=f"GSM8K files not present at {GSM8K_DIR}")
+needs_gsm8k = pytest.mark.skipif(
+    not (GSM8K_DIR / "train.jsonl").is_file(), reason=f"GSM8K files not present at {GSM8K_DIR}"
+)
 
 
 def _leaves(node, prefix=""):
@@ -36,9 +37,15 @@ def test_reference_has_every_key_with_a_meaning():
     for key in keys:
         assert key.meaning.strip() and key.type and key.default, key
     by_name = {k.key: k for k in keys}
-    for name in ("max_seconds", "tags", "data.train_split", "data.eval_split",
-                 "actor.loss.behav_weight_mode", "scheduler.dist_timeout",
-                 "scheduler.ray_num_cpus"):
+    for name in (
+        "max_seconds",
+        "tags",
+        "data.train_split",
+        "data.eval_split",
+        "actor.loss.behav_weight_mode",
+        "scheduler.dist_timeout",
+        "scheduler.ray_num_cpus",
+    ):
         assert name in by_name, name
     assert by_name["actor.optim.lr"].default == "1e-05"
     assert by_name["actor.optim.lr"].type == "float"
@@ -53,8 +60,10 @@ def test_reference_has_every_key_with_a_meaning():
     assert "{split}.jsonl" in by_name["data.path"].meaning
     assert "data.task_kwargs={}" in by_name["data.task_kwargs"].meaning
     assert by_name["actor.loss.behav_weight_mode"].meaning.startswith('"mask" zeroes tokens')
-    assert "drop groups that would be trained more than η versions" in \
-        by_name["rollout.drop_stale"].meaning
+    assert (
+        "drop groups that would be trained more than η versions"
+        in by_name["rollout.drop_stale"].meaning
+    )
     sections = [s.name for s in ref.sections()]
     assert sections[:4] == ["top level", "model", "data", "rollout"]
     assert {"actor.loss", "actor.optim", "launcher.timeouts"} <= set(sections)
@@ -78,7 +87,8 @@ def test_docs_config_md_is_up_to_date():
     path = REPO / "docs" / "config.md"
     assert path.is_file(), f"docs/config.md is missing: run `{ref.REGENERATE}`"
     assert path.read_text(encoding="utf-8") == ref.render_markdown(), (
-        f"docs/config.md is out of date with the config dataclasses: run `{ref.REGENERATE}`")
+        f"docs/config.md is out of date with the config dataclasses: run `{ref.REGENERATE}`"
+    )
 
 
 def test_text_reference_lists_every_key_with_its_default():
@@ -91,22 +101,26 @@ def test_text_reference_lists_every_key_with_its_default():
 def test_unknown_keys_get_the_closest_known_ones(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(str(ARITH), ["actor.optim.lrr=1e-5"])
-    assert str(info.value).startswith("unknown config key 'actor.optim.lrr'; did you mean "
-                                      "'actor.optim.lr'")
+    assert str(info.value).startswith(
+        "unknown config key 'actor.optim.lrr'; did you mean 'actor.optim.lr'"
+    )
     assert "'actor.optim.lrr=1e-5'" in str(info.value)
     with pytest.raises(ConfigError, match="did you mean 'total_steps'"):
         load_config(str(ARITH), ["total_stepz=3"])
     # a key in the wrong section: matched by its last part
     assert did_you_mean("behav_weight_mode").startswith(
-        "; did you mean 'actor.loss.behav_weight_mode'")
+        "; did you mean 'actor.loss.behav_weight_mode'"
+    )
     assert did_you_mean("actor.optimm").startswith("; did you mean 'actor.optim'")
     assert did_you_mean("zzzzqqq") == ""
     config = tmp_path / "c.yaml"
     config.write_text("seed: 3\nactor:\n  optim:\n    lrr: 1.0e-5\n")
     with pytest.raises(ConfigError) as info:
         load_config(str(config))
-    assert str(info.value) == (f"config file {config}:4:5: unknown config key "
-                               f"'actor.optim.lrr'; did you mean 'actor.optim.lr'?")
+    assert str(info.value) == (
+        f"config file {config}:4:5: unknown config key "
+        f"'actor.optim.lrr'; did you mean 'actor.optim.lr'?"
+    )
 
 
 def test_yaml_errors_give_file_line_and_column(tmp_path):
@@ -119,16 +133,21 @@ def test_yaml_errors_give_file_line_and_column(tmp_path):
     bad_value.write_text("seed: 1\nrollout:\n  group_size: 1\n")
     with pytest.raises(ConfigError) as info:
         load_config(str(bad_value))
-    assert str(info.value) == (f"config file {bad_value}:3:3: rollout.group_size = 1 must be "
-                               f">= 2 (GRPO compares samples of a prompt)")
+    assert str(info.value) == (
+        f"config file {bad_value}:3:3: rollout.group_size = 1 must be "
+        f">= 2 (GRPO compares samples of a prompt)"
+    )
     # the same check from the command line names the key without the file's position
     with pytest.raises(ConfigError) as info:
         load_config(str(bad_value), ["rollout.group_size=0"])
     assert str(info.value).startswith("rollout.group_size = 0 must be >= 2")
     wrong_type = tmp_path / "type.yaml"
     wrong_type.write_text("total_steps: abc\n")
-    with pytest.raises(ConfigError, match=rf"^config file {wrong_type}:1:1: config key "
-                                          r"'total_steps': Value 'abc'"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"^config file {wrong_type}:1:1: config key "
+        r"'total_steps': Value 'abc'",
+    ):
         load_config(str(wrong_type))
 
 
@@ -146,9 +165,16 @@ def test_a_mapping_is_emptied_by_braces_and_merged_otherwise():
 def test_arith_example_switches_to_gsm8k_by_override():
     from areal_fast.launch.experiment import load_datasets
 
-    cfg = load_config(str(ARITH), ["data.task=gsm8k", "data.task_kwargs={}",
-                                   f"data.path={GSM8K_DIR}", "data.train_size=100",
-                                   "data.eval_size=20"])
+    cfg = load_config(
+        str(ARITH),
+        [
+            "data.task=gsm8k",
+            "data.task_kwargs={}",
+            f"data.path={GSM8K_DIR}",
+            "data.train_size=100",
+            "data.eval_size=20",
+        ],
+    )
     train, held_out, _ = load_datasets(cfg)
     assert len(train) == 100 and len(held_out) == 20
     assert held_out[0].uid.startswith("gsm8k/test/") and train[0].uid.startswith("gsm8k/train/")
@@ -182,22 +208,33 @@ def test_gsm8k_example_fits_its_micro_batch_and_shows_the_arithmetic():
     assert str(info.value) == (
         f"actor.max_tokens_per_mb = 4096 is smaller than a GRPO group (actor.keep_groups) can "
         f"be: rollout.group_size 8 × (longest prompt {longest} + rollout.max_new_tokens 256) "
-        f"= {need} tokens; set actor.max_tokens_per_mb >= {need}")
-    one = load_config(str(GSM8K), [f"data.path={GSM8K_DIR}", "actor.max_tokens_per_mb=300",
-                                   "actor.keep_groups=false"])
-    with pytest.raises(ValueError, match=rf"one sequence can be: longest prompt {longest} \+ "
-                                         rf"rollout.max_new_tokens 256 = {longest + 256} "):
+        f"= {need} tokens; set actor.max_tokens_per_mb >= {need}"
+    )
+    one = load_config(
+        str(GSM8K),
+        [f"data.path={GSM8K_DIR}", "actor.max_tokens_per_mb=300", "actor.keep_groups=false"],
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"one sequence can be: longest prompt {longest} \+ "
+        rf"rollout.max_new_tokens 256 = {longest + 256} ",
+    ):
         check_lengths(one, prompts, train + held_out, positions)
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["scheduler.ray_num_cpus=2", "scheduler.train_world_size=2"],
-     "the Ray workers need 3 CPUs (scheduler.train_world_size 2 × "
-     "scheduler.cpus_per_trainer_rank 1 + rollout.num_workers 1 × "
-     "scheduler.cpus_per_rollout_worker 1), a local Ray instance has 2 "
-     "(scheduler.ray_num_cpus)"),
-    (["scheduler.gpus_per_rollout_worker=1"], "GPUs"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (
+            ["scheduler.ray_num_cpus=2", "scheduler.train_world_size=2"],
+            "the Ray workers need 3 CPUs (scheduler.train_world_size 2 × "
+            "scheduler.cpus_per_trainer_rank 1 + rollout.num_workers 1 × "
+            "scheduler.cpus_per_rollout_worker 1), a local Ray instance has 2 "
+            "(scheduler.ray_num_cpus)",
+        ),
+        (["scheduler.gpus_per_rollout_worker=1"], "GPUs"),
+    ],
+)
 def test_ray_resources_are_checked_from_the_config(overrides, needle):
     import torch
 
@@ -209,13 +246,22 @@ def test_ray_resources_are_checked_from_the_config(overrides, needle):
     with pytest.raises(ConfigError) as info:
         check_resources(cfg)
     assert needle in str(info.value) and "\n" not in str(info.value)
-    check_resources(load_config(str(ARITH), ["scheduler.type=ray", *overrides[:1],
-                                             "scheduler.cpus_per_trainer_rank=0.5",
-                                             "scheduler.cpus_per_rollout_worker=0.5",
-                                             "scheduler.gpus_per_rollout_worker=0"]))
+    check_resources(
+        load_config(
+            str(ARITH),
+            [
+                "scheduler.type=ray",
+                *overrides[:1],
+                "scheduler.cpus_per_trainer_rank=0.5",
+                "scheduler.cpus_per_rollout_worker=0.5",
+                "scheduler.gpus_per_rollout_worker=0",
+            ],
+        )
+    )
     # a joined cluster is checked when the launcher connects to it
-    check_resources(load_config(str(ARITH), ["scheduler.type=ray", "scheduler.ray_address=auto",
-                                             *overrides]))
+    check_resources(
+        load_config(str(ARITH), ["scheduler.type=ray", "scheduler.ray_address=auto", *overrides])
+    )
 
 
 def test_help_lists_every_key(capsys):
@@ -227,12 +273,15 @@ def test_help_lists_every_key(capsys):
         assert info.value.code == 0
         out = capsys.readouterr().out
         assert "areal-fast config" in out
-        lines = {line.split(":")[0].strip(): line for line in out.replace("\n      ", " ")
-                 .splitlines() if ":" in line}
+        lines = {
+            line.split(":")[0].strip(): line
+            for line in out.replace("\n      ", " ").splitlines()
+            if ":" in line
+        }
         for section in ref.sections():
             prefix = "" if section.name == "top level" else f"{section.name}."
             listed = lines[section.name].split(":", 1)[1].replace(",", " ").split()
-            assert [k.key[len(prefix):] for k in section.keys] == listed, section.name
+            assert [k.key[len(prefix) :] for k in section.keys] == listed, section.name
 
 
 def test_config_command_prints_the_reference(capsys):

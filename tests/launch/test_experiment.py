@@ -26,23 +26,47 @@ STEPS = 6
 
 
 def _args(model_dir, root, trial, *extra):
-    return ["train", "--config", str(REPO / "examples" / "arith.yaml"), "--no-progress",
-            f"model.path={model_dir}", f"fileroot={root}", f"trial_name={trial}",
-            f"total_steps={STEPS}", "batch_size=4", "rollout.group_size=2",
-            "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.eval_size=4",
-            "data.train_size=60", "rollout.max_head_offpolicyness=0", "threads=1",
-            "actor.loss.entropy_coef=0.5", "actor.optim.lr=1e-2", "checkpoint.every_steps=2",
-            "launcher.startup_timeout=120", "launcher.timeouts.train_step=120", *extra]
+    return [
+        "train",
+        "--config",
+        str(REPO / "examples" / "arith.yaml"),
+        "--no-progress",
+        f"model.path={model_dir}",
+        f"fileroot={root}",
+        f"trial_name={trial}",
+        f"total_steps={STEPS}",
+        "batch_size=4",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        "eval.max_new_tokens=6",
+        "data.eval_size=4",
+        "data.train_size=60",
+        "rollout.max_head_offpolicyness=0",
+        "threads=1",
+        "actor.loss.entropy_coef=0.5",
+        "actor.optim.lr=1e-2",
+        "checkpoint.every_steps=2",
+        "launcher.startup_timeout=120",
+        "launcher.timeouts.train_step=120",
+        *extra,
+    ]
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:
-    return [(r["step"], r["loss"]) for r in
-            map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+    return [
+        (r["step"], r["loss"])
+        for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    ]
 
 
 def _start(args, module: str = "areal_fast.cli") -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    return subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
 
 
 def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240.0) -> None:
@@ -73,12 +97,24 @@ def _finish(proc: subprocess.Popen, timeout: float = 300.0) -> str:
     return out
 
 
-def _run_with_kill(args, run_dir: Path, worker: str, after_steps: int,
-                   module: str = "areal_fast.cli", need_checkpoint: bool = False) -> str:
+def _run_with_kill(
+    args,
+    run_dir: Path,
+    worker: str,
+    after_steps: int,
+    module: str = "areal_fast.cli",
+    need_checkpoint: bool = False,
+) -> str:
     proc = _start(args, module)
     ckpt = run_dir / "checkpoints" / "step-00000002"
-    _wait_for(lambda: _steps_done(run_dir) >= after_steps and (run_dir / "workers.json").is_file()
-              and (ckpt.is_dir() or not need_checkpoint), proc)
+    _wait_for(
+        lambda: (
+            _steps_done(run_dir) >= after_steps
+            and (run_dir / "workers.json").is_file()
+            and (ckpt.is_dir() or not need_checkpoint)
+        ),
+        proc,
+    )
     _kill(run_dir, worker)
     return _finish(proc)
 
@@ -95,8 +131,13 @@ def reference(tiny_model_dir, tmp_path_factory):
 @pytest.mark.slow
 def test_trainer_killed_resumes_with_equal_losses(tiny_model_dir, tmp_path, reference):
     run_dir = tmp_path / "grpo-arith" / "kill"
-    out = _run_with_kill(_args(tiny_model_dir, tmp_path, "kill"), run_dir, "trainer",
-                         after_steps=3, need_checkpoint=True)
+    out = _run_with_kill(
+        _args(tiny_model_dir, tmp_path, "kill"),
+        run_dir,
+        "trainer",
+        after_steps=3,
+        need_checkpoint=True,
+    )
     assert "restarting the job from its last checkpoint" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trainer_restarts"] == 1 and summary["resumed_from_version"] in (2, 4)
@@ -112,8 +153,9 @@ def test_rollout_worker_killed_loses_nothing(tiny_model_dir, tmp_path, reference
     """Synchronous mode: the running groups start again on the new worker with the same
     seeds and the current weights, so even the losses equal the uninterrupted run's."""
     run_dir = tmp_path / "grpo-arith" / "kill"
-    out = _run_with_kill(_args(tiny_model_dir, tmp_path, "kill"), run_dir, "rollout-0",
-                         after_steps=2)
+    out = _run_with_kill(
+        _args(tiny_model_dir, tmp_path, "kill"), run_dir, "rollout-0", after_steps=2
+    )
     assert "restarting it (2 restarts left after this one)" in out
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rollout_worker_restarts"] == 1
@@ -132,8 +174,14 @@ def test_rollout_worker_killed_while_running_ahead(tiny_model_dir, tmp_path):
     """Asynchronous mode with two workers: finished groups of the dead worker are read from
     its spool files; every accepted group is trained, none is dropped as lost."""
     run_dir = tmp_path / "grpo-arith" / "async"
-    args = _args(tiny_model_dir, tmp_path, "async", "rollout.max_head_offpolicyness=2",
-                 "rollout.num_workers=2", "rollout.drop_stale=false")
+    args = _args(
+        tiny_model_dir,
+        tmp_path,
+        "async",
+        "rollout.max_head_offpolicyness=2",
+        "rollout.num_workers=2",
+        "rollout.drop_stale=false",
+    )
     _run_with_kill(args, run_dir, "rollout-1", after_steps=2)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["rollout_worker_restarts"] == 1 and summary["rollouts_trained"] == STEPS * 4
@@ -144,8 +192,7 @@ def test_rollout_worker_killed_while_running_ahead(tiny_model_dir, tmp_path):
     assert not (run_dir / "shards").exists()  # spool files are consumed or cleaned up
 
 
-def test_damaged_checkpoint_is_skipped_with_a_message(tiny_model_dir, tmp_path, reference,
-                                                      caplog):
+def test_damaged_checkpoint_is_skipped_with_a_message(tiny_model_dir, tmp_path, reference, caplog):
     import shutil
 
     run_dir = tmp_path / "grpo-arith" / "ref"
@@ -159,13 +206,14 @@ def test_damaged_checkpoint_is_skipped_with_a_message(tiny_model_dir, tmp_path, 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from_version"] == 0  # no complete checkpoint left
     assert any("step-00000006" in s and "truncated" in s for s in summary["skipped_checkpoints"])
-    assert any("step-00000004" in s and "train_state.json is missing" in s
-               for s in summary["skipped_checkpoints"])
+    assert any(
+        "step-00000004" in s and "train_state.json is missing" in s
+        for s in summary["skipped_checkpoints"]
+    )
     assert _losses(run_dir) == reference[1]
 
 
-def test_resume_from_middle_checkpoint_equals_uninterrupted(tiny_model_dir, tmp_path,
-                                                            reference):
+def test_resume_from_middle_checkpoint_equals_uninterrupted(tiny_model_dir, tmp_path, reference):
     import shutil
 
     run_dir = tmp_path / "grpo-arith" / "ref"
@@ -189,8 +237,12 @@ def test_ray_two_ranks_survive_rollout_and_trainer_deaths(tiny_model_dir, tmp_pa
     trainer ranks (gloo). Uninterrupted, the losses equal the 1-rank local run's to fp32
     tolerance; a killed rollout worker is replaced with nothing lost; a killed trainer rank
     restarts the job from its checkpoint with equal losses."""
-    ray_args = ["scheduler.train_world_size=2", "scheduler.cpus_per_rollout_worker=0.5",
-                "scheduler.cpus_per_trainer_rank=0.5", "scheduler.ray_num_cpus=2"]
+    ray_args = [
+        "scheduler.train_world_size=2",
+        "scheduler.cpus_per_rollout_worker=0.5",
+        "scheduler.cpus_per_trainer_rank=0.5",
+        "scheduler.ray_num_cpus=2",
+    ]
     env_args = lambda trial: _args(tiny_model_dir, tmp_path, trial, *ray_args)  # noqa: E731
     module = "areal_fast.launch.ray"
     first = _start(["train", *env_args("plain")[1:]], module)
@@ -200,16 +252,23 @@ def test_ray_two_ranks_survive_rollout_and_trainer_deaths(tiny_model_dir, tmp_pa
         assert loss == pytest.approx(ref, rel=1e-5, abs=1e-6), step
 
     run_dir = tmp_path / "grpo-arith" / "rollout"
-    _run_with_kill(["train", *env_args("rollout")[1:]], run_dir, "rollout-0", after_steps=2,
-                   module=module)
+    _run_with_kill(
+        ["train", *env_args("rollout")[1:]], run_dir, "rollout-0", after_steps=2, module=module
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["scheduler"] == "ray" and summary["rollout_worker_restarts"] == 1
     assert summary["rollouts_trained"] == STEPS * 4
     assert sum(summary["rollouts_dropped"].values()) == 0
 
     run_dir = tmp_path / "grpo-arith" / "trainer"
-    _run_with_kill(["train", *env_args("trainer")[1:]], run_dir, "trainer-1", after_steps=3,
-                   module=module, need_checkpoint=True)
+    _run_with_kill(
+        ["train", *env_args("trainer")[1:]],
+        run_dir,
+        "trainer-1",
+        after_steps=3,
+        module=module,
+        need_checkpoint=True,
+    )
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["trainer_restarts"] == 1
     got = _losses(run_dir)
@@ -218,15 +277,18 @@ def test_ray_two_ranks_survive_rollout_and_trainer_deaths(tiny_model_dir, tmp_pa
         assert loss == pytest.approx(ref, rel=1e-6), step
 
 
-@pytest.mark.parametrize("override, key", [
-    ("scheduler.type=slurm", "scheduler.type"),
-    ("scheduler.train_world_size=32", "scheduler.train_world_size = 32"),
-    ("scheduler.cpus_per_trainer_rank=0", "scheduler.cpus_per_trainer_rank"),
-    ("scheduler.placement_strategy=RANDOM", "scheduler.placement_strategy"),
-    ("checkpoint.every_steps=-1", "checkpoint.every_steps"),
-    ("checkpoint.keep=0", "checkpoint.keep"),
-    ("recovery.max_rollout_restarts=-1", "recovery.max_rollout_restarts"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("scheduler.type=slurm", "scheduler.type"),
+        ("scheduler.train_world_size=32", "scheduler.train_world_size = 32"),
+        ("scheduler.cpus_per_trainer_rank=0", "scheduler.cpus_per_trainer_rank"),
+        ("scheduler.placement_strategy=RANDOM", "scheduler.placement_strategy"),
+        ("checkpoint.every_steps=-1", "checkpoint.every_steps"),
+        ("checkpoint.keep=0", "checkpoint.keep"),
+        ("recovery.max_rollout_restarts=-1", "recovery.max_rollout_restarts"),
+    ],
+)
 def test_scale_out_config_errors_name_the_key(override, key):
     from areal_fast.launch.config import ConfigError, load_config
 
@@ -255,14 +317,15 @@ def test_checkpoint_damaged_in_place_is_marked_and_skipped(tiny_model_dir, tmp_p
     assert main(_args(tiny_model_dir, tmp_path, "ref", "resume=true")) == 0
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from_version"] == 4 and summary["trainer_restarts"] == 1
-    assert any("step-00000006" in s and "could not load it" in s and "model.safetensors" in s
-               for s in summary["skipped_checkpoints"])
+    assert any(
+        "step-00000006" in s and "could not load it" in s and "model.safetensors" in s
+        for s in summary["skipped_checkpoints"]
+    )
     assert not (newest / "DAMAGED").exists()  # replaced by the resumed run's own step 6
     assert _losses(run_dir) == reference[1]
 
 
-def test_resume_refuses_another_model(tiny_model_dir, tiny_qwen_dir, tmp_path, reference,
-                                      capsys):
+def test_resume_refuses_another_model(tiny_model_dir, tiny_qwen_dir, tmp_path, reference, capsys):
     import shutil
 
     run_dir = tmp_path / "grpo-arith" / "ref"
@@ -291,8 +354,11 @@ def test_final_model_is_written_only_when_asked(tiny_model_dir, tmp_path, capsys
     """``checkpoint.final_model=false``: a trial run writes no ``checkpoint/`` (the trained
     model); the metrics, plot and held-out results are all there, and the closing summary
     says that no model was saved."""
-    args = [a for a in _args(tiny_model_dir, tmp_path, "no-model") if not a.startswith(
-        ("total_steps=", "checkpoint.every_steps="))]
+    args = [
+        a
+        for a in _args(tiny_model_dir, tmp_path, "no-model")
+        if not a.startswith(("total_steps=", "checkpoint.every_steps="))
+    ]
     assert main([*args, "total_steps=1", "checkpoint.final_model=false"]) == 0
     run_dir = tmp_path / "grpo-arith" / "no-model"
     assert not (run_dir / "checkpoint").exists() and not (run_dir / "checkpoints").exists()

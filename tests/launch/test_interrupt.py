@@ -22,19 +22,39 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _args(model_dir, root, *extra):
-    return ["train", "--config", str(REPO / "examples" / "arith.yaml"), "--no-progress",
-            f"model.path={model_dir}", f"fileroot={root}", "trial_name=stop",
-            "total_steps=200", "batch_size=4", "rollout.group_size=2",
-            "rollout.max_new_tokens=6", "eval.max_new_tokens=6", "data.eval_size=4",
-            "data.train_size=60", "rollout.max_head_offpolicyness=0", "threads=1",
-            "checkpoint.every_steps=2", "launcher.startup_timeout=120", *extra]
+    return [
+        "train",
+        "--config",
+        str(REPO / "examples" / "arith.yaml"),
+        "--no-progress",
+        f"model.path={model_dir}",
+        f"fileroot={root}",
+        "trial_name=stop",
+        "total_steps=200",
+        "batch_size=4",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        "eval.max_new_tokens=6",
+        "data.eval_size=4",
+        "data.train_size=60",
+        "rollout.max_head_offpolicyness=0",
+        "threads=1",
+        "checkpoint.every_steps=2",
+        "launcher.startup_timeout=120",
+        *extra,
+    ]
 
 
 def _start(args) -> subprocess.Popen:
     # a session of its own: the signal goes to every process of the job, as Ctrl-C does
-    return subprocess.Popen([sys.executable, "-m", "areal_fast.cli", *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "areal_fast.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        start_new_session=True,
+    )
 
 
 def _steps(run_dir: Path) -> list[int]:
@@ -50,8 +70,9 @@ def _saving(run_dir: Path, step: int) -> bool:
     return any(root.glob(f".tmp-step-{step:08d}-*")) or (root / f"step-{step:08d}").is_dir()
 
 
-def _wait_steps(proc: subprocess.Popen, run_dir: Path, steps: int, timeout=240.0,
-                until=lambda: True) -> None:
+def _wait_steps(
+    proc: subprocess.Popen, run_dir: Path, steps: int, timeout=240.0, until=lambda: True
+) -> None:
     deadline = time.monotonic() + timeout
     while len(_steps(run_dir)) < steps or not until():
         if proc.poll() is not None:
@@ -82,8 +103,9 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(tiny_model_dir, tmp_path, cap
     trained = len(_steps(run_dir))
     assert latest >= 4  # the checkpoint in progress at the signal was finished
     assert status[0].startswith(f"interrupted at step {trained + 1} ({trained} of 200 trained)")
-    assert status[0].endswith(f"checkpoint step-{latest} is complete; resume=true continues "
-                              f"from step {latest}")
+    assert status[0].endswith(
+        f"checkpoint step-{latest} is complete; resume=true continues from step {latest}"
+    )
     assert not (run_dir / "summary.json").exists() and not (run_dir / "shards").exists()
 
     from areal_fast.cli import main
@@ -91,10 +113,18 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(tiny_model_dir, tmp_path, cap
     assert main(_args(tiny_model_dir, tmp_path)) == 2  # neither resume nor overwrite
     assert "was interrupted; pass resume=true to continue it" in capsys.readouterr().err
     total = latest + 2
-    done = subprocess.run([sys.executable, "-m", "areal_fast.cli",
-                           *_args(tiny_model_dir, tmp_path, "resume=true",
-                                  f"total_steps={total}")],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "areal_fast.cli",
+            *_args(tiny_model_dir, tmp_path, "resume=true", f"total_steps={total}"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["resumed_from_version"] == latest and summary["steps"] == total
@@ -107,8 +137,9 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(tiny_model_dir, tmp_path, cap
 def test_sigterm_stops_like_ctrl_c(tiny_model_dir, tmp_path):
     """SIGTERM to the launcher alone (as a scheduler or `timeout` sends it)."""
     run_dir = tmp_path / "grpo-arith" / "stop"
-    proc = _start(_args(tiny_model_dir, tmp_path, "checkpoint.every_steps=0",
-                        "checkpoint.final_model=false"))
+    proc = _start(
+        _args(tiny_model_dir, tmp_path, "checkpoint.every_steps=0", "checkpoint.final_model=false")
+    )
     _wait_steps(proc, run_dir, 1)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=180)
@@ -116,8 +147,9 @@ def test_sigterm_stops_like_ctrl_c(tiny_model_dir, tmp_path):
     assert "Traceback" not in err, err[-3000:]
     status = (run_dir / "INTERRUPTED").read_text().splitlines()
     assert status[1] == "signal: SIGTERM"
-    assert status[0].endswith("checkpoints are off (checkpoint.every_steps = 0): resume=true "
-                              "starts at step 0")
+    assert status[0].endswith(
+        "checkpoints are off (checkpoint.every_steps = 0): resume=true starts at step 0"
+    )
 
 
 def test_describe_stop_names_the_complete_checkpoint(tmp_path):
@@ -126,29 +158,45 @@ def test_describe_stop_names_the_complete_checkpoint(tmp_path):
     manager = CheckpointManager(tmp_path / "checkpoints", every_steps=2)
     assert describe_stop("evaluating before training", 0, 20, manager, 2, False) == (
         "interrupted while evaluating before training (0 of 20 steps trained); no checkpoint "
-        "is complete yet: resume=true starts at step 0")
+        "is complete yet: resume=true starts at step 0"
+    )
     tmp = manager.begin(6)
-    (tmp / STATE_FILE).write_text(json.dumps({"format": FORMAT, "version": 6, "world_size": 1,
-                                                "scheduler": {}, "files": {}}))
+    (tmp / STATE_FILE).write_text(
+        json.dumps({"format": FORMAT, "version": 6, "world_size": 1, "scheduler": {}, "files": {}})
+    )
     manager.commit(tmp, 6, {"counts": {}})
     assert describe_stop("training", 7, 20, manager, 2, True) == (
         "interrupted at step 8 (7 of 20 trained); checkpoint step-6 is complete; resume=true "
-        "continues from step 6 (the checkpoint in progress was discarded)")
+        "continues from step 6 (the checkpoint in progress was discarded)"
+    )
 
 
 def test_eval_lines_and_end_summary():
     assert console.eval_started("before training", 200, 2, 32) == (
         "held-out evaluation before training: 200 problems on 2 rollout workers (greedy, up "
-        "to 32 new tokens) ...")
+        "to 32 new tokens) ..."
+    )
     assert console.eval_finished("before training", 41, 200, 44.2) == (
-        "held-out accuracy before training: 20.5% (41/200), 44 s")
+        "held-out accuracy before training: 20.5% (41/200), 44 s"
+    )
     assert console.format_seconds(598) == "9 min 58 s"
     assert console.format_seconds(7500) == "2 h 05 min"
-    lines = console.end_summary({"steps": 20, "wall_seconds": 598.4, "eval_before": 0.205,
-                                 "eval_after": 0.31, "eval_problems": 200}, "runs/x", False)
-    assert lines[:3] == ["finished 20 steps in 9 min 58 s",
-                         "held-out accuracy: 20.5% → 31.0% (+10.5 points on 200 problems)",
-                         "run directory: runs/x"]
+    lines = console.end_summary(
+        {
+            "steps": 20,
+            "wall_seconds": 598.4,
+            "eval_before": 0.205,
+            "eval_after": 0.31,
+            "eval_problems": 200,
+        },
+        "runs/x",
+        False,
+    )
+    assert lines[:3] == [
+        "finished 20 steps in 9 min 58 s",
+        "held-out accuracy: 20.5% → 31.0% (+10.5 points on 200 problems)",
+        "run directory: runs/x",
+    ]
     assert "no final model saved (checkpoint.final_model = false)" in lines[-1]
 
 

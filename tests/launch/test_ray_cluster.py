@@ -60,16 +60,31 @@ def target(conn, name, spec, authkey):
 def test_actors_import_the_drivers_package_not_the_cwd(tmp_path):
     pytest.importorskip("ray")
     checkout = tmp_path / "checkout"  # a source tree: the package without its extension
-    shutil.copytree(REPO / "areal_fast", checkout / "areal_fast", symlinks=True,
-                    ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+    shutil.copytree(
+        REPO / "areal_fast",
+        checkout / "areal_fast",
+        symlinks=True,
+        ignore=shutil.ignore_patterns("_C*", "__pycache__"),
+    )
     (checkout / "probe.py").write_text(PROBE)
     (checkout / "beside.py").write_text("VALUE = 7\n")
     (tmp_path / "driver.py").write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": str(REPO)}  # the "installed" package, with _C
-    out = subprocess.run([sys.executable, str(tmp_path / "driver.py")], cwd=checkout, env=env,
-                         text=True, capture_output=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "driver.py")],
+        cwd=checkout,
+        env=env,
+        text=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     installed = str(REPO / "areal_fast" / "__init__.py")
-    assert seen == {"driver": installed, "actor": installed, "cwd": str(checkout),
-                    "beside": 7, "sigint_ignored": True}
+    assert seen == {
+        "driver": installed,
+        "actor": installed,
+        "cwd": str(checkout),
+        "beside": 7,
+        "sigint_ignored": True,
+    }

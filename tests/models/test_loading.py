@@ -16,18 +16,31 @@ def test_demo_model_facts():
     cfg = model.config
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (49152, 576, 30)
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
-    assert model.get_input_embeddings().weight.data_ptr() == \
-        model.get_output_embeddings().weight.data_ptr()
-    assert (demo_model_dir() / "chat_template.jinja").exists() or \
-        "chat_template" in (demo_model_dir() / "tokenizer_config.json").read_text()
+    assert (
+        model.get_input_embeddings().weight.data_ptr()
+        == model.get_output_embeddings().weight.data_ptr()
+    )
+    assert (demo_model_dir() / "chat_template.jinja").exists() or "chat_template" in (
+        demo_model_dir() / "tokenizer_config.json"
+    ).read_text()
 
 
 def test_one_grpo_step_on_demo_model(tmp_path):
     """One real step: engine samples, trainer updates, engine receives the new weights."""
-    args = ["train", "--no-progress", f"fileroot={tmp_path}", "total_steps=1", "batch_size=2",
-            "rollout.group_size=2", "rollout.max_new_tokens=8", "eval.before=false",
-            "data.eval_size=4", "eval.max_new_tokens=8", "data.train_size=20",
-            "data.task_kwargs={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}"]
+    args = [
+        "train",
+        "--no-progress",
+        f"fileroot={tmp_path}",
+        "total_steps=1",
+        "batch_size=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=8",
+        "eval.before=false",
+        "data.eval_size=4",
+        "eval.max_new_tokens=8",
+        "data.train_size=20",
+        "data.task_kwargs={min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}",
+    ]
     assert main(args) == 0
     run = tmp_path / "grpo-arith" / "trial0"
     record = json.loads((run / "metrics.jsonl").read_text())
@@ -35,8 +48,7 @@ def test_one_grpo_step_on_demo_model(tmp_path):
     assert record["behav_logprob_abs_diff"] < 1e-3  # engine and trainer agree on log-probs
     trained = load_causal_lm(str(run / "checkpoint"))
     base = load_causal_lm(DEMO_MODEL)
-    moved = sum((a - b).abs().sum().item() for a, b in
-                zip(trained.parameters(), base.parameters()))
+    moved = sum((a - b).abs().sum().item() for a, b in zip(trained.parameters(), base.parameters()))
     assert moved > 0 or record["grad_norm"] == 0.0
     assert json.loads((run / "summary.json").read_text())["eval_problems"] == 4
 
@@ -57,9 +69,8 @@ def _text_batch(lengths, seed):
     trajs = []
     for i, n in enumerate(lengths):
         start = rng.randrange(len(ids) - n)
-        window = ids[start:start + n]
-        trajs.append(Trajectory(window[:1], window[1:], [0.0] * (n - 1), [0] * (n - 1),
-                                "stop", i))
+        window = ids[start : start + n]
+        trajs.append(Trajectory(window[:1], window[1:], [0.0] * (n - 1), [0] * (n - 1), "stop", i))
     return pack_trajectories(trajs, torch.zeros(len(lengths)))
 
 

@@ -37,10 +37,10 @@ def _unpadded(model, batch, temperature):
     bounds = batch.cu_seqlens.tolist()
     with torch.no_grad():
         for s in range(batch.num_seqs):
-            ids = batch.input_ids[bounds[s]:bounds[s + 1]]
+            ids = batch.input_ids[bounds[s] : bounds[s + 1]]
             logits = model(input_ids=ids[None], use_cache=False).logits[0].double()
             logp = torch.log_softmax(logits / temperature, -1)
-            labels = batch.labels[bounds[s]:bounds[s + 1]]
+            labels = batch.labels[bounds[s] : bounds[s + 1]]
             picked = logp.gather(1, labels.clamp(min=0)[:, None]).squeeze(1)
             out.append(torch.where(labels == -100, 0.0, picked))
     return torch.cat(out)
@@ -88,15 +88,24 @@ def test_a_kv_cache_breaks_packing(tiny_model_dir, fresh_seed):
     model = load_causal_lm(str(tiny_model_dir))
     batch = _random_batch(model.config.vocab_size, [9, 9, 9])
     with torch.no_grad():
-        hidden_ok = model.get_decoder()(input_ids=batch.input_ids[None],
-                                        position_ids=batch.position_ids[None],
-                                        attention_mask=None, use_cache=False).last_hidden_state
+        hidden_ok = model.get_decoder()(
+            input_ids=batch.input_ids[None],
+            position_ids=batch.position_ids[None],
+            attention_mask=None,
+            use_cache=False,
+        ).last_hidden_state
         decoder = model.get_decoder()
-        cache_key = ("cache" if "cache" in inspect.signature(decoder.forward).parameters
-                     else "past_key_values")  # renamed in recent transformers
-        hidden_bad = decoder(input_ids=batch.input_ids[None],
-                             position_ids=batch.position_ids[None], use_cache=True,
-                             **{cache_key: DynamicCache()}).last_hidden_state
+        cache_key = (
+            "cache"
+            if "cache" in inspect.signature(decoder.forward).parameters
+            else "past_key_values"
+        )  # renamed in recent transformers
+        hidden_bad = decoder(
+            input_ids=batch.input_ids[None],
+            position_ids=batch.position_ids[None],
+            use_cache=True,
+            **{cache_key: DynamicCache()},
+        ).last_hidden_state
     first = slice(0, 9)  # the first sequence is unaffected either way
     assert torch.allclose(hidden_ok[0, first], hidden_bad[0, first], atol=1e-5)
     assert (hidden_ok[0, 9:] - hidden_bad[0, 9:]).abs().max() > 1e-3
@@ -143,8 +152,9 @@ def test_update_weights_checks_and_keeps_ties(tiny_model_dir):
     assert torch.equal(emb.weight, source.get_input_embeddings().weight)
 
 
-def test_behaviour_logprobs_ignore_model_generation_config_and_top_p(tiny_model_dir, tmp_path,
-                                                                       fresh_seed):
+def test_behaviour_logprobs_ignore_model_generation_config_and_top_p(
+    tiny_model_dir, tmp_path, fresh_seed
+):
     """A model's repetition penalty or a top-p nucleus must not skew behaviour log-probs."""
     import json
     import shutil
@@ -158,8 +168,9 @@ def test_behaviour_logprobs_ignore_model_generation_config_and_top_p(tiny_model_
     tok = load_tokenizer(str(model_dir))
     model = load_causal_lm(str(model_dir))
     engine = HFEngine(model, tok)
-    trajs = engine.generate([tok.encode("2 + 2 = ")],
-                            SamplingParams(n=6, temperature=1.0, top_p=0.8, max_new_tokens=12))
+    trajs = engine.generate(
+        [tok.encode("2 + 2 = ")], SamplingParams(n=6, temperature=1.0, top_p=0.8, max_new_tokens=12)
+    )
     batch = pack_trajectories(trajs, torch.zeros(6))
     with torch.no_grad():
         logp, _ = packed_forward_logprobs(model, batch, temperature=1.0, with_entropy=False)
@@ -171,20 +182,23 @@ def test_trainer_turns_dropout_off(tmp_path, fresh_seed):
     """With dropout in the model config, trainer log-probs still equal the engine's."""
     import copy
 
+    from conftest import make_tiny_model_dir
+
     from areal_fast.rl.config import LossConfig
     from areal_fast.train.config import ActorConfig
     from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine
-    from conftest import make_tiny_model_dir
 
     path = make_tiny_model_dir(tmp_path / "dropout")
     import json
+
     cfg = json.loads((path / "config.json").read_text())
     cfg["attention_dropout"] = 0.5
     (path / "config.json").write_text(json.dumps(cfg))
     tok, policy = load_tokenizer(str(path)), load_causal_lm(str(path))
     engine = HFEngine(copy.deepcopy(policy), tok)
-    actor = ActorConfig(loss=LossConfig(), optim=OptimizerConfig(), keep_groups=False,
-                        use_decoupled_loss=False)
+    actor = ActorConfig(
+        loss=LossConfig(), optim=OptimizerConfig(), keep_groups=False, use_decoupled_loss=False
+    )
     trainer = TorchTrainEngine(policy, actor, temperature=1.0)
     trajs = engine.generate([tok.encode("hello")], SamplingParams(n=4, max_new_tokens=8))
     stats = trainer.accumulate_gradients(pack_trajectories(trajs, torch.randn(4)))

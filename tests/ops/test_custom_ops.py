@@ -17,8 +17,9 @@ def test_opcheck(impl, with_bias, want_entropy, fresh_seed):
     weight = torch.randn(23, 8, requires_grad=True)
     bias = torch.randn(23, requires_grad=True) if with_bias else None
     labels = torch.randint(0, 23, (9,))
-    torch.library.opcheck(linear_logprobs_fwd_op,
-                          (hidden, weight, labels, bias, 0.8, -100, want_entropy, impl))
+    torch.library.opcheck(
+        linear_logprobs_fwd_op, (hidden, weight, labels, bias, 0.8, -100, want_entropy, impl)
+    )
 
 
 def test_compiles_without_graph_breaks(fresh_seed):

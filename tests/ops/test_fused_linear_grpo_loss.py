@@ -14,12 +14,10 @@ CONFIGS = [
     LossConfig(eps_clip=0.1, eps_clip_high=0.28, dual_clip_c=3.0),
     LossConfig(ratio_level="sequence"),
     LossConfig(aggregation="seq_mean_token_mean", entropy_coef=0.01),
-    LossConfig(aggregation="seq_mean_token_sum", seq_len_norm=16.0, kl_coef=0.1,
-               kl_estimator="k3"),
+    LossConfig(aggregation="seq_mean_token_sum", seq_len_norm=16.0, kl_coef=0.1, kl_estimator="k3"),
     LossConfig(aggregation="token_sum", kl_coef=0.05, kl_estimator="k2"),
     LossConfig(behav_weight_cap=1.05, behav_weight_mode="mask", tis_cap=1.5),
-    LossConfig(behav_weight_cap=1.05, behav_weight_mode="clamp", kl_coef=0.1,
-               kl_estimator="k1"),
+    LossConfig(behav_weight_cap=1.05, behav_weight_mode="clamp", kl_coef=0.1, kl_estimator="k1"),
 ]
 
 
@@ -37,18 +35,29 @@ def _batch(T=45, H=24, V=301, dtype=torch.float64):
         logp = linear_logprobs(hidden.double(), weight.double(), labels, temperature=0.8)
     noise = lambda: 0.1 * torch.randn(T, dtype=torch.float64)  # noqa: E731
     old = (logp + noise()).float()
-    extras = dict(prox_logprobs=(logp + noise()).float(), ref_logprobs=(logp + noise()).float(),
-                  engine_logprobs=(logp + noise()).float())
+    extras = dict(
+        prox_logprobs=(logp + noise()).float(),
+        ref_logprobs=(logp + noise()).float(),
+        engine_logprobs=(logp + noise()).float(),
+    )
     advantages = torch.randn(len(lengths))
     return hidden, weight, labels, old, advantages, loss_mask, cu, extras
 
 
 def _composed(hidden, weight, labels, old, adv, mask, cu, cfg, extras):
-    logp, ent = linear_logprobs(hidden, weight, torch.where(mask, labels, -100),
-                                temperature=0.8, return_entropy=True)
-    return grpo_loss(logp, old.to(logp.dtype), adv.to(logp.dtype), mask, cu, cfg,
-                     entropy=ent if cfg.entropy_coef else None,
-                     **{k: v.to(logp.dtype) for k, v in extras.items()})
+    logp, ent = linear_logprobs(
+        hidden, weight, torch.where(mask, labels, -100), temperature=0.8, return_entropy=True
+    )
+    return grpo_loss(
+        logp,
+        old.to(logp.dtype),
+        adv.to(logp.dtype),
+        mask,
+        cu,
+        cfg,
+        entropy=ent if cfg.entropy_coef else None,
+        **{k: v.to(logp.dtype) for k, v in extras.items()},
+    )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -63,9 +72,18 @@ def test_fused_equals_composed(impl, cfg, fresh_seed):
     h = hidden.float().to(device).requires_grad_()
     w = weight.float().to(device).requires_grad_()
     loss, stats = fused_linear_grpo_loss(
-        h, w, labels.to(device), old.to(device), adv.to(device), mask.to(device),
-        cu.to(device), cfg, temperature=0.8, impl=impl,
-        **{k: v.to(device) for k, v in extras.items()})
+        h,
+        w,
+        labels.to(device),
+        old.to(device),
+        adv.to(device),
+        mask.to(device),
+        cu.to(device),
+        cfg,
+        temperature=0.8,
+        impl=impl,
+        **{k: v.to(device) for k, v in extras.items()},
+    )
     (3.0 * loss).backward()  # a non-unit upstream gradient
 
     scale = float(ref_loss.abs().clamp(min=1.0))
@@ -78,7 +96,8 @@ def test_fused_equals_composed(impl, cfg, fresh_seed):
     assert set(stats) == set(ref_stats)
     for key in stats:
         assert abs(float(stats[key]) - float(ref_stats[key])) < 1e-4 * max(
-            1.0, abs(float(ref_stats[key]))), key
+            1.0, abs(float(ref_stats[key]))
+        ), key
 
 
 def test_fused_is_exact_in_float64(fresh_seed):
@@ -89,9 +108,18 @@ def test_fused_is_exact_in_float64(fresh_seed):
     for fused in (True, False):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         if fused:
-            loss, _ = fused_linear_grpo_loss(h, w, labels, old.double(), adv.double(), mask, cu,
-                                             cfg, temperature=0.8,
-                                             **{k: v.double() for k, v in extras.items()})
+            loss, _ = fused_linear_grpo_loss(
+                h,
+                w,
+                labels,
+                old.double(),
+                adv.double(),
+                mask,
+                cu,
+                cfg,
+                temperature=0.8,
+                **{k: v.double() for k, v in extras.items()},
+            )
         else:
             loss, _ = _composed(h, w, labels, old, adv, mask, cu, cfg, extras)
         loss.backward()
@@ -122,36 +150,58 @@ def test_no_grad_gives_the_same_loss(fresh_seed):
     hidden, weight, labels, old, adv, mask, cu, extras = _batch(dtype=torch.float32)
     cfg = LossConfig(kl_coef=0.1)
     with torch.no_grad():
-        plain, _ = fused_linear_grpo_loss(hidden, weight, labels, old, adv, mask, cu, cfg,
-                                          ref_logprobs=extras["ref_logprobs"])
+        plain, _ = fused_linear_grpo_loss(
+            hidden, weight, labels, old, adv, mask, cu, cfg, ref_logprobs=extras["ref_logprobs"]
+        )
     h = hidden.clone().requires_grad_()
-    graded, _ = fused_linear_grpo_loss(h, weight, labels, old, adv, mask, cu, cfg,
-                                       ref_logprobs=extras["ref_logprobs"])
+    graded, _ = fused_linear_grpo_loss(
+        h, weight, labels, old, adv, mask, cu, cfg, ref_logprobs=extras["ref_logprobs"]
+    )
     assert abs(float(plain) - float(graded)) < 1e-6
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(cu=torch.tensor([0, 45], dtype=torch.int64)), "cu_seqlens"),
-    (dict(cu=torch.tensor([1, 45], dtype=torch.int32)), "cu_seqlens"),
-    (dict(cu=torch.tensor([0, 30, 20, 45], dtype=torch.int32)), "cu_seqlens"),
-    (dict(cu=torch.tensor([0, 44], dtype=torch.int32)), "cu_seqlens"),
-    (dict(adv=torch.randn(3)), "advantages"),
-    (dict(old=torch.randn(44)), "old_logprobs"),
-    (dict(mask=torch.ones(45)), "loss_mask"),
-    (dict(labels=torch.zeros(45, dtype=torch.int32)), "labels"),
-    (dict(weight=torch.randn(301, 23)), "weight"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (dict(cu=torch.tensor([0, 45], dtype=torch.int64)), "cu_seqlens"),
+        (dict(cu=torch.tensor([1, 45], dtype=torch.int32)), "cu_seqlens"),
+        (dict(cu=torch.tensor([0, 30, 20, 45], dtype=torch.int32)), "cu_seqlens"),
+        (dict(cu=torch.tensor([0, 44], dtype=torch.int32)), "cu_seqlens"),
+        (dict(adv=torch.randn(3)), "advantages"),
+        (dict(old=torch.randn(44)), "old_logprobs"),
+        (dict(mask=torch.ones(45)), "loss_mask"),
+        (dict(labels=torch.zeros(45, dtype=torch.int32)), "labels"),
+        (dict(weight=torch.randn(301, 23)), "weight"),
+    ],
+)
 def test_bad_input_names_the_tensor(change, match):
     hidden, weight, labels, old, adv, mask, cu, extras = _batch(dtype=torch.float32)
     args = dict(hidden=hidden, weight=weight, labels=labels, old=old, adv=adv, mask=mask, cu=cu)
     args.update(change)
     with pytest.raises(ValueError, match=match):
-        fused_linear_grpo_loss(args["hidden"], args["weight"], args["labels"], args["old"],
-                               args["adv"], args["mask"], args["cu"], LossConfig())
+        fused_linear_grpo_loss(
+            args["hidden"],
+            args["weight"],
+            args["labels"],
+            args["old"],
+            args["adv"],
+            args["mask"],
+            args["cu"],
+            LossConfig(),
+        )
 
 
 def test_wrong_length_engine_logprobs_is_named():
     hidden, weight, labels, old, adv, mask, cu, extras = _batch(dtype=torch.float32)
     with pytest.raises(ValueError, match="engine_logprobs"):
-        fused_linear_grpo_loss(hidden.requires_grad_(), weight, labels, old, adv, mask, cu,
-                               LossConfig(tis_cap=2.0), engine_logprobs=torch.zeros(3))
+        fused_linear_grpo_loss(
+            hidden.requires_grad_(),
+            weight,
+            labels,
+            old,
+            adv,
+            mask,
+            cu,
+            LossConfig(tis_cap=2.0),
+            engine_logprobs=torch.zeros(3),
+        )

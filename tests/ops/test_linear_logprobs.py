@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from conftest import available_impls, impl_device
 
 from areal_fast.ops import logprobs as lp_mod
 from areal_fast.ops import logprobs_tiled
 from areal_fast.ops.logprobs import linear_logprobs
-from conftest import available_impls, impl_device
 
 IMPLS = available_impls()
 
@@ -29,17 +29,22 @@ def _rel_err(got, ref):
     return float((got - ref).abs().max() / ref.abs().max().clamp(min=1.0))
 
 
-def _run(impl, hidden, weight, labels, bias=None, temperature=1.0, g_lp=None, g_ent=None,
-         **kwargs):
+def _run(impl, hidden, weight, labels, bias=None, temperature=1.0, g_lp=None, g_ent=None, **kwargs):
     """Forward (logprobs, entropy) and, with upstream grads, the backward; CPU results."""
     device = impl_device(impl)
     leaves = [t.detach().to(device).requires_grad_() for t in (hidden, weight)]
     if bias is not None:
         leaves.append(bias.detach().to(device).requires_grad_())
-    logp, ent = linear_logprobs(leaves[0], leaves[1], labels.to(device),
-                                temperature=temperature, return_entropy=True,
-                                bias=leaves[2] if bias is not None else None, impl=impl,
-                                **kwargs)
+    logp, ent = linear_logprobs(
+        leaves[0],
+        leaves[1],
+        labels.to(device),
+        temperature=temperature,
+        return_entropy=True,
+        bias=leaves[2] if bias is not None else None,
+        impl=impl,
+        **kwargs,
+    )
     grads = None
     if g_lp is not None:
         ((logp * g_lp.to(device)).sum() + (ent * g_ent.to(device)).sum()).backward()
@@ -59,8 +64,9 @@ CASES = [  # (T, H, V, dtype, rtol)
 @pytest.mark.parametrize("T,H,V,dtype,rtol", CASES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("small_chunks", [False, True])
-def test_values_and_grads_match_float64(impl, T, H, V, dtype, rtol, with_bias, small_chunks,
-                                        fresh_seed, monkeypatch):
+def test_values_and_grads_match_float64(
+    impl, T, H, V, dtype, rtol, with_bias, small_chunks, fresh_seed, monkeypatch
+):
     if small_chunks:  # several chunks, the last one ragged
         monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 4 * V * 3)
         monkeypatch.setattr(lp_mod, "_MIN_CHUNK_ROWS", 1)
@@ -78,13 +84,14 @@ def test_values_and_grads_match_float64(impl, T, H, V, dtype, rtol, with_bias, s
     assert logp.dtype == torch.float32 and ent.dtype == torch.float32
 
     ref_leaves = [t.double().requires_grad_() for t in (hidden, weight, bias) if t is not None]
-    ref_lp, ref_ent = _reference(ref_leaves[0], ref_leaves[1], labels, temperature,
-                                 ref_leaves[2] if with_bias else None)
+    ref_lp, ref_ent = _reference(
+        ref_leaves[0], ref_leaves[1], labels, temperature, ref_leaves[2] if with_bias else None
+    )
     ((ref_lp * g_lp.double()).sum() + (ref_ent * g_ent.double()).sum()).backward()
 
     for name, got, ref in [("logprobs", logp, ref_lp), ("entropy", ent, ref_ent)] + [
-            (f"grad {n}", g, r.grad) for n, g, r in zip(["hidden", "weight", "bias"], grads,
-                                                         ref_leaves)]:
+        (f"grad {n}", g, r.grad) for n, g, r in zip(["hidden", "weight", "bias"], grads, ref_leaves)
+    ]:
         err = _rel_err(got, ref)
         assert err <= rtol, f"{impl} {name}: rel err {err:.2e} > {rtol} (seed {fresh_seed})"
     ignored = labels == -100
@@ -152,8 +159,7 @@ def test_masked_vocabulary_gives_finite_entropy_and_grads(impl, fresh_seed):
 def test_all_ignored_gives_zero_and_intact_graph(impl):
     hidden, weight = torch.randn(4, 8), torch.randn(11, 8)
     labels = torch.full((4,), -100)
-    logp, ent, grads = _run(impl, hidden, weight, labels, g_lp=torch.randn(4),
-                            g_ent=torch.randn(4))
+    logp, ent, grads = _run(impl, hidden, weight, labels, g_lp=torch.randn(4), g_ent=torch.randn(4))
     assert torch.all(logp == 0) and torch.all(ent == 0)
     assert torch.all(grads[0] == 0) and torch.all(grads[1] == 0)
 
@@ -165,8 +171,15 @@ def test_large_common_offset_is_stable(impl, fresh_seed):
     T, H, V = 9, 8, 31
     hidden, weight = torch.randn(T, H), torch.randn(V, H)
     labels = torch.randint(0, V, (T,))
-    logp, ent, grads = _run(impl, hidden, weight, labels, torch.full((V,), 1e4),
-                            g_lp=torch.randn(T), g_ent=torch.randn(T))
+    logp, ent, grads = _run(
+        impl,
+        hidden,
+        weight,
+        labels,
+        torch.full((V,), 1e4),
+        g_lp=torch.randn(T),
+        g_ent=torch.randn(T),
+    )
     ref_lp, ref_ent = _reference(hidden, weight, labels, 1.0, None)
     for t in [logp, ent] + grads:
         assert torch.isfinite(t).all()
@@ -230,29 +243,43 @@ def test_more_than_2_to_31_logits_on_gpu(fresh_seed):
     assert _rel_err(logp[rows].cpu(), ref) < 1e-2
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(hidden=torch.randn(2, 3, 4)), "hidden must be"),
-    (dict(hidden=torch.randint(0, 3, (4, 6))), "hidden must be"),
-    (dict(weight=torch.randn(7, 5)), "weight must be"),
-    (dict(weight=torch.randn(7, 6, dtype=torch.float64)), "weight must have"),
-    (dict(labels=torch.zeros(3, dtype=torch.int64)), "labels must be"),
-    (dict(labels=torch.zeros(4, dtype=torch.int32)), "labels must be int64"),
-    (dict(labels=torch.full((4,), 7)), "labels hold values outside"),
-    (dict(labels=torch.full((4,), -5)), "labels hold values outside"),
-    (dict(temperature=0.0), "temperature"),
-    (dict(temperature=float("inf")), "temperature"),
-    (dict(temperature=float("nan")), "temperature"),
-    (dict(bias=torch.randn(3)), "bias must be"),
-    (dict(impl="cuda-magic"), "impl"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(hidden=torch.randn(2, 3, 4)), "hidden must be"),
+        (dict(hidden=torch.randint(0, 3, (4, 6))), "hidden must be"),
+        (dict(weight=torch.randn(7, 5)), "weight must be"),
+        (dict(weight=torch.randn(7, 6, dtype=torch.float64)), "weight must have"),
+        (dict(labels=torch.zeros(3, dtype=torch.int64)), "labels must be"),
+        (dict(labels=torch.zeros(4, dtype=torch.int32)), "labels must be int64"),
+        (dict(labels=torch.full((4,), 7)), "labels hold values outside"),
+        (dict(labels=torch.full((4,), -5)), "labels hold values outside"),
+        (dict(temperature=0.0), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(temperature=float("nan")), "temperature"),
+        (dict(bias=torch.randn(3)), "bias must be"),
+        (dict(impl="cuda-magic"), "impl"),
+    ],
+)
 def test_bad_input_names_the_tensor(kwargs, match):
-    args = dict(hidden=torch.randn(4, 6), weight=torch.randn(7, 6),
-                labels=torch.zeros(4, dtype=torch.int64), temperature=1.0, bias=None,
-                impl=None)
+    args = dict(
+        hidden=torch.randn(4, 6),
+        weight=torch.randn(7, 6),
+        labels=torch.zeros(4, dtype=torch.int64),
+        temperature=1.0,
+        bias=None,
+        impl=None,
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
-        linear_logprobs(args["hidden"], args["weight"], args["labels"],
-                        temperature=args["temperature"], bias=args["bias"], impl=args["impl"])
+        linear_logprobs(
+            args["hidden"],
+            args["weight"],
+            args["labels"],
+            temperature=args["temperature"],
+            bias=args["bias"],
+            impl=args["impl"],
+        )
 
 
 def test_impl_is_checked_for_float64_too():

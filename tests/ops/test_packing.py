@@ -113,8 +113,10 @@ def _ldm_dense_reference(seqlens, k):
     while len(heap) > 1:
         a = heapq.heappop(heap)[2]
         b = heapq.heappop(heap)[2]
-        c = sorted(((a[i][0] + b[k - 1 - i][0], a[i][1] + b[k - 1 - i][1]) for i in range(k)),
-                   key=lambda s: -s[0])
+        c = sorted(
+            ((a[i][0] + b[k - 1 - i][0], a[i][1] + b[k - 1 - i][1]) for i in range(k)),
+            key=lambda s: -s[0],
+        )
         heapq.heappush(heap, (-(c[0][0] - c[-1][0]), counter, c))
         counter += 1
     return sorted((sorted(s[1]) for s in heap[0][2]), key=lambda b: b[0])
@@ -233,8 +235,7 @@ def test_kk_balances_loads_better_than_ffd(impl):
 def test_native_and_python_give_identical_partitions(method, fresh_seed):
     rng = np.random.default_rng(fresh_seed)
     for trial in range(400):
-        seqlens, group_ids, budget = _random_case(rng, zeros=trial % 3 == 0,
-                                                  groups=trial % 2 == 1)
+        seqlens, group_ids, budget = _random_case(rng, zeros=trial % 3 == 0, groups=trial % 2 == 1)
         if trial % 5 == 0:
             seqlens = seqlens // 300 * 300  # many ties
             budget = max(budget, 1)
@@ -255,8 +256,11 @@ def test_native_and_python_agree_on_a_large_grouped_batch(fresh_seed):
     group_ids = np.repeat(np.arange(500), 8)
     rng.shuffle(group_ids)
     for method in ("kk", "ffd"):
-        native = _C.partition_kk(seqlens, 32768, 1, group_ids=group_ids) if method == "kk" \
+        native = (
+            _C.partition_kk(seqlens, 32768, 1, group_ids=group_ids)
+            if method == "kk"
             else _C.partition_ffd(seqlens, 32768, group_ids=group_ids)
+        )
         python = packing._partition_py(method, seqlens.tolist(), group_ids.tolist(), 32768)
         assert native == python, f"seed {fresh_seed}"
         _assert_valid_partition(native, seqlens, 32768, group_ids, fresh_seed)
@@ -294,22 +298,35 @@ def test_input_types_give_the_same_result(impl):
     assert partition_balanced(tuple(seqlens), 1000, group_ids=torch.arange(8)) == expected
 
 
-@pytest.mark.parametrize("kwargs, exc, message", [
-    (dict(seqlens=[1, 2, 5000], max_tokens_per_mb=4096), ValueError,
-     "seqlens[2] = 5000 exceeds max_tokens_per_mb = 4096"),
-    (dict(seqlens=[1, -2, 3], max_tokens_per_mb=10), ValueError, "seqlens[1] = -2 is negative"),
-    (dict(seqlens=[1, 2], max_tokens_per_mb=0), ValueError, "max_tokens_per_mb must be positive"),
-    (dict(seqlens=[1, 2], max_tokens_per_mb=10, min_num_mbs=0), ValueError, "min_num_mbs"),
-    (dict(seqlens=[1, 2], max_tokens_per_mb=10, method="greedy"), ValueError, "method"),
-    (dict(seqlens=[6, 6, 1], max_tokens_per_mb=10, group_ids=[4, 4, 5]), ValueError,
-     "group 4 (first at seqlens[0]) has 12 tokens, exceeding max_tokens_per_mb = 10"),
-    (dict(seqlens=[6, 6, 1], max_tokens_per_mb=10, group_ids=[4, 4]), ValueError, "group_ids"),
-    (dict(seqlens=[[1, 2]], max_tokens_per_mb=10), ValueError, "seqlens must be 1-D"),
-    (dict(seqlens=[1.5, 2.0], max_tokens_per_mb=10), TypeError, "seqlens"),
-    (dict(seqlens=torch.ones(3), max_tokens_per_mb=10), TypeError, "seqlens"),
-    (dict(seqlens=[1, 2], max_tokens_per_mb=10.0), TypeError, "max_tokens_per_mb"),
-    (dict(seqlens=[1, 2], max_tokens_per_mb=10, group_ids=[0.5, 1.0]), TypeError, "group_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, message",
+    [
+        (
+            dict(seqlens=[1, 2, 5000], max_tokens_per_mb=4096),
+            ValueError,
+            "seqlens[2] = 5000 exceeds max_tokens_per_mb = 4096",
+        ),
+        (dict(seqlens=[1, -2, 3], max_tokens_per_mb=10), ValueError, "seqlens[1] = -2 is negative"),
+        (
+            dict(seqlens=[1, 2], max_tokens_per_mb=0),
+            ValueError,
+            "max_tokens_per_mb must be positive",
+        ),
+        (dict(seqlens=[1, 2], max_tokens_per_mb=10, min_num_mbs=0), ValueError, "min_num_mbs"),
+        (dict(seqlens=[1, 2], max_tokens_per_mb=10, method="greedy"), ValueError, "method"),
+        (
+            dict(seqlens=[6, 6, 1], max_tokens_per_mb=10, group_ids=[4, 4, 5]),
+            ValueError,
+            "group 4 (first at seqlens[0]) has 12 tokens, exceeding max_tokens_per_mb = 10",
+        ),
+        (dict(seqlens=[6, 6, 1], max_tokens_per_mb=10, group_ids=[4, 4]), ValueError, "group_ids"),
+        (dict(seqlens=[[1, 2]], max_tokens_per_mb=10), ValueError, "seqlens must be 1-D"),
+        (dict(seqlens=[1.5, 2.0], max_tokens_per_mb=10), TypeError, "seqlens"),
+        (dict(seqlens=torch.ones(3), max_tokens_per_mb=10), TypeError, "seqlens"),
+        (dict(seqlens=[1, 2], max_tokens_per_mb=10.0), TypeError, "max_tokens_per_mb"),
+        (dict(seqlens=[1, 2], max_tokens_per_mb=10, group_ids=[0.5, 1.0]), TypeError, "group_ids"),
+    ],
+)
 @pytest.mark.parametrize("method", ["kk", "ffd"])
 def test_bad_inputs_raise(impl, kwargs, exc, message, method):
     kwargs = dict(kwargs)
@@ -372,15 +389,37 @@ def test_position_ids_from_cu_seqlens(impl, fresh_seed):
 def test_position_ids_roundtrip_with_partition(impl):
     seqlens = [5, 1, 7, 3]
     cu = cu_seqlens_from_lengths(seqlens)
-    assert position_ids_from_cu_seqlens(cu).tolist() == [0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5, 6,
-                                                         0, 1, 2]
+    assert position_ids_from_cu_seqlens(cu).tolist() == [
+        0,
+        1,
+        2,
+        3,
+        4,
+        0,
+        0,
+        1,
+        2,
+        3,
+        4,
+        5,
+        6,
+        0,
+        1,
+        2,
+    ]
 
 
-@pytest.mark.parametrize("cu, message", [
-    ([], "at least one element"),
-    ([1, 3, 5], "cu_seqlens[0] must be 0, got 1"),
-    ([0, 3, 2, 5], "cu_seqlens must be non-decreasing, but cu_seqlens[2] = 2 < cu_seqlens[1] = 3"),
-])
+@pytest.mark.parametrize(
+    "cu, message",
+    [
+        ([], "at least one element"),
+        ([1, 3, 5], "cu_seqlens[0] must be 0, got 1"),
+        (
+            [0, 3, 2, 5],
+            "cu_seqlens must be non-decreasing, but cu_seqlens[2] = 2 < cu_seqlens[1] = 3",
+        ),
+    ],
+)
 def test_position_ids_errors(impl, cu, message):
     with pytest.raises(ValueError) as info:
         position_ids_from_cu_seqlens(np.asarray(cu, dtype=np.int32))

@@ -25,8 +25,7 @@ except ImportError:
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # (dtype, rtol, atol) for comparing with a float64 sum of the same (rounded) inputs.
-DTYPES = [(torch.float32, 1e-5, 1e-4), (torch.float16, 1e-5, 1e-3),
-          (torch.bfloat16, 1e-5, 1e-3)]
+DTYPES = [(torch.float32, 1e-5, 1e-4), (torch.float16, 1e-5, 1e-3), (torch.bfloat16, 1e-5, 1e-3)]
 LENGTH_CASES = [
     [1],
     [0],
@@ -43,7 +42,7 @@ def _reference(values: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     out, start = [], 0
     v = values.detach().cpu().double()
     for n in lengths:
-        out.append(v[start:start + n].sum())
+        out.append(v[start : start + n].sum())
         start += n
     return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
 
@@ -66,8 +65,9 @@ def test_forward_matches_float64_reference(device, dtype, rtol, atol, lengths, f
     assert out.device == values.device
     expected = _reference(values, lengths)
     tol = atol * max(1.0, max(lengths, default=1) ** 0.5)
-    torch.testing.assert_close(out.cpu().double(), expected, rtol=rtol, atol=tol,
-                               msg=lambda m: f"{m} (seed {fresh_seed})")
+    torch.testing.assert_close(
+        out.cpu().double(), expected, rtol=rtol, atol=tol, msg=lambda m: f"{m} (seed {fresh_seed})"
+    )
     for b, n in enumerate(lengths):
         if n == 0:
             assert out[b].item() == 0.0
@@ -91,9 +91,13 @@ def test_gradient_matches_float64_reference(device, dtype, fresh_seed):
 
     assert values.grad.dtype == dtype
     assert values.grad.shape == values.shape
-    torch.testing.assert_close(values.grad.cpu().double(), ref_values.grad,
-                               rtol=1e-2 if dtype != torch.float32 else 1e-6, atol=1e-6,
-                               msg=lambda m: f"{m} (seed {fresh_seed})")
+    torch.testing.assert_close(
+        values.grad.cpu().double(),
+        ref_values.grad,
+        rtol=1e-2 if dtype != torch.float32 else 1e-6,
+        atol=1e-6,
+        msg=lambda m: f"{m} (seed {fresh_seed})",
+    )
 
 
 def test_int64_offsets_and_non_contiguous_values():
@@ -123,20 +127,48 @@ def test_large_magnitudes_keep_precision():
     assert out.tolist() == [1.0, 7.0]
 
 
-@pytest.mark.parametrize("values, cu, exc, message", [
-    (torch.ones(4, dtype=torch.int64), torch.tensor([0, 4], dtype=torch.int32), TypeError,
-     "values_T must be float32, float16, bfloat16 or float64"),
-    (torch.ones(4), torch.tensor([0, 4], dtype=torch.float32), TypeError,
-     "cu_seqlens_B1 must be int32 or int64"),
-    (torch.ones(2, 2), torch.tensor([0, 4], dtype=torch.int32), ValueError, "values_T must be 1-D"),
-    (torch.ones(4), torch.zeros(0, dtype=torch.int32), ValueError, "cu_seqlens_B1 must be 1-D"),
-    (torch.ones(4), torch.tensor([1, 4], dtype=torch.int32), ValueError,
-     "cu_seqlens_B1[0] must be 0, got 1"),
-    (torch.ones(4), torch.tensor([0, 3, 2, 4], dtype=torch.int32), ValueError,
-     "cu_seqlens_B1 must be non-decreasing"),
-    (torch.ones(4), torch.tensor([0, 1, 3], dtype=torch.int32), ValueError,
-     "cu_seqlens_B1[-1] = 3 must equal values_T.shape[0] = 4"),
-])
+@pytest.mark.parametrize(
+    "values, cu, exc, message",
+    [
+        (
+            torch.ones(4, dtype=torch.int64),
+            torch.tensor([0, 4], dtype=torch.int32),
+            TypeError,
+            "values_T must be float32, float16, bfloat16 or float64",
+        ),
+        (
+            torch.ones(4),
+            torch.tensor([0, 4], dtype=torch.float32),
+            TypeError,
+            "cu_seqlens_B1 must be int32 or int64",
+        ),
+        (
+            torch.ones(2, 2),
+            torch.tensor([0, 4], dtype=torch.int32),
+            ValueError,
+            "values_T must be 1-D",
+        ),
+        (torch.ones(4), torch.zeros(0, dtype=torch.int32), ValueError, "cu_seqlens_B1 must be 1-D"),
+        (
+            torch.ones(4),
+            torch.tensor([1, 4], dtype=torch.int32),
+            ValueError,
+            "cu_seqlens_B1[0] must be 0, got 1",
+        ),
+        (
+            torch.ones(4),
+            torch.tensor([0, 3, 2, 4], dtype=torch.int32),
+            ValueError,
+            "cu_seqlens_B1 must be non-decreasing",
+        ),
+        (
+            torch.ones(4),
+            torch.tensor([0, 1, 3], dtype=torch.int32),
+            ValueError,
+            "cu_seqlens_B1[-1] = 3 must equal values_T.shape[0] = 4",
+        ),
+    ],
+)
 def test_bad_inputs_raise(values, cu, exc, message):
     with pytest.raises(exc) as info:
         segment_sum(values, cu)
@@ -147,33 +179,41 @@ class _PointerReadingNative:
     """Stands in for _C on the CPU: reads the raw pointers the CUDA launcher is given."""
 
     has_cuda = True
-    SEGMENT_SUM_DTYPE_CODES = (_C.SEGMENT_SUM_DTYPE_CODES if _C is not None
-                               else {"float32": 0, "float16": 1, "bfloat16": 2})
+    SEGMENT_SUM_DTYPE_CODES = (
+        _C.SEGMENT_SUM_DTYPE_CODES
+        if _C is not None
+        else {"float32": 0, "float16": 1, "bfloat16": 2}
+    )
 
     def __init__(self):
         self.calls = []
 
-    def segment_sum_cuda(self, values_ptr, dtype_code, cu_seqlens_ptr, num_segments, out_ptr,
-                         stream):
+    def segment_sum_cuda(
+        self, values_ptr, dtype_code, cu_seqlens_ptr, num_segments, out_ptr, stream
+    ):
         self.calls.append((dtype_code, num_segments, stream))
         cu = list((ctypes.c_int32 * (num_segments + 1)).from_address(cu_seqlens_ptr))
         names = {code: name for name, code in self.SEGMENT_SUM_DTYPE_CODES.items()}
         dtype = getattr(torch, names[dtype_code])
         size = torch.empty(0, dtype=dtype).element_size()
-        raw = bytearray((ctypes.c_char * (cu[-1] * size)).from_address(values_ptr)) if cu[-1] \
+        raw = (
+            bytearray((ctypes.c_char * (cu[-1] * size)).from_address(values_ptr))
+            if cu[-1]
             else bytearray()
+        )
         values = torch.frombuffer(raw, dtype=dtype) if raw else torch.zeros(0, dtype=dtype)
         out = (ctypes.c_float * num_segments).from_address(out_ptr)
         for b in range(num_segments):
-            out[b] = float(values[cu[b]:cu[b + 1]].double().sum())
+            out[b] = float(values[cu[b] : cu[b + 1]].double().sum())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_cuda_launcher_passes_pointers_codes_and_stream(monkeypatch, dtype, fresh_seed):
     """The Python side of the CUDA path, checked on the CPU with a pointer-reading stand-in."""
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream",
-                        lambda device=None: SimpleNamespace(cuda_stream=0xABC))
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda device=None: SimpleNamespace(cuda_stream=0xABC)
+    )
     fake = _PointerReadingNative()
     lengths = [7, 0, 130, 1]
     gen = torch.Generator().manual_seed(fresh_seed)
@@ -181,8 +221,13 @@ def test_cuda_launcher_passes_pointers_codes_and_stream(monkeypatch, dtype, fres
     out = segment._segment_sum_cuda(fake, values, _cu(lengths, "cpu", torch.int64))
     assert fake.calls == [(fake.SEGMENT_SUM_DTYPE_CODES[str(dtype)[6:]], 4, 0xABC)]
     assert out.dtype == torch.float32 and out.shape == (4,)
-    torch.testing.assert_close(out.double(), _reference(values, lengths), rtol=1e-6, atol=1e-5,
-                               msg=lambda m: f"{m} (seed {fresh_seed})")
+    torch.testing.assert_close(
+        out.double(),
+        _reference(values, lengths),
+        rtol=1e-6,
+        atol=1e-5,
+        msg=lambda m: f"{m} (seed {fresh_seed})",
+    )
     empty = segment._segment_sum_cuda(fake, values[:0], torch.zeros(1, dtype=torch.int32))
     assert empty.shape == (0,) and len(fake.calls) == 1
 
@@ -201,8 +246,9 @@ def test_cuda_path_uses_native_kernel(monkeypatch, fresh_seed):
         pytest.skip("the kernels target sm_80 and newer")
     calls = []
     original = segment._segment_sum_cuda
-    monkeypatch.setattr(segment, "_segment_sum_cuda",
-                        lambda *args: calls.append(1) or original(*args))
+    monkeypatch.setattr(
+        segment, "_segment_sum_cuda", lambda *args: calls.append(1) or original(*args)
+    )
     lengths = [31, 0, 4099, 1]
     values = torch.randn(sum(lengths), device="cuda")
     stream = torch.cuda.Stream()
@@ -211,5 +257,10 @@ def test_cuda_path_uses_native_kernel(monkeypatch, fresh_seed):
     stream.synchronize()
     assert calls == [1]
     assert not segment._cuda_kernel_failed
-    torch.testing.assert_close(out.cpu().double(), _reference(values, lengths),
-                               rtol=1e-5, atol=1e-3, msg=lambda m: f"{m} (seed {fresh_seed})")
+    torch.testing.assert_close(
+        out.cpu().double(),
+        _reference(values, lengths),
+        rtol=1e-5,
+        atol=1e-3,
+        msg=lambda m: f"{m} (seed {fresh_seed})",
+    )

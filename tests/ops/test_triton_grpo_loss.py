@@ -28,8 +28,10 @@ if INTERPRETED:
 elif torch.cuda.is_available():
     DEVICE = "cuda"
 else:
-    pytest.skip("Triton kernels are compiled (TRITON_INTERPRET unset) and there is no GPU",
-                allow_module_level=True)
+    pytest.skip(
+        "Triton kernels are compiled (TRITON_INTERPRET unset) and there is no GPU",
+        allow_module_level=True,
+    )
 
 RTOL = 1e-5  # normalised by the reference's max |value|
 MAX_ERR: dict[str, float] = {}
@@ -53,6 +55,7 @@ def _rel_err(got, ref) -> float:
 
 
 # ----------------------------------------------------------------------------- inputs
+
 
 def _away(log_values: torch.Tensor, bounds, width=1e-4, step=3e-4) -> torch.Tensor:
     """Shift log-values lying within ``width`` of log(bound) by ``step`` (the loss has a
@@ -82,7 +85,8 @@ def _make_batch(cfg: LossConfig, T=160, spread=0.7):
     prox = old + d_prox
     lr = (2 * torch.rand(T) - 1) * spread
     bounds = [1 - cfg.eps_clip, 1 + cfg.clip_high] + (
-        [cfg.dual_clip_c] if cfg.dual_clip_c is not None else [])
+        [cfg.dual_clip_c] if cfg.dual_clip_c is not None else []
+    )
     logprobs = (old + lr).float()
     for _ in range(3):  # the exact fp32 log-ratio, against either base (old, or prox when
         for b in (old, prox):  # passed), away from every kink
@@ -90,12 +94,11 @@ def _make_batch(cfg: LossConfig, T=160, spread=0.7):
             logprobs = (b.double() + actual).float()
     adv = torch.randn(T)
     adv[torch.rand(T) < 0.1] = 0.0
-    magnitude = 10.0 ** (-6 + 6.3 * torch.rand(T))   # KL log-ratios 1e-6 ... 2
+    magnitude = 10.0 ** (-6 + 6.3 * torch.rand(T))  # KL log-ratios 1e-6 ... 2
     ref = (logprobs.double() - magnitude * torch.sign(torch.randn(T))).float()
     engine = old + 0.1 * torch.randn(T)
     entropy = 3.0 * torch.rand(T)
-    extras = dict(prox_logprobs=prox, ref_logprobs=ref, engine_logprobs=engine,
-                  entropy=entropy)
+    extras = dict(prox_logprobs=prox, ref_logprobs=ref, engine_logprobs=engine, entropy=entropy)
     return logprobs, old, adv, loss_mask, cu, extras
 
 
@@ -110,14 +113,14 @@ def _reference(logprobs, old, adv, weights, cfg, extras):
     weighted = terms.per_token * weights.double()
     inputs = (lp,) if kw.get("entropy") is None else (lp, kw["entropy"])
     grads = torch.autograd.grad(weighted.sum(), inputs)
-    return (weighted.detach(), grads[0], grads[1] if len(grads) > 1 else None,
-            terms.clip_hit)
+    return (weighted.detach(), grads[0], grads[1] if len(grads) > 1 else None, terms.clip_hit)
 
 
 def _run(logprobs, old, adv, weights, cfg, extras, **kw):
     dev = {k: (None if v is None else v.to(DEVICE)) for k, v in extras.items()}
-    out = mod.token_loss_grads(logprobs.to(DEVICE), old.to(DEVICE), adv.to(DEVICE),
-                               weights.to(DEVICE), cfg, **dev, **kw)
+    out = mod.token_loss_grads(
+        logprobs.to(DEVICE), old.to(DEVICE), adv.to(DEVICE), weights.to(DEVICE), cfg, **dev, **kw
+    )
     return mod.TokenLossGrads(*(None if t is None else t.cpu() for t in out))
 
 
@@ -147,10 +150,14 @@ CASES = {  # id: (LossConfig kwargs, extras passed)
     "dual-clip": (dict(dual_clip_c=1.3), ()),
     "dual-clip+clip-higher": (dict(eps_clip=0.1, eps_clip_high=0.28, dual_clip_c=1.6), ()),
     "decoupled, no cap": (dict(), ("prox_logprobs",)),
-    "decoupled, mask cap": (dict(behav_weight_cap=1.05, behav_weight_mode="mask"),
-                            ("prox_logprobs",)),
-    "decoupled, clamp cap": (dict(behav_weight_cap=1.05, behav_weight_mode="clamp"),
-                             ("prox_logprobs",)),
+    "decoupled, mask cap": (
+        dict(behav_weight_cap=1.05, behav_weight_mode="mask"),
+        ("prox_logprobs",),
+    ),
+    "decoupled, clamp cap": (
+        dict(behav_weight_cap=1.05, behav_weight_mode="clamp"),
+        ("prox_logprobs",),
+    ),
     "cap without prox": (dict(behav_weight_cap=1.05), ()),
     "tis": (dict(tis_cap=1.05), ("engine_logprobs",)),
     "engine without tis_cap": (dict(), ("engine_logprobs",)),
@@ -160,14 +167,34 @@ CASES = {  # id: (LossConfig kwargs, extras passed)
     "ref with kl_coef=0": (dict(kl_coef=0.0), ("ref_logprobs",)),
     "entropy": (dict(entropy_coef=0.01), ("entropy",)),
     "entropy with coef 0": (dict(), ("entropy",)),
-    "everything, mask": (dict(eps_clip=0.15, eps_clip_high=0.25, dual_clip_c=1.4,
-                              aggregation="seq_mean_token_mean", kl_coef=0.05,
-                              kl_estimator="k3", entropy_coef=0.02, behav_weight_cap=1.05,
-                              behav_weight_mode="mask", tis_cap=1.05), EXTRAS),
-    "everything, clamp, k2": (dict(dual_clip_c=2.0, aggregation="token_sum", kl_coef=0.2,
-                                   kl_estimator="k2", entropy_coef=0.1,
-                                   behav_weight_cap=1.02, behav_weight_mode="clamp",
-                                   tis_cap=1.02), EXTRAS),
+    "everything, mask": (
+        dict(
+            eps_clip=0.15,
+            eps_clip_high=0.25,
+            dual_clip_c=1.4,
+            aggregation="seq_mean_token_mean",
+            kl_coef=0.05,
+            kl_estimator="k3",
+            entropy_coef=0.02,
+            behav_weight_cap=1.05,
+            behav_weight_mode="mask",
+            tis_cap=1.05,
+        ),
+        EXTRAS,
+    ),
+    "everything, clamp, k2": (
+        dict(
+            dual_clip_c=2.0,
+            aggregation="token_sum",
+            kl_coef=0.2,
+            kl_estimator="k2",
+            entropy_coef=0.1,
+            behav_weight_cap=1.02,
+            behav_weight_mode="clamp",
+            tis_cap=1.02,
+        ),
+        EXTRAS,
+    ),
 }
 
 
@@ -177,11 +204,17 @@ def test_matches_autograd_float64(case, fresh_seed):
     cfg = LossConfig(**kwargs)
     logprobs, old, adv, mask, cu, extras = _make_batch(cfg)
     extras = {k: (v if k in passed else None) for k, v in extras.items()}
-    weights = aggregation_weights(mask, cu, cfg)              # [T] fp32, 0 off the mask
+    weights = aggregation_weights(mask, cu, cfg)  # [T] fp32, 0 off the mask
     kept = mask.nonzero().squeeze(1)
     pick = lambda t: None if t is None else t[kept]  # noqa: E731
-    args = (pick(logprobs), pick(old), pick(adv), pick(weights), cfg,
-            {k: pick(v) for k, v in extras.items()})
+    args = (
+        pick(logprobs),
+        pick(old),
+        pick(adv),
+        pick(weights),
+        cfg,
+        {k: pick(v) for k, v in extras.items()},
+    )
     tag = f"{case}, seed {fresh_seed}"
     got = _run(*args, clip_hit_dtype=torch.int8)
     ref = _reference(*args)
@@ -191,18 +224,36 @@ def test_matches_autograd_float64(case, fresh_seed):
     assert 0 < int(ref[3].sum()) < kept.numel(), tag
 
     # Σ c_t ℓ_t is the aggregated loss of grpo_loss on the full (masked) batch
-    full, _ = grpo_loss(logprobs.double(), old.double(), adv.double(), mask, cu, cfg,
-                        **{k: (None if v is None else v.double()) for k, v in extras.items()})
-    assert _note("Σ loss vs grpo_loss",
-                 abs(float(got.loss.double().sum()) - float(full))
-                 / max(1e-30, float(ref[0].abs().sum()))) <= RTOL, tag
+    full, _ = grpo_loss(
+        logprobs.double(),
+        old.double(),
+        adv.double(),
+        mask,
+        cu,
+        cfg,
+        **{k: (None if v is None else v.double()) for k, v in extras.items()},
+    )
+    assert (
+        _note(
+            "Σ loss vs grpo_loss",
+            abs(float(got.loss.double().sum()) - float(full))
+            / max(1e-30, float(ref[0].abs().sum())),
+        )
+        <= RTOL
+    ), tag
 
 
 @pytest.mark.parametrize("C,block", [(1, None), (100, 16), (1500, None), (333, 128)])
 def test_ragged_tiles_and_output_options(C, block, fresh_seed):
     """Several programs with a ragged tail; float32 clip_hit; loss/clip_hit switched off."""
-    cfg = LossConfig(eps_clip_high=0.28, dual_clip_c=1.5, kl_coef=0.1, entropy_coef=0.05,
-                     behav_weight_cap=1.05, tis_cap=1.1)
+    cfg = LossConfig(
+        eps_clip_high=0.28,
+        dual_clip_c=1.5,
+        kl_coef=0.1,
+        entropy_coef=0.05,
+        behav_weight_cap=1.05,
+        tis_cap=1.1,
+    )
     T = 160
     reps = (C + T - 1) // T
     parts = [_make_batch(cfg) for _ in range(reps)]
@@ -212,13 +263,13 @@ def test_ragged_tiles_and_output_options(C, block, fresh_seed):
     weights = torch.rand(C)
     tag = f"C={C}, block={block}, seed {fresh_seed}"
     ref = _reference(logprobs, old, adv, weights, cfg, extras)
-    got = _run(logprobs, old, adv, weights, cfg, extras, clip_hit_dtype=torch.float32,
-               block=block)
+    got = _run(logprobs, old, adv, weights, cfg, extras, clip_hit_dtype=torch.float32, block=block)
     _check(got, ref, tag=tag)
     assert got.clip_hit.dtype == torch.float32
     assert set(got.clip_hit.unique().tolist()) <= {0.0, 1.0}
-    bare = _run(logprobs, old, adv, weights, cfg, extras, with_loss=False,
-                clip_hit_dtype=None, block=block)
+    bare = _run(
+        logprobs, old, adv, weights, cfg, extras, with_loss=False, clip_hit_dtype=None, block=block
+    )
     assert bare.loss is None and bare.clip_hit is None
     assert torch.equal(bare.grad_logprobs, got.grad_logprobs), tag
     assert torch.equal(bare.grad_entropy, got.grad_entropy), tag
@@ -262,9 +313,9 @@ def test_exact_ties_follow_torch_subgradients(fresh_seed):
     cfg = LossConfig(dual_clip_c=1.5, eps_clip_high=0.3)
     old = -3.0 * torch.rand(C)
     logprobs = old + 0.5 * torch.randn(C)
-    logprobs[::3] = old[::3]                      # r = 1 exactly
+    logprobs[::3] = old[::3]  # r = 1 exactly
     adv = torch.randn(C)
-    adv[1::4] = 0.0                               # A = 0
+    adv[1::4] = 0.0  # A = 0
     weights = torch.rand(C)
     r_loss, r_lp, r_hit = _fp32_reference(logprobs, old, adv, weights, cfg, {})
     got = _run(logprobs, old, adv, weights, cfg, {})
@@ -273,7 +324,7 @@ def test_exact_ties_follow_torch_subgradients(fresh_seed):
     assert _note("ties: loss", _rel_err(got.loss, r_loss)) <= RTOL, tag
     assert torch.equal(got.clip_hit.bool(), r_hit), tag
     tie = slice(0, None, 3)
-    expected = -adv[tie] * weights[tie]           # d(−A·r)/dlogp at r = 1
+    expected = -adv[tie] * weights[tie]  # d(−A·r)/dlogp at r = 1
     torch.testing.assert_close(got.grad_logprobs[tie], expected, rtol=1e-6, atol=0)
     assert torch.all(got.grad_logprobs[adv == 0] == 0)
 
@@ -292,8 +343,7 @@ def _exact_log(target: float, base: float) -> float:
         if np.float32(lp - np.float32(base)) != x:
             continue
         xs = np.array([lp - np.float32(base)], dtype=np.float32)
-        if (np.exp(xs)[0] == t32 and
-                float(torch.exp(torch.from_numpy(xs))[0]) == float(t32)):
+        if np.exp(xs)[0] == t32 and float(torch.exp(torch.from_numpy(xs))[0]) == float(t32):
             # the exact value closest to the middle of target's ulp
             dist = abs(np.exp(np.float64(xs[0])) - np.float64(t32))
             if best is None or dist < best[0]:
@@ -302,8 +352,11 @@ def _exact_log(target: float, base: float) -> float:
     return best[1]
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="needs the interpreter's exp (numpy) to land "
-                    "exactly on a clip bound; a GPU exp may round differently")
+@pytest.mark.skipif(
+    not INTERPRETED,
+    reason="needs the interpreter's exp (numpy) to land "
+    "exactly on a clip bound; a GPU exp may round differently",
+)
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_exact_clip_boundaries(sign, fresh_seed):
     """r exactly 1 − ε, 1 + ε_h, the dual-clip c and 1, and w exactly the mask cap: clamp
@@ -311,8 +364,13 @@ def test_exact_clip_boundaries(sign, fresh_seed):
     A last token has r one ulp above 1 + ε_h and an |A| for which −A·r and −A·(1 + ε_h)
     round to the same float32: a tie outside the clip range, where only half the gradient
     (the unclipped branch's half) reaches logp."""
-    cfg = LossConfig(eps_clip=0.2, eps_clip_high=0.28, dual_clip_c=1.5,
-                     behav_weight_cap=1.1, behav_weight_mode="mask")
+    cfg = LossConfig(
+        eps_clip=0.2,
+        eps_clip_high=0.28,
+        dual_clip_c=1.5,
+        behav_weight_cap=1.1,
+        behav_weight_mode="mask",
+    )
     base = 0.0  # lp − base is then exact for every float32 lp
     high = np.float32(1 + cfg.clip_high)
     above = float(np.nextafter(high, np.float32(np.inf)))
@@ -346,9 +404,9 @@ def test_exact_clip_boundaries(sign, fresh_seed):
     unclipped = -adv * ratio * w * weights
     torch.testing.assert_close(got.grad_logprobs[[0, 1, 3]], unclipped[[0, 1, 3]])
     torch.testing.assert_close(got.grad_logprobs[4], 0.5 * unclipped[4])
-    if sign > 0:   # c is above 1 + ε_h: clipped
+    if sign > 0:  # c is above 1 + ε_h: clipped
         assert got.grad_logprobs[2] == 0
-    else:          # r = c: min(pg, −c·A) ties → half
+    else:  # r = c: min(pg, −c·A) ties → half
         torch.testing.assert_close(got.grad_logprobs[2], 0.5 * unclipped[2])
 
 

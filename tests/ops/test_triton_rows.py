@@ -22,11 +22,13 @@ if type(rows_mod._linear_logprobs_fwd_kernel).__name__ == "InterpretedFunction":
 elif torch.cuda.is_available():
     DEVICE = "cuda"
 else:
-    pytest.skip("Triton kernels are compiled (TRITON_INTERPRET unset) and there is no GPU",
-                allow_module_level=True)
+    pytest.skip(
+        "Triton kernels are compiled (TRITON_INTERPRET unset) and there is no GPU",
+        allow_module_level=True,
+    )
 
-RTOL = 1e-5          # normalised by the reference's max |value|
-LABEL_RTOL = 1e-4    # per element, confident rows
+RTOL = 1e-5  # normalised by the reference's max |value|
+LABEL_RTOL = 1e-4  # per element, confident rows
 MAX_ERR: dict[str, float] = {}  # largest error seen per quantity (printed with -s)
 
 
@@ -42,6 +44,7 @@ def _note(name: str, err: float) -> float:
 
 
 # ----------------------------------------------------------------------------- reference
+
 
 def _reference(z, labels, temperature, ignore_index, g, h):
     """float64 logprobs, entropy, lse and d/dz of Σ g·logprob + h·entropy (h may be None).
@@ -86,13 +89,14 @@ def _rel_err(got, ref) -> float:
 
 # ----------------------------------------------------------------------------- harness
 
+
 def _make_inputs(C, V, *, ignore_index=-100, frac_ignored=0.25, scale=3.0):
     z = torch.randn(C, V) * scale
     labels = torch.randint(0, V, (C,))
     ignored = torch.rand(C) < frac_ignored
-    ignored[0] = False                   # at least one valid row
+    ignored[0] = False  # at least one valid row
     if C > 1 and frac_ignored > 0:
-        ignored[-1] = True               # and one ignored row
+        ignored[-1] = True  # and one ignored row
     labels[ignored] = ignore_index
     return z, labels
 
@@ -108,10 +112,18 @@ def _run(z, labels, temperature, ignore_index, g, h, *, with_entropy=True, block
     assert zd.stride(0) == V + pad
     labels_d = labels.to(DEVICE)
     out = torch.full((3 * C + 2,), float("nan"), device=DEVICE)
-    logprobs, entropy, lse = out[1:C + 1], out[C + 1:2 * C + 1], out[2 * C + 1:3 * C + 1]
+    logprobs, entropy, lse = out[1 : C + 1], out[C + 1 : 2 * C + 1], out[2 * C + 1 : 3 * C + 1]
     inv_temp = 1.0 / temperature
-    rows_mod.rows_forward(zd, labels_d, inv_temp, ignore_index, logprobs,
-                          entropy if with_entropy else None, lse, block_v=block_v)
+    rows_mod.rows_forward(
+        zd,
+        labels_d,
+        inv_temp,
+        ignore_index,
+        logprobs,
+        entropy if with_entropy else None,
+        lse,
+        block_v=block_v,
+    )
     assert torch.isnan(out[0]) and torch.isnan(out[-1]), "forward wrote outside its outputs"
     if not with_entropy:
         assert torch.isnan(entropy).all(), "entropy_out=None still wrote entropy"
@@ -120,26 +132,26 @@ def _run(z, labels, temperature, ignore_index, g, h, *, with_entropy=True, block
     g_d = g.to(DEVICE)
     h_d = None if h is None else h.to(DEVICE)
     ent_arg = entropy if (with_entropy and h is not None) else None
-    rows_mod.rows_backward_(zd, labels_d, lse, ent_arg, g_d, h_d, inv_temp, ignore_index,
-                            block_v=block_v)
+    rows_mod.rows_backward_(
+        zd, labels_d, lse, ent_arg, g_d, h_d, inv_temp, ignore_index, block_v=block_v
+    )
     assert torch.isnan(buf[:, V:]).all(), "backward wrote past the end of a row"
-    return (logprobs.cpu(), entropy.cpu() if with_entropy else None, lse.cpu(),
-            zd.cpu().clone())
+    return (logprobs.cpu(), entropy.cpu() if with_entropy else None, lse.cpu(), zd.cpu().clone())
 
 
 def _check_all(got, ref, labels, ignore_index, *, tag, grad_rtol=RTOL):
     logprobs, entropy, lse, grad = got
     r_lp, r_ent, r_lse, r_grad = ref
-    for name, a in [("logprobs", logprobs), ("entropy", entropy), ("lse", lse),
-                    ("grad", grad)]:
+    for name, a in [("logprobs", logprobs), ("entropy", entropy), ("lse", lse), ("grad", grad)]:
         if a is not None:
             assert not torch.isnan(a).any(), f"{tag}: NaN in {name}"
     assert _note("logprobs", _rel_err(logprobs, r_lp)) <= RTOL, tag
     assert _note("lse", _rel_err(lse, r_lse)) <= RTOL, tag
     if entropy is not None:
         assert _note("entropy", _rel_err(entropy, r_ent)) <= RTOL, tag
-    assert _note("grad" if grad_rtol == RTOL else "grad (offset)",
-                 _rel_err(grad, r_grad)) <= grad_rtol, tag
+    assert (
+        _note("grad" if grad_rtol == RTOL else "grad (offset)", _rel_err(grad, r_grad)) <= grad_rtol
+    ), tag
     ignored = labels == ignore_index
     assert torch.all(logprobs[ignored] == 0), tag
     if entropy is not None:
@@ -148,6 +160,7 @@ def _check_all(got, ref, labels, ignore_index, *, tag, grad_rtol=RTOL):
 
 
 # ----------------------------------------------------------------------------- tests
+
 
 def test_reference_matches_autograd(fresh_seed):
     """The hand-written float64 reference agrees with torch autograd on ordinary rows."""
@@ -164,17 +177,16 @@ def test_reference_matches_autograd(fresh_seed):
     (lp * g.double() + ent * h.double()).sum().backward()
     torch.testing.assert_close(r_lp, lp.detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(r_ent, ent.detach(), rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(r_lse, torch.logsumexp(zz.detach() / T, -1), rtol=1e-12,
-                               atol=1e-12)
+    torch.testing.assert_close(r_lse, torch.logsumexp(zz.detach() / T, -1), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(r_grad, zz.grad, rtol=1e-10, atol=1e-12)
 
 
 SHAPES = [  # C, V, block_v, temperature, ignore_index
-    (7, 1003, 128, 0.7, -100),   # 8 tiles, ragged tail
-    (5, 37, 16, 1.3, -1),        # 3 tiles, custom ignore_index
+    (7, 1003, 128, 0.7, -100),  # 8 tiles, ragged tail
+    (5, 37, 16, 1.3, -1),  # 3 tiles, custom ignore_index
     (3, 4099, 1024, 1.0, -100),  # tail of 3 columns
     (4, 4099, None, 0.7, -100),  # default tile (4096)
-    (1, 37, None, 0.7, -100),    # C = 1, one tile
+    (1, 37, None, 0.7, -100),  # C = 1, one tile
 ]
 MODES = {  # with entropy_out, with grad_entropy
     "entropy+grad_entropy": (True, True),
@@ -223,8 +235,10 @@ def test_confident_rows(T, margin, grads, fresh_seed):
     term_h = 0.0 if h is None else (h.double() * r_lp.exp() * (r_lp + r_ent)).abs()
     label_scale = ((g.double() * s_other).abs() + term_h) / T
     label_got, label_ref = got[3][rows, labels], ref[3][rows, labels]
-    assert _note("confident: label grad (per elem)",
-                 per_elem(label_got, label_ref, label_scale)) <= LABEL_RTOL, tag
+    assert (
+        _note("confident: label grad (per elem)", per_elem(label_got, label_ref, label_scale))
+        <= LABEL_RTOL
+    ), tag
     assert _note("confident: logprob (per elem)", per_elem(got[0], ref[0])) <= LABEL_RTOL, tag
     assert _note("confident: entropy (per elem)", per_elem(got[1], ref[1])) <= LABEL_RTOL, tag
 
@@ -233,14 +247,14 @@ def test_neg_inf_entries(fresh_seed):
     """−inf logits (masked vocab): finite outputs, no NaN, exact zero gradient there."""
     C, V, block_v, T = 6, 1003, 64, 0.7
     z, labels = _make_inputs(C, V)
-    labels[:5] = torch.randint(3 * block_v, V, (5,))          # valid labels past tile 3
+    labels[:5] = torch.randint(3 * block_v, V, (5,))  # valid labels past tile 3
     z[torch.rand(C, V) < 0.3] = float("-inf")
-    z[1, :3 * block_v] = float("-inf")                         # m stays −inf for 3 tiles
+    z[1, : 3 * block_v] = float("-inf")  # m stays −inf for 3 tiles
     z[2] = float("-inf")
-    z[2, torch.randint(0, V, (4,))] = torch.randn(4)           # a few finite entries ...
-    z[3] = float("-inf")                                       # only the label is finite:
-    rows = torch.arange(C)                                     # p_y = 1, H = 0
-    z[rows, labels.clamp(min=0)] = torch.randn(C)              # labels themselves finite
+    z[2, torch.randint(0, V, (4,))] = torch.randn(4)  # a few finite entries ...
+    z[3] = float("-inf")  # only the label is finite:
+    rows = torch.arange(C)  # p_y = 1, H = 0
+    z[rows, labels.clamp(min=0)] = torch.randn(C)  # labels themselves finite
     g, h = torch.randn(C), torch.randn(C)
     got = _run(z, labels, T, -100, g, h, block_v=block_v)
     ref = _reference(z, labels, T, -100, g, h)
@@ -255,10 +269,10 @@ def test_tied_logits(fresh_seed):
     padding rows of the LM head): the online sum must count each of them once."""
     C, V, block_v, T = 5, 1003, 32, 0.7
     z, labels = _make_inputs(C, V)
-    z = (z / 2).round()                                  # small integers: ties everywhere
-    z[1] = 0.0                                           # uniform row: H = log V
-    z[2, -3:] = z[2].max() + 1.0                         # max tied only in the ragged tail
-    z[3, ::block_v] = z[3].max() + 2.0                   # one max per tile, first column
+    z = (z / 2).round()  # small integers: ties everywhere
+    z[1] = 0.0  # uniform row: H = log V
+    z[2, -3:] = z[2].max() + 1.0  # max tied only in the ragged tail
+    z[3, ::block_v] = z[3].max() + 2.0  # one max per tile, first column
     g, h = torch.randn(C), torch.randn(C)
     got = _run(z, labels, T, -100, g, h, block_v=block_v)
     ref = _reference(z, labels, T, -100, g, h)

@@ -50,12 +50,15 @@ def test_batch_mode():
     assert torch.allclose(group_advantages(r, mode="batch"), (r - 1.5) / (r.std() + 1e-6))
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(mode="ppo", group_size=2), "mode"),
-    (dict(), "exactly one"),
-    (dict(group_size=3), "group_size"),
-    (dict(group_ids=torch.zeros(3, dtype=torch.int64)), "group_ids"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(mode="ppo", group_size=2), "mode"),
+        (dict(), "exactly one"),
+        (dict(group_size=3), "group_size"),
+        (dict(group_ids=torch.zeros(3, dtype=torch.int64)), "group_ids"),
+    ],
+)
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         group_advantages(torch.zeros(4), **kwargs)

@@ -11,8 +11,7 @@ from areal_fast.rl.config import LossConfig
 from areal_fast.rl.decoupled import loglinear_prox_logprobs
 from areal_fast.train import torch_engine
 from areal_fast.train.config import ActorConfig
-from areal_fast.train.torch_engine import (OptimizerConfig, TorchTrainEngine,
-                                           packed_forward_logprobs)
+from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine, packed_forward_logprobs
 
 
 def _trajectories(vocab, seed, max_version=3, num=8):
@@ -40,8 +39,16 @@ def _with_behav(trajs, advantages, logprobs):
     out, start = [], 0
     for t in trajs:
         n = len(t.completion_ids)
-        out.append(Trajectory(t.prompt_ids, t.completion_ids, per_token[start:start + n],
-                              t.versions, t.stop_reason, t.group_id))
+        out.append(
+            Trajectory(
+                t.prompt_ids,
+                t.completion_ids,
+                per_token[start : start + n],
+                t.versions,
+                t.stop_reason,
+                t.group_id,
+            )
+        )
         start += n
     return pack_trajectories(out, advantages)
 
@@ -53,10 +60,13 @@ def _model(tiny_model_dir):
 def _trainer(model, loss_config=None, lr=1e-3, initial_version=0, **actor_fields):
     """A trainer at temperature 0.9; ``actor_fields`` over plain PPO with groups free to
     split and a 40-token micro-batch budget."""
-    fields = {"keep_groups": False, "use_decoupled_loss": False, "max_tokens_per_mb": 40,
-              **actor_fields}
-    actor = ActorConfig(loss=loss_config or LossConfig(), optim=OptimizerConfig(lr=lr),
-                        **fields)
+    fields = {
+        "keep_groups": False,
+        "use_decoupled_loss": False,
+        "max_tokens_per_mb": 40,
+        **actor_fields,
+    }
+    actor = ActorConfig(loss=loss_config or LossConfig(), optim=OptimizerConfig(lr=lr), **fields)
     return TorchTrainEngine(model, actor, temperature=0.9, initial_version=initial_version)
 
 
@@ -107,14 +117,16 @@ def test_loglinear_rejects_bad_versions(bad, match):
     with pytest.raises(ValueError, match=match):
         loglinear_prox_logprobs(torch.zeros(3), torch.zeros(3), versions, 5, mask)
     # the same version on a masked-out token is ignored
-    loglinear_prox_logprobs(torch.zeros(3), torch.zeros(3), versions, 5,
-                            torch.tensor([True, False, False]))
+    loglinear_prox_logprobs(
+        torch.zeros(3), torch.zeros(3), versions, 5, torch.tensor([True, False, False])
+    )
 
 
 def test_loglinear_in_trainer_uses_interpolated_prox(tiny_model_dir, fresh_seed, monkeypatch):
     model = _model(tiny_model_dir)
-    trainer = _trainer(model, use_decoupled_loss=True, prox_logp_method="loglinear",
-                       initial_version=3)
+    trainer = _trainer(
+        model, use_decoupled_loss=True, prox_logp_method="loglinear", initial_version=3
+    )
     batch = _batch(model.config.vocab_size, fresh_seed % 1000, max_version=3)
     before = copy.deepcopy(model)
     seen = _spy_grpo_loss(monkeypatch)
@@ -125,8 +137,7 @@ def test_loglinear_in_trainer_uses_interpolated_prox(tiny_model_dir, fresh_seed,
     assert stats["staleness_max"] == float(stale.max())
     for mb, _, prox in seen:
         start, _ = packed_forward_logprobs(before, mb, 0.9, with_entropy=False)
-        expected = loglinear_prox_logprobs(start, mb.behav_logprobs, mb.versions, 3,
-                                           mb.loss_mask)
+        expected = loglinear_prox_logprobs(start, mb.behav_logprobs, mb.versions, 3, mb.loss_mask)
         assert torch.allclose(prox[mb.loss_mask], expected[mb.loss_mask], atol=1e-5)
         assert not torch.allclose(prox[mb.loss_mask], start[mb.loss_mask], atol=1e-3)
 
@@ -159,22 +170,25 @@ def test_recompute_single_minibatch_equals_explicit_pass(tiny_model_dir, fresh_s
     loss_config = LossConfig(behav_weight_cap=5.0)
     batch = _batch(_model(tiny_model_dir).config.vocab_size, fresh_seed % 1000)
     # gradients: in-forward detached log-probs vs an explicit no-grad pass
-    inline = _trainer(_model(tiny_model_dir), loss_config, use_decoupled_loss=True,
-                      initial_version=3)
-    explicit = _trainer(_model(tiny_model_dir), loss_config, use_decoupled_loss=True,
-                        initial_version=3)
+    inline = _trainer(
+        _model(tiny_model_dir), loss_config, use_decoupled_loss=True, initial_version=3
+    )
+    explicit = _trainer(
+        _model(tiny_model_dir), loss_config, use_decoupled_loss=True, initial_version=3
+    )
     stats_a = inline.accumulate_gradients(batch)
-    stats_b = explicit.accumulate_gradients(batch,
-                                            prox_logprobs=explicit.recompute_logprobs(batch))
+    stats_b = explicit.accumulate_gradients(batch, prox_logprobs=explicit.recompute_logprobs(batch))
     assert stats_a["num_micro_batches"] > 1
     assert torch.allclose(_flat_grad(inline.model), _flat_grad(explicit.model), atol=1e-5)
     for key in ("loss", "behav_weight_mean", "ratio_mean", "clip_fraction"):
         assert stats_a[key] == pytest.approx(stats_b[key], rel=1e-5, abs=1e-6), key
     # whole steps: same updated weights and metrics
-    inline = _trainer(_model(tiny_model_dir), loss_config, use_decoupled_loss=True,
-                      initial_version=3)
-    explicit = _trainer(_model(tiny_model_dir), loss_config, use_decoupled_loss=True,
-                        initial_version=3)
+    inline = _trainer(
+        _model(tiny_model_dir), loss_config, use_decoupled_loss=True, initial_version=3
+    )
+    explicit = _trainer(
+        _model(tiny_model_dir), loss_config, use_decoupled_loss=True, initial_version=3
+    )
     explicit._explicit_prox_pass = True
     stats_a, stats_b = inline.train_step(batch), explicit.train_step(batch)
     assert torch.allclose(_flat(inline.model), _flat(explicit.model), atol=1e-5)
@@ -189,8 +203,7 @@ def test_on_policy_batch_equals_plain_step(tiny_model_dir, fresh_seed, method):
     probe = _trainer(copy.deepcopy(model))
     batch = _with_behav(trajs, adv, probe.recompute_logprobs(pack_trajectories(trajs, adv)))
     plain = _trainer(copy.deepcopy(model))
-    decoupled = _trainer(copy.deepcopy(model), use_decoupled_loss=True,
-                         prox_logp_method=method)
+    decoupled = _trainer(copy.deepcopy(model), use_decoupled_loss=True, prox_logp_method=method)
     stats_plain, stats_dec = plain.train_step(batch), decoupled.train_step(batch)
     assert torch.allclose(_flat(plain.model), _flat(decoupled.model), atol=1e-6)
     assert stats_dec["loss"] == pytest.approx(stats_plain["loss"], rel=1e-5, abs=1e-7)
@@ -203,12 +216,18 @@ def test_on_policy_batch_equals_plain_step(tiny_model_dir, fresh_seed, method):
 def test_two_minibatches_use_step_start_prox(tiny_model_dir, fresh_seed, monkeypatch):
     model = _model(tiny_model_dir)
     batch = _batch(model.config.vocab_size, fresh_seed % 1000)
-    one = _trainer(copy.deepcopy(model), use_decoupled_loss=True, initial_version=3,
-                   keep_groups=True)
+    one = _trainer(
+        copy.deepcopy(model), use_decoupled_loss=True, initial_version=3, keep_groups=True
+    )
     one.train_step(batch)
 
-    two = _trainer(copy.deepcopy(model), use_decoupled_loss=True, initial_version=3,
-                   keep_groups=True, ppo_n_minibatches=2)
+    two = _trainer(
+        copy.deepcopy(model),
+        use_decoupled_loss=True,
+        initial_version=3,
+        keep_groups=True,
+        ppo_n_minibatches=2,
+    )
     before = copy.deepcopy(two.model)
     parts = two.minibatch_parts(batch)
     assert len(parts) == 2 and sorted(i for p in parts for i in p) == list(range(8))
@@ -218,8 +237,11 @@ def test_two_minibatches_use_step_start_prox(tiny_model_dir, fresh_seed, monkeyp
     stats = two.train_step(batch)
 
     assert stats["num_minibatches"] == 2.0 and stats["version"] == 4.0 and two.version == 4
-    steps = {int(two.optimizer.state[p]["step"]) for p in two.model.parameters()
-             if p in two.optimizer.state}
+    steps = {
+        int(two.optimizer.state[p]["step"])
+        for p in two.model.parameters()
+        if p in two.optimizer.state
+    }
     assert steps == {2}
     assert not torch.allclose(_flat(one.model), _flat(two.model), atol=1e-6)
     assert stats["num_micro_batches"] == float(len(seen))
@@ -251,23 +273,28 @@ def test_behav_weight_cap_masks_tokens(tiny_model_dir, fresh_seed):
     stats = capped.accumulate_gradients(batch)
     weight = torch.exp(current - batch.behav_logprobs)[batch.loss_mask]
     assert stats["behav_weight_masked_fraction"] == pytest.approx(
-        float((weight > cap).float().mean()), abs=1e-6)
+        float((weight > cap).float().mean()), abs=1e-6
+    )
     assert stats["behav_weight_mean"] == pytest.approx(float(weight.mean()), rel=1e-4)
 
     # token_sum: masked tokens contribute nothing, so dropping them changes no gradient
     kept = copy.copy(batch)
     kept.loss_mask = batch.loss_mask & ~high
-    reference = _trainer(copy.deepcopy(model), LossConfig(aggregation="token_sum"),
-                         use_decoupled_loss=True)
+    reference = _trainer(
+        copy.deepcopy(model), LossConfig(aggregation="token_sum"), use_decoupled_loss=True
+    )
     ref_stats = reference.accumulate_gradients(kept)
     assert ref_stats["behav_weight_masked_fraction"] == 0.0
-    assert torch.allclose(_flat_grad(capped.model), _flat_grad(reference.model),
-                          rtol=1e-4, atol=1e-6)
-    uncapped = _trainer(copy.deepcopy(model), LossConfig(aggregation="token_sum"),
-                        use_decoupled_loss=True)
+    assert torch.allclose(
+        _flat_grad(capped.model), _flat_grad(reference.model), rtol=1e-4, atol=1e-6
+    )
+    uncapped = _trainer(
+        copy.deepcopy(model), LossConfig(aggregation="token_sum"), use_decoupled_loss=True
+    )
     uncapped.accumulate_gradients(batch)
-    assert not torch.allclose(_flat_grad(capped.model), _flat_grad(uncapped.model),
-                              rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(
+        _flat_grad(capped.model), _flat_grad(uncapped.model), rtol=1e-4, atol=1e-6
+    )
 
 
 # ---------------------------------------------------------------------------------------
@@ -275,12 +302,15 @@ def test_behav_weight_cap_masks_tokens(tiny_model_dir, fresh_seed):
 # ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"prox_logp_method": "rollout"}, "prox_logp_method"),
-    ({"ppo_n_minibatches": 0}, "ppo_n_minibatches"),
-    ({"ppo_n_minibatches": 1.5}, "ppo_n_minibatches"),
-    ({"initial_version": -1}, "initial_version"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"prox_logp_method": "rollout"}, "prox_logp_method"),
+        ({"ppo_n_minibatches": 0}, "ppo_n_minibatches"),
+        ({"ppo_n_minibatches": 1.5}, "ppo_n_minibatches"),
+        ({"initial_version": -1}, "initial_version"),
+    ],
+)
 def test_bad_arguments(tiny_model_dir, kwargs, name):
     with pytest.raises(ValueError, match=name):
         _trainer(_model(tiny_model_dir), **kwargs)
@@ -294,8 +324,13 @@ def test_too_many_minibatches_and_stray_prox(tiny_model_dir):
         trainer.train_step(batch)
     with pytest.raises(ValueError, match="prox_logprobs"):
         trainer.accumulate_gradients(batch, prox_logprobs=torch.zeros(batch.num_tokens))
-    loglinear = _trainer(model, use_decoupled_loss=True, prox_logp_method="loglinear",
-                         initial_version=2, ppo_n_minibatches=2)  # versions up to 3: newer
+    loglinear = _trainer(
+        model,
+        use_decoupled_loss=True,
+        prox_logp_method="loglinear",
+        initial_version=2,
+        ppo_n_minibatches=2,
+    )  # versions up to 3: newer
     before = _flat(model)
     with pytest.raises(ValueError, match="prox_version"):
         loglinear.train_step(batch)

@@ -17,7 +17,7 @@ def _reference(logp, old, adv_seq, mask, lengths, cfg, prox=None, ref=None, ent=
         toks = range(start, start + n)
         base = prox if prox is not None else old
         m_toks = [t for t in toks if mask[t]]
-        seq_lr = (sum(logp[t] - base[t] for t in m_toks) / max(len(m_toks), 1))
+        seq_lr = sum(logp[t] - base[t] for t in m_toks) / max(len(m_toks), 1)
         s_sum = 0.0
         for t in m_toks:
             a = adv_seq[s]
@@ -54,7 +54,7 @@ def _reference(logp, old, adv_seq, mask, lengths, cfg, prox=None, ref=None, ent=
         return total
     if cfg.aggregation == "seq_mean_token_sum":
         return sum(seq_losses) / (len(lengths) * cfg.seq_len_norm)
-    means = [l / c for l, c in zip(seq_losses, seq_counts) if c > 0]
+    means = [loss / c for loss, c in zip(seq_losses, seq_counts) if c > 0]
     return sum(means) / max(len(means), 1)
 
 
@@ -88,20 +88,47 @@ def test_matches_reference(cfg, fresh_seed):
     ent = torch.rand(T, dtype=torch.float64).requires_grad_() if cfg.entropy_coef else None
     eng = old + torch.randn(T, dtype=torch.float64) * 0.3 if cfg.tis_cap else None
     mask = torch.rand(T) < 0.7
-    mask[cu[3]:cu[4]] = False  # a sequence with no trained token
+    mask[cu[3] : cu[4]] = False  # a sequence with no trained token
     adv_seq = torch.randn(len(lengths), dtype=torch.float64)
-    loss, stats = grpo_loss(logp, old, adv_seq, mask, cu, cfg, prox_logprobs=prox,
-                            ref_logprobs=ref, entropy=ent, engine_logprobs=eng)
-    want = _reference(logp.tolist(), old.tolist(), adv_seq.tolist(), mask.tolist(), lengths,
-                      cfg, None if prox is None else prox.tolist(),
-                      None if ref is None else ref.tolist(),
-                      None if ent is None else ent.tolist(),
-                      None if eng is None else eng.tolist())
+    loss, stats = grpo_loss(
+        logp,
+        old,
+        adv_seq,
+        mask,
+        cu,
+        cfg,
+        prox_logprobs=prox,
+        ref_logprobs=ref,
+        entropy=ent,
+        engine_logprobs=eng,
+    )
+    want = _reference(
+        logp.tolist(),
+        old.tolist(),
+        adv_seq.tolist(),
+        mask.tolist(),
+        lengths,
+        cfg,
+        None if prox is None else prox.tolist(),
+        None if ref is None else ref.tolist(),
+        None if ent is None else ent.tolist(),
+        None if eng is None else eng.tolist(),
+    )
     assert abs(loss.item() - want) < 1e-9, f"seed {fresh_seed}"
     # per-token advantages give the same loss
     adv_tok = torch.repeat_interleave(adv_seq, torch.tensor(lengths))
-    loss_tok, _ = grpo_loss(logp, old, adv_tok, mask, cu, cfg, prox_logprobs=prox,
-                            ref_logprobs=ref, entropy=ent, engine_logprobs=eng)
+    loss_tok, _ = grpo_loss(
+        logp,
+        old,
+        adv_tok,
+        mask,
+        cu,
+        cfg,
+        prox_logprobs=prox,
+        ref_logprobs=ref,
+        entropy=ent,
+        engine_logprobs=eng,
+    )
     assert abs(loss_tok.item() - want) < 1e-9
     loss.backward()
     assert torch.all(logp.grad[~mask] == 0)
@@ -110,28 +137,34 @@ def test_matches_reference(cfg, fresh_seed):
 
 
 def test_gradient_matches_finite_difference(fresh_seed):
-    lengths = [4, 6]
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     old = -torch.rand(10, dtype=torch.float64)
     logp = (old + 0.05 * torch.randn(10, dtype=torch.float64)).requires_grad_()
     adv = torch.tensor([1.0, -0.5], dtype=torch.float64)
     mask = torch.ones(10, dtype=torch.bool)
     cfg = LossConfig(kl_coef=0.0)
-    assert torch.autograd.gradcheck(
-        lambda x: grpo_loss(x, old, adv, mask, cu, cfg)[0], (logp,))
+    assert torch.autograd.gradcheck(lambda x: grpo_loss(x, old, adv, mask, cu, cfg)[0], (logp,))
 
 
 def test_no_masked_token_returns_zero_with_graph():
     logp = torch.randn(6, requires_grad=True)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    loss, _ = grpo_loss(logp, logp.detach(), torch.randn(2), torch.zeros(6, dtype=torch.bool),
-                        cu, LossConfig())
+    loss, _ = grpo_loss(
+        logp, logp.detach(), torch.randn(2), torch.zeros(6, dtype=torch.bool), cu, LossConfig()
+    )
     loss.backward()
     assert loss.item() == 0 and torch.all(logp.grad == 0)
 
 
-@pytest.mark.parametrize("cfg", [LossConfig(), LossConfig(behav_weight_cap=2.0),
-                                 LossConfig(tis_cap=2.0), LossConfig(kl_coef=0.1)])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(),
+        LossConfig(behav_weight_cap=2.0),
+        LossConfig(tis_cap=2.0),
+        LossConfig(kl_coef=0.1),
+    ],
+)
 def test_non_finite_values_at_masked_positions_stay_out(cfg):
     """Padding positions may hold -inf or huge log-ratios; loss and gradients stay finite."""
     logp = torch.tensor([-1.0, 0.0, -0.5, 0.0], requires_grad=True)
@@ -139,10 +172,17 @@ def test_non_finite_values_at_masked_positions_stay_out(cfg):
     other = torch.tensor([-1.0, float("-inf"), -0.5, 150.0])
     mask = torch.tensor([True, False, True, False])
     cu = torch.tensor([0, 2, 4], dtype=torch.int32)
-    loss, stats = grpo_loss(logp, old, torch.tensor([1.0, -1.0]), mask, cu, cfg,
-                            prox_logprobs=other if cfg.behav_weight_cap else None,
-                            engine_logprobs=other if cfg.tis_cap else None,
-                            ref_logprobs=other if cfg.kl_coef else None)
+    loss, stats = grpo_loss(
+        logp,
+        old,
+        torch.tensor([1.0, -1.0]),
+        mask,
+        cu,
+        cfg,
+        prox_logprobs=other if cfg.behav_weight_cap else None,
+        engine_logprobs=other if cfg.tis_cap else None,
+        ref_logprobs=other if cfg.kl_coef else None,
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert logp.grad[1] == 0 and logp.grad[3] == 0
@@ -154,42 +194,59 @@ def test_clipping_blocks_gradient_outside_range():
     old = torch.zeros(2)
     logp = torch.tensor([0.5, 0.05], requires_grad=True)  # ratios 1.65 and 1.05
     cu = torch.tensor([0, 2], dtype=torch.int32)
-    loss, stats = grpo_loss(logp, old, torch.tensor([1.0]), torch.ones(2, dtype=torch.bool), cu,
-                            LossConfig(eps_clip=0.2))
+    loss, stats = grpo_loss(
+        logp,
+        old,
+        torch.tensor([1.0]),
+        torch.ones(2, dtype=torch.bool),
+        cu,
+        LossConfig(eps_clip=0.2),
+    )
     loss.backward()
     assert logp.grad[0] == 0 and logp.grad[1] != 0
     assert stats["clip_fraction"].item() == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    (dict(aggregation="mean"), "aggregation"),
-    (dict(kl_estimator="k4"), "kl_estimator"),
-    (dict(ratio_level="seq"), "ratio_level"),
-    (dict(aggregation="seq_mean_token_sum"), "seq_len_norm"),
-    (dict(eps_clip=1.5), "eps_clip"),
-    (dict(dual_clip_c=0.5), "dual_clip_c"),
-    (dict(dual_clip_c=float("nan")), "dual_clip_c"),
-    (dict(eps_clip_high=float("inf")), "eps_clip_high"),
-    (dict(tis_cap=float("nan")), "tis_cap"),
-    (dict(behav_weight_cap=float("nan")), "behav_weight_cap"),
-    (dict(aggregation="seq_mean_token_sum", seq_len_norm=float("inf")), "seq_len_norm"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(aggregation="mean"), "aggregation"),
+        (dict(kl_estimator="k4"), "kl_estimator"),
+        (dict(ratio_level="seq"), "ratio_level"),
+        (dict(aggregation="seq_mean_token_sum"), "seq_len_norm"),
+        (dict(eps_clip=1.5), "eps_clip"),
+        (dict(dual_clip_c=0.5), "dual_clip_c"),
+        (dict(dual_clip_c=float("nan")), "dual_clip_c"),
+        (dict(eps_clip_high=float("inf")), "eps_clip_high"),
+        (dict(tis_cap=float("nan")), "tis_cap"),
+        (dict(behav_weight_cap=float("nan")), "behav_weight_cap"),
+        (dict(aggregation="seq_mean_token_sum", seq_len_norm=float("inf")), "seq_len_norm"),
+    ],
+)
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         LossConfig(**kwargs)
 
 
-@pytest.mark.parametrize("field,value,match", [
-    ("cu", torch.tensor([0, 2, 6], dtype=torch.int64), "cu_seqlens"),
-    ("cu", torch.tensor([1, 2, 6], dtype=torch.int32), "cu_seqlens"),
-    ("cu", torch.tensor([0, 4, 5], dtype=torch.int32), "cu_seqlens"),
-    ("adv", torch.randn(3), "advantages"),
-    ("mask", torch.ones(6), "loss_mask"),
-    ("old", torch.randn(5), "old_logprobs"),
-])
+@pytest.mark.parametrize(
+    "field,value,match",
+    [
+        ("cu", torch.tensor([0, 2, 6], dtype=torch.int64), "cu_seqlens"),
+        ("cu", torch.tensor([1, 2, 6], dtype=torch.int32), "cu_seqlens"),
+        ("cu", torch.tensor([0, 4, 5], dtype=torch.int32), "cu_seqlens"),
+        ("adv", torch.randn(3), "advantages"),
+        ("mask", torch.ones(6), "loss_mask"),
+        ("old", torch.randn(5), "old_logprobs"),
+    ],
+)
 def test_bad_tensors_are_named(field, value, match):
-    args = dict(logp=torch.randn(6), old=torch.randn(6), adv=torch.randn(2),
-                mask=torch.ones(6, dtype=torch.bool), cu=torch.tensor([0, 2, 6], dtype=torch.int32))
+    args = dict(
+        logp=torch.randn(6),
+        old=torch.randn(6),
+        adv=torch.randn(2),
+        mask=torch.ones(6, dtype=torch.bool),
+        cu=torch.tensor([0, 2, 6], dtype=torch.int32),
+    )
     args[field] = value
     with pytest.raises(ValueError, match=match):
         grpo_loss(args["logp"], args["old"], args["adv"], args["mask"], args["cu"], LossConfig())

@@ -10,8 +10,7 @@ import time
 import pytest
 import torch
 
-from areal_fast.rollout.engine import (GenRequest, SamplingParams, sample_seed,
-                                       seeded_uniform)
+from areal_fast.rollout.engine import GenRequest, SamplingParams, sample_seed, seeded_uniform
 from areal_fast.rollout.hf_engine import HFEngine
 from areal_fast.rollout.sampling import SeededSampler
 
@@ -36,12 +35,14 @@ def _reference_probs(logits: torch.Tensor, temperature: float, top_p: float) -> 
     return probs
 
 
-def _draw(logits: torch.Tensor, seeds: list[int], temperature: float, top_p: float,
-          offset: int = 0) -> torch.Tensor:
+def _draw(
+    logits: torch.Tensor, seeds: list[int], temperature: float, top_p: float, offset: int = 0
+) -> torch.Tensor:
     """One token per seed from the same logits row, through the processor interface."""
     rows = len(seeds)
-    sampler = SeededSampler(seeds, [offset] * rows, start_len=3, temperature=temperature,
-                            top_p=top_p)
+    sampler = SeededSampler(
+        seeds, [offset] * rows, start_len=3, temperature=temperature, top_p=top_p
+    )
     scores = logits.float().expand(rows, -1).clone()
     out = sampler(torch.zeros(rows, 3, dtype=torch.long), scores)
     assert out.dtype == torch.float32 and out.shape == scores.shape
@@ -90,17 +91,25 @@ def test_sampler_draw_ignores_batch_neighbours():
     # Batch A: the row is third of four, completion position 1 + (7 - 5) = 3.
     others = torch.randn(4, 50, generator=gen)
     others[2] = row
-    a = SeededSampler([11, 12, seed, 13], [0, 9, 1, 4], start_len=5, temperature=0.9,
-                      top_p=0.8)(torch.zeros(4, 7, dtype=torch.long), others)
+    a = SeededSampler([11, 12, seed, 13], [0, 9, 1, 4], start_len=5, temperature=0.9, top_p=0.8)(
+        torch.zeros(4, 7, dtype=torch.long), others
+    )
     # Batch B: alone, another width, position 3 + (2 - 2) = 3.
-    b = SeededSampler([seed], [3], start_len=2, temperature=0.9,
-                      top_p=0.8)(torch.zeros(1, 2, dtype=torch.long), row[None].clone())
+    b = SeededSampler([seed], [3], start_len=2, temperature=0.9, top_p=0.8)(
+        torch.zeros(1, 2, dtype=torch.long), row[None].clone()
+    )
     assert a[2].argmax() == b[0].argmax()
     assert torch.equal(a[2], b[0])
     # Another position of the same seed is an independent draw: over 200 positions the
     # tokens are not all equal.
-    draws = {int(SeededSampler([seed], [p], 2, 0.9, 0.8)(
-        torch.zeros(1, 2, dtype=torch.long), row[None].clone()).argmax()) for p in range(200)}
+    draws = {
+        int(
+            SeededSampler([seed], [p], 2, 0.9, 0.8)(
+                torch.zeros(1, 2, dtype=torch.long), row[None].clone()
+            ).argmax()
+        )
+        for p in range(200)
+    }
     assert len(draws) > 1
 
 
@@ -133,8 +142,9 @@ def make_engine(tiny_model_dir, tokenizer):
     engines = []
 
     def make(max_batch_size: int = 8) -> HFEngine:
-        engine = HFEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer,
-                          max_batch_size)
+        engine = HFEngine(
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer, max_batch_size
+        )
         engines.append(engine)
         return engine
 
@@ -168,8 +178,9 @@ def _collect(engine: HFEngine, count: int, timeout: float = 20.0) -> dict:
     return out
 
 
-def _eos_free_seed(engine: HFEngine, prompt: list[int], budget: int, temperature=1.0,
-                   top_p=1.0) -> int:
+def _eos_free_seed(
+    engine: HFEngine, prompt: list[int], budget: int, temperature=1.0, top_p=1.0
+) -> int:
     """A group seed whose sample 0 runs its whole budget without end-of-sequence."""
     params = SamplingParams(n=1, temperature=temperature, top_p=top_p, max_new_tokens=budget)
     for seed in range(100):
@@ -199,14 +210,17 @@ def test_generate_with_seeds_is_batch_invariant(make_engine, tokenizer):
     traj = alone[0]
     ids = torch.tensor([traj.prompt_ids + traj.completion_ids])
     with torch.no_grad():
-        logits = engine.model(input_ids=ids).logits[0, len(traj.prompt_ids) - 1:-1]
+        logits = engine.model(input_ids=ids).logits[0, len(traj.prompt_ids) - 1 : -1]
     recomputed = torch.log_softmax(logits.float() / 0.8, -1).gather(
-        1, torch.tensor(traj.completion_ids)[:, None])[:, 0]
+        1, torch.tensor(traj.completion_ids)[:, None]
+    )[:, 0]
     assert torch.allclose(recomputed, torch.tensor(traj.logprobs), atol=1e-4)
     # Greedy ignores seeds; unseeded sampling still works.
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
-    assert (engine.generate(prompts, greedy, seeds=[1, 2, 3])[1].completion_ids
-            == engine.generate(prompts, greedy)[1].completion_ids)
+    assert (
+        engine.generate(prompts, greedy, seeds=[1, 2, 3])[1].completion_ids
+        == engine.generate(prompts, greedy)[1].completion_ids
+    )
     assert len(engine.generate(prompts, params)) == 6
     with pytest.raises(ValueError, match="seeds"):
         engine.generate(prompts, params, seeds=[1])
@@ -244,11 +258,13 @@ def test_pause_mid_generation_then_resume_continues_the_same_sample(make_engine,
     assert first.output_ids == full.output_ids[:cut] and first.versions == [0] * cut
     assert calls[0] == cut
 
-    engine.update_weights([(n, p.detach().clone()) for n, p in engine.model.named_parameters()],
-                          version=1)
+    engine.update_weights(
+        [(n, p.detach().clone()) for n, p in engine.model.named_parameters()], version=1
+    )
     engine.resume()
-    engine.submit([GenRequest(2, prompt + first.output_ids, budget - cut, 1.0, 1.0, seed,
-                              offset=cut)])
+    engine.submit(
+        [GenRequest(2, prompt + first.output_ids, budget - cut, 1.0, 1.0, seed, offset=cut)]
+    )
     second = _collect(engine, 1)[2]
     assert second.stop_reason == "length"
     assert first.output_ids + second.output_ids == full.output_ids
@@ -270,8 +286,7 @@ def test_budget_split_resubmission_matches_one_request(make_engine, tokenizer):
     tail = _collect(engine, 1)[2]
     assert (head.stop_reason, tail.stop_reason) == ("length", "length")
     assert head.output_ids + tail.output_ids == full.output_ids
-    assert max(abs(a - b) for a, b in zip(head.logprobs + tail.logprobs,
-                                          full.logprobs)) <= 1e-5
+    assert max(abs(a - b) for a, b in zip(head.logprobs + tail.logprobs, full.logprobs)) <= 1e-5
 
 
 def test_pause_aborts_a_long_running_generate(make_engine, tokenizer):
@@ -314,11 +329,17 @@ def test_per_request_budgets_in_one_batch(make_engine, tokenizer):
         return generate(*args, **kwargs)
 
     engine.model.generate = counting_generate
-    refs = [engine.generate([p], SamplingParams(n=1, max_new_tokens=b), seeds=[40 + i])[0]
-            for i, (p, b) in enumerate(zip(prompts, budgets))]
+    refs = [
+        engine.generate([p], SamplingParams(n=1, max_new_tokens=b), seeds=[40 + i])[0]
+        for i, (p, b) in enumerate(zip(prompts, budgets))
+    ]
     sizes.clear()
-    engine.submit([GenRequest(i, p, b, seed=sample_seed(40 + i, 0))
-                   for i, (p, b) in enumerate(zip(prompts, budgets))])
+    engine.submit(
+        [
+            GenRequest(i, p, b, seed=sample_seed(40 + i, 0))
+            for i, (p, b) in enumerate(zip(prompts, budgets))
+        ]
+    )
     engine.start()
     outs = _collect(engine, 3)
     assert sizes == [3]  # one batch

@@ -57,8 +57,9 @@ def _close(a, b, dtype: str) -> bool:
 
 def _moved(new, old, reference, dtype: str) -> bool:
     """The update moved the engine's log-probs by much more than the engine's error."""
-    return (_max_diff(new, old) > TOLERANCE[dtype][0]
-            and _mean_diff(new, old) > 4 * _mean_diff(new, reference))
+    return _max_diff(new, old) > TOLERANCE[dtype][0] and _mean_diff(new, old) > 4 * _mean_diff(
+        new, reference
+    )
 
 
 def _free_port() -> int:
@@ -68,6 +69,7 @@ def _free_port() -> int:
 
 
 # --------------------------------------------------------------------------- trainer process
+
 
 def _token_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> list[float]:
     """Reference log-probs of the completion, computed in float64 (the fp32 weights exactly):
@@ -84,7 +86,7 @@ def _token_logprobs(model, prompt_ids: list[int], completion_ids: list[int]) -> 
     logps = torch.log_softmax(logits[0, :-1], dim=-1)
     targets = ids[0, 1:]
     picked = logps.gather(-1, targets[:, None])[:, 0]
-    return picked[len(prompt_ids) - 1:].tolist()
+    return picked[len(prompt_ids) - 1 :].tolist()
 
 
 class _DyingSource:
@@ -111,8 +113,9 @@ def _misname(name: str) -> str:
     return name.replace("layers.3.mlp.up_proj", "layers.3.mlp.upp_proj")
 
 
-def _trainer_main(port: int, prompt_ids: list[int], completion_ids: list[int], commands,
-                  replies) -> None:
+def _trainer_main(
+    port: int, prompt_ids: list[int], completion_ids: list[int], commands, replies
+) -> None:
     """Rank 0 of the sync group: commands ("send", seed, version, mode, scale) until
     ("stop",)."""
     try:
@@ -124,8 +127,9 @@ def _trainer_main(port: int, prompt_ids: list[int], completion_ids: list[int], c
         from areal_fast.sync.transports import TorchDistTransport, init_sync_group
 
         torch.set_num_threads(1)
-        model = AutoModelForCausalLM.from_pretrained(str(demo_model_dir()), dtype=torch.float32,
-                                                     attn_implementation="eager").eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            str(demo_model_dir()), dtype=torch.float32, attn_implementation="eager"
+        ).eval()
         base = {n: p.detach().clone() for n, p in model.named_parameters()}
         replies.put(("ready", _token_logprobs(model, prompt_ids, completion_ids)))
         group = init_sync_group(0, 2, port, backend="gloo", timeout=120.0)
@@ -167,9 +171,11 @@ class Trainer:
         ctx = mp.get_context("spawn")
         self.port = _free_port()
         self.commands, self.replies = ctx.Queue(), ctx.Queue()
-        self.process = ctx.Process(target=_trainer_main, daemon=True,
-                                   args=(self.port, prompt_ids, completion_ids, self.commands,
-                                         self.replies))
+        self.process = ctx.Process(
+            target=_trainer_main,
+            daemon=True,
+            args=(self.port, prompt_ids, completion_ids, self.commands, self.replies),
+        )
         self.process.start()
         kind, *rest = self.reply(timeout=180.0)
         assert kind == "ready", rest
@@ -184,7 +190,7 @@ class Trainer:
                 if not self.process.is_alive():
                     return ("dead", self.process.exitcode)
                 if time.monotonic() > deadline:
-                    raise TimeoutError("trainer process did not answer")
+                    raise TimeoutError("trainer process did not answer") from None
 
     def send(self, seed: int, version: int, mode: str, scale: float) -> None:
         self.commands.put(("send", seed, version, mode, scale))
@@ -199,6 +205,7 @@ class Trainer:
 
 # --------------------------------------------------------------------------- fixtures
 
+
 @pytest.fixture(scope="module")
 def token_ids():
     from transformers import AutoTokenizer
@@ -207,7 +214,7 @@ def token_ids():
 
     tok = AutoTokenizer.from_pretrained(str(demo_model_dir()))
     prompt = tok.encode(PROMPT_TEXT)
-    completion = tok.encode(PROMPT_TEXT + COMPLETION_TEXT)[len(prompt):]
+    completion = tok.encode(PROMPT_TEXT + COMPLETION_TEXT)[len(prompt) :]
     assert len(completion) >= 10
     return prompt, completion
 
@@ -217,8 +224,14 @@ def engine(request):
     from areal_fast.models.loading import demo_model_dir
     from areal_fast.rollout.vllm_engine import VLLMEngine
 
-    eng = VLLMEngine(str(demo_model_dir()), dtype=request.param, gpu_memory_utilization=0.15,
-                     max_model_len=512, enforce_eager=True, seed=0)
+    eng = VLLMEngine(
+        str(demo_model_dir()),
+        dtype=request.param,
+        gpu_memory_utilization=0.15,
+        max_model_len=512,
+        enforce_eager=True,
+        seed=0,
+    )
     eng.dtype = request.param
     yield eng
     eng.close()
@@ -233,8 +246,9 @@ def connected(engine, token_ids):
         if "trainer" in state:
             state["trainer"].stop()
         trainer = Trainer(*token_ids)
-        engine.init_weight_sync(trainer.port, rank_offset=0, world_size=2,
-                                timeout=60.0).result(timeout=180)
+        engine.init_weight_sync(trainer.port, rank_offset=0, world_size=2, timeout=60.0).result(
+            timeout=180
+        )
         state["trainer"] = trainer
         return trainer
 
@@ -271,6 +285,7 @@ def _update(engine, trainer, version: int, mode: str = "ok", expect=None):
 
 # --------------------------------------------------------------------------- tests
 
+
 def test_update_matches_transformers(engine, connected, token_ids):
     prompt, completion = token_ids
     trainer = connected["trainer"]
@@ -287,16 +302,20 @@ def test_update_matches_transformers(engine, connected, token_ids):
     assert result.version == version == engine.weight_version
     assert result.num_tensors == 272  # 30 layers x 9 + embedding + final norm (tied head)
     new_reference = reply[1]
-    print(f"\n[{engine.dtype}] seed {seed}: update {result.seconds:.2f} s (worker "
-          f"{result.worker_seconds[0]:.2f} s, trainer send {reply[2]:.2f} s, "
-          f"{reply[3] / 1e6:.0f} MB)")
+    print(
+        f"\n[{engine.dtype}] seed {seed}: update {result.seconds:.2f} s (worker "
+        f"{result.worker_seconds[0]:.2f} s, trainer send {reply[2]:.2f} s, "
+        f"{reply[3] / 1e6:.0f} MB)"
+    )
 
     new, new_version = engine.prompt_logprobs(prompt, completion, return_version=True)
     assert new_version == version
     diff_old = _max_diff(new, old)
-    print(f"[{engine.dtype}] |vLLM - transformers(new)| max {_max_diff(new, new_reference):.3g} "
-          f"mean {_mean_diff(new, new_reference):.3g}; max |vLLM(new) - vLLM(old)| = "
-          f"{diff_old:.3g}")
+    print(
+        f"[{engine.dtype}] |vLLM - transformers(new)| max {_max_diff(new, new_reference):.3g} "
+        f"mean {_mean_diff(new, new_reference):.3g}; max |vLLM(new) - vLLM(old)| = "
+        f"{diff_old:.3g}"
+    )
     assert _close(new, new_reference, engine.dtype), f"seed {seed}"
     assert _moved(new, old, new_reference, engine.dtype), f"seed {seed}: nothing changed"
 
@@ -329,8 +348,9 @@ def test_bad_name_is_rejected_and_engine_untouched(engine, connected, token_ids)
     assert after == before  # bit-identical: nothing was loaded
 
     # A version other than the announced one is refused too, after the header.
-    seed, result, error, reply = _update(engine, trainer, before_version + 1,
-                                         expect=before_version + 5)
+    seed, result, error, reply = _update(
+        engine, trainer, before_version + 1, expect=before_version + 5
+    )
     engine_error = str(error)
     assert result is None and "expected weight version" in engine_error, engine_error
     assert reply[0] == "send_error", reply
@@ -382,13 +402,15 @@ def test_accept_check_on_the_demo_checkpoint():
     q = "model.layers.0.self_attn.q_proj.weight"
     renamed = [(n.replace("q_proj", "qq_proj") if n == q else n, s, d) for n, s, d in specs]
     assert "'model.layers.0.self_attn.qq_proj.weight' is not a weight" in check_update_plan(
-        renamed, expected)
+        renamed, expected
+    )
     reshaped = [(n, (1, 2) if n == q else s, d) for n, s, d in specs]
     assert "has shape (1, 2)" in check_update_plan(reshaped, expected)
     retyped = [(n, s, "int64" if n == q else d) for n, s, d in specs]
     assert "cannot be cast" in check_update_plan(retyped, expected)
     assert "misses 1 of the model's 272" in check_update_plan(
-        [x for x in specs if x[0] != q], expected)
+        [x for x in specs if x[0] != q], expected
+    )
     assert "arrives twice" in check_update_plan(specs + specs[:1], expected)
 
 
@@ -407,20 +429,24 @@ def test_agent_session_records_exactly_what_vllm_sampled(engine):
 
     seed = int.from_bytes(os.urandom(4), "little")
     session = Session()
-    backend = ChatBackend(ChatFormat(load_tokenizer(str(demo_model_dir()))),
-                          completion_engine_generate(engine))
+    backend = ChatBackend(
+        ChatFormat(load_tokenizer(str(demo_model_dir()))), completion_engine_generate(engine)
+    )
     client = AgentClient(session, backend, SessionDefaults(max_tokens=12, seed=seed))
 
     async def agent():
         msgs = [{"role": "user", "content": "What is 6 + 7?"}]
         out = await client.chat.completions.create(messages=msgs, logprobs=True)
-        msgs += [{"role": "assistant", "content": out.choices[0].message.content},
-                 {"role": "user", "content": "Are you sure?"}]
+        msgs += [
+            {"role": "assistant", "content": out.choices[0].message.content},
+            {"role": "user", "content": "Are you sure?"},
+        ]
         await client.chat.completions.create(messages=msgs)
+
     asyncio.run(agent())
     first, second = session.calls
     assert second.parent == first.call_id
-    assert second.input_ids[:len(first.full_ids)] == first.full_ids
+    assert second.input_ids[: len(first.full_ids)] == first.full_ids
     for number, call in enumerate(session.calls):
         call_seed = sample_seed(sample_seed(seed, number), 0) % VLLM_SEED_RANGE
         [[direct]] = engine.generate([call.input_ids], 1, 1.0, 12, True, 1.0, call_seed)

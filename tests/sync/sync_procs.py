@@ -30,8 +30,9 @@ class Mixed(nn.Module):
     """Parameters of every dtype the tests need: odd sizes, one larger than a bucket, an
     embedding with an optionally tied head."""
 
-    def __init__(self, dtype_of: dict[str, torch.dtype], tied: bool, vocab: int = 97,
-                 hidden: int = 24):
+    def __init__(
+        self, dtype_of: dict[str, torch.dtype], tied: bool, vocab: int = 97, hidden: int = 24
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden, dtype=dtype_of.get("embed", FP32))
         self.odd = nn.Parameter(torch.empty(7, 13, dtype=dtype_of.get("odd", FP32)))
@@ -58,8 +59,10 @@ def run_ranks(target: Callable, world_size: int, args: tuple, timeout: float = 1
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(target, rank, port, queue, args), daemon=True)
-             for rank in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(target, rank, port, queue, args), daemon=True)
+        for rank in range(world_size)
+    ]
     for p in procs:
         p.start()
     reports: list = [None] * world_size
@@ -86,14 +89,21 @@ def _entry(target, rank, port, queue, args):
     try:
         report = target(rank, port, *args)
     except BaseException as exc:  # reported, the test asserts on it
-        report = {"error": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__,
-                  "trace": traceback.format_exc()}
+        report = {
+            "error": f"{type(exc).__name__}: {exc}",
+            "type": type(exc).__name__,
+            "trace": traceback.format_exc(),
+        }
     queue.put((rank, report))
 
 
 def make_transport(kind: str, rank: int, world_size: int, port: int, directory: str):
-    from areal_fast.sync.transports import (DiskTransport, SharedMemoryTransport,
-                                            TorchDistTransport, init_sync_group)
+    from areal_fast.sync.transports import (
+        DiskTransport,
+        SharedMemoryTransport,
+        TorchDistTransport,
+        init_sync_group,
+    )
 
     if kind == "disk":
         return DiskTransport(directory, rank, world_size, run_id=f"run{port}")
@@ -113,15 +123,30 @@ def make_transport(kind: str, rank: int, world_size: int, port: int, directory: 
 
 def exact_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-exact equality (NaN-safe), dtypes and shapes included."""
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    )
 
 
 # ---------------------------------------------------------------------------- scenarios
 
-def sync_mixed(rank: int, port: int, kind: str, directory: str, seed: int, trainer_dtypes: dict,
-               engine_dtypes: dict, tied: tuple[bool, bool], wire: str | None,
-               bucket_bytes: int, updates: int, solo_bytes: int = 4 << 20) -> dict:
+
+def sync_mixed(
+    rank: int,
+    port: int,
+    kind: str,
+    directory: str,
+    seed: int,
+    trainer_dtypes: dict,
+    engine_dtypes: dict,
+    tied: tuple[bool, bool],
+    wire: str | None,
+    bucket_bytes: int,
+    updates: int,
+    solo_bytes: int = 4 << 20,
+) -> dict:
     """Trainer sends ``updates`` versions of a :class:`Mixed` module; engines compare."""
     from areal_fast.sync.receiver import WeightReceiver, check_against
     from areal_fast.sync.sender import WeightSender
@@ -132,9 +157,13 @@ def sync_mixed(rank: int, port: int, kind: str, directory: str, seed: int, train
     transport = make_transport(kind, rank, world, port, directory)
     try:
         if rank == 0:
-            sender = WeightSender(transport, bucket_bytes=bucket_bytes, timeout=30,
-                                  wire_dtype=getattr(torch, wire) if wire else None,
-                                  solo_bytes=solo_bytes)
+            sender = WeightSender(
+                transport,
+                bucket_bytes=bucket_bytes,
+                timeout=30,
+                wire_dtype=getattr(torch, wire) if wire else None,
+                solo_bytes=solo_bytes,
+            )
             stats = []
             for version in range(1, updates + 1):
                 model = Mixed(trainer_dtypes, tied[0]).fill(seed + version).to(device)
@@ -161,8 +190,7 @@ def sync_mixed(rank: int, port: int, kind: str, directory: str, seed: int, train
         transport.close()
 
 
-def sync_rejected(rank: int, port: int, kind: str, directory: str, seed: int,
-                  fault: str) -> dict:
+def sync_rejected(rank: int, port: int, kind: str, directory: str, seed: int, fault: str) -> dict:
     """Engine 2 has a parameter with another name/shape/dtype: the update is rejected on
     every rank and no engine changes."""
     from areal_fast.sync.receiver import WeightReceiver, check_against
@@ -174,7 +202,8 @@ def sync_rejected(rank: int, port: int, kind: str, directory: str, seed: int,
         if rank == 0:
             try:
                 WeightSender(transport, bucket_bytes=1024, timeout=30).send(
-                    ModuleSource(Mixed({}, False).fill(seed)), 1)
+                    ModuleSource(Mixed({}, False).fill(seed)), 1
+                )
             except Exception as exc:
                 return {"error": str(exc), "type": type(exc).__name__}
             return {"error": None}
@@ -190,7 +219,8 @@ def sync_rejected(rank: int, port: int, kind: str, directory: str, seed: int,
         params = dict(engine.named_parameters())
         try:
             WeightReceiver(transport, timeout=30).start(
-                accept=lambda plan: check_against(plan, params))
+                accept=lambda plan: check_against(plan, params)
+            )
             error = None
         except Exception as exc:
             error = str(exc)
@@ -202,15 +232,22 @@ def sync_rejected(rank: int, port: int, kind: str, directory: str, seed: int,
 
 def tiny_hf_engine(seed: int):
     """An :class:`HFEngine` around a 2-layer Llama (vocab 64), random weights from ``seed``."""
-    import transformers
     from types import SimpleNamespace
+
+    import transformers
 
     from areal_fast.rollout.hf_engine import HFEngine
 
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     model = transformers.LlamaForCausalLM(config).eval()
     return HFEngine(model, SimpleNamespace(pad_token_id=0, eos_token_id=1)), model
 
@@ -237,6 +274,7 @@ def sync_peer_dies(rank: int, port: int, kind: str, directory: str, seed: int) -
             if index == 2:
                 os._exit(3)
             return real_direct(data, index)
+
         transport.start_send, transport.start_send_direct = dying_start, dying_direct
         sender.send(ModuleSource(model), 1)
         return {"error": "trainer survived"}
@@ -275,21 +313,29 @@ def sync_hf_engines(rank: int, port: int, kind: str, directory: str, seed: int) 
         if rank == 0:
             _, model = tiny_hf_engine(seed)
             stats = WeightSender(transport, bucket_bytes=8192, timeout=30).send(
-                ModuleSource(model), 7)
+                ModuleSource(model), 7
+            )
             return {"buckets": stats.num_buckets}
         engine, model = tiny_hf_engine(seed + rank)
         model.to(torch.bfloat16)
         version = engine.receive_weights(WeightReceiver(transport, timeout=30))
         _, reference = tiny_hf_engine(seed)
-        mismatch = [n for n, p in model.named_parameters()
-                    if not exact_equal(p.detach(), dict(reference.named_parameters())[n]
-                                       .detach().to(torch.bfloat16))]
+        mismatch = [
+            n
+            for n, p in model.named_parameters()
+            if not exact_equal(
+                p.detach(), dict(reference.named_parameters())[n].detach().to(torch.bfloat16)
+            )
+        ]
         from areal_fast.rollout.engine import SamplingParams
 
         out = engine.generate([[3, 4, 5]], SamplingParams(n=1, temperature=0, max_new_tokens=4))
-        return {"version": version, "mismatch": mismatch,
-                "tied": model.lm_head.weight is model.model.embed_tokens.weight,
-                "output_versions": sorted(set(out[0].versions))}
+        return {
+            "version": version,
+            "mismatch": mismatch,
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+            "output_versions": sorted(set(out[0].versions)),
+        }
     finally:
         transport.close()
 
@@ -311,13 +357,15 @@ def sync_fsdp2(rank: int, port: int, directory: str, seed: int, reject: bool = F
 
     if rank < 2:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port + 1))
-        dist.init_process_group("gloo", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+        )
         model = Mixed({"f16": FP32, "b16": FP32}, tied=True).fill(seed)
         fully_shard(model)
         source = FSDP2Source(model)
-        transport = (TorchDistTransport(init_sync_group(0, 2, port, timeout=60))
-                     if rank == 0 else None)
+        transport = (
+            TorchDistTransport(init_sync_group(0, 2, port, timeout=60)) if rank == 0 else None
+        )
         try:
             stats = WeightSender(transport, bucket_bytes=2048, timeout=30).send(source, 3)
             report = {"bytes": stats.num_bytes}
@@ -325,8 +373,10 @@ def sync_fsdp2(rank: int, port: int, directory: str, seed: int, reject: bool = F
             report = {"error": str(exc)}
         total = torch.ones(1)
         dist.all_reduce(total)  # the training group is still in step
-        report.update(sharded=any(hasattr(p, "full_tensor") for p in model.parameters()),
-                      all_reduce=total.item())
+        report.update(
+            sharded=any(hasattr(p, "full_tensor") for p in model.parameters()),
+            all_reduce=total.item(),
+        )
         dist.destroy_process_group()
         return report
     engine = Mixed({"f16": FP32, "b16": FP32}, tied=True).fill(seed + 5)
@@ -336,17 +386,22 @@ def sync_fsdp2(rank: int, port: int, directory: str, seed: int, reject: bool = F
         params["extra"] = torch.zeros(3)
         try:
             WeightReceiver(transport, timeout=30).start(
-                accept=lambda plan: check_against(plan, params))
+                accept=lambda plan: check_against(plan, params)
+            )
         except Exception as exc:
             return {"error": str(exc)}
         return {"error": None}
     session = WeightReceiver(transport, timeout=30).start(
-        accept=lambda plan: check_against(plan, params))
+        accept=lambda plan: check_against(plan, params)
+    )
     session.unpack_into([params.get(s.name) for s in session.plan.specs])
     session.finish()
     expected = Mixed({"f16": FP32, "b16": FP32}, tied=True).fill(seed)
-    mismatch = [n for n, p in engine.named_parameters()
-                if not exact_equal(p.detach(), dict(expected.named_parameters())[n].detach())]
+    mismatch = [
+        n
+        for n, p in engine.named_parameters()
+        if not exact_equal(p.detach(), dict(expected.named_parameters())[n].detach())
+    ]
     return {"version": session.version, "mismatch": mismatch}
 
 
@@ -378,6 +433,7 @@ def sync_partial_failure(rank: int, port: int, kind: str, directory: str, seed: 
                     failing.fired = True
                     raise RuntimeError("injected unpack failure")
                 return real(plan, k, bucket, targets, **kw)
+
             failing.fired = False
             receiver_module.unpack_bucket = failing
         engine = Mixed({}, False).fill(seed + 100 + rank)
@@ -393,9 +449,13 @@ def sync_partial_failure(rank: int, port: int, kind: str, directory: str, seed: 
                 error = str(exc)
             session.finish(error)
             expected = dict(Mixed({}, False).fill(seed + version).named_parameters())
-            report[version] = {"error": error, "exact": all(
-                exact_equal(p.detach(), expected[n].detach())
-                for n, p in engine.named_parameters())}
+            report[version] = {
+                "error": error,
+                "exact": all(
+                    exact_equal(p.detach(), expected[n].detach())
+                    for n, p in engine.named_parameters()
+                ),
+            }
         return report
     finally:
         transport.close()

@@ -20,16 +20,25 @@ from hypothesis import strategies as st
 
 from areal_fast import _native
 from areal_fast.sync import buckets as B
-from areal_fast.sync.buckets import (ALIGNMENT, WIRE_DTYPES, BucketPlan, Chunk, TensorSpec,
-                                     pack_bucket, plan_buckets, unpack_bucket)
+from areal_fast.sync.buckets import (
+    ALIGNMENT,
+    WIRE_DTYPES,
+    BucketPlan,
+    Chunk,
+    TensorSpec,
+    pack_bucket,
+    plan_buckets,
+    unpack_bucket,
+)
 
 try:
     _C = importlib.import_module("areal_fast._C")
 except ImportError:
     _C = None
 
-needs_native = pytest.mark.skipif(_C is None or not hasattr(_C, "plan_buckets"),
-                                  reason="areal_fast._C with buckets is not built")
+needs_native = pytest.mark.skipif(
+    _C is None or not hasattr(_C, "plan_buckets"), reason="areal_fast._C with buckets is not built"
+)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 IMPLS = ["native", "torch"]
 INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -77,7 +86,8 @@ def assert_same_floats(actual: torch.Tensor, expected: torch.Tensor) -> None:
     mismatch = (a_bits != e_bits) & ~e_nan
     assert not mismatch.any(), (
         f"{int(mismatch.sum())} mismatches, first at {mismatch.nonzero()[0].item()}: "
-        f"{a_bits[mismatch][0].item():#x} vs {e_bits[mismatch][0].item():#x}")
+        f"{a_bits[mismatch][0].item():#x} vs {e_bits[mismatch][0].item():#x}"
+    )
 
 
 def check_plan(plan: BucketPlan) -> None:
@@ -128,13 +138,17 @@ def check_plan(plan: BucketPlan) -> None:
             assert len(mine) == 1  # never split when it fits in one bucket
         else:  # pieces fill whole buckets, consecutive, starting at offset 0
             assert all(c.offset == 0 for c in mine)
-            assert [c.bucket for c in mine] == list(range(mine[0].bucket,
-                                                          mine[0].bucket + len(mine)))
+            assert [c.bucket for c in mine] == list(
+                range(mine[0].bucket, mine[0].bucket + len(mine))
+            )
             assert all(c.numel * spec.itemsize == bb for c in mine[:-1])
+
     # greedy: a whole tensor opens a new bucket only if it did not fit in the previous one
     def solo(chunk):  # under solo_bytes, a fresh bucket also follows a solo tensor
-        return plan.solo_bytes and (chunk.numel == 0
-                                    or specs[chunk.tensor].nbytes >= plan.solo_bytes)
+        return plan.solo_bytes and (
+            chunk.numel == 0 or specs[chunk.tensor].nbytes >= plan.solo_bytes
+        )
+
     for prev, c in zip(plan.chunks, plan.chunks[1:]):
         if solo(prev) or solo(c):
             continue
@@ -143,8 +157,9 @@ def check_plan(plan: BucketPlan) -> None:
             assert used + specs[c.tensor].nbytes > bb
 
 
-spec_dtypes = st.sampled_from(["float32", "bfloat16", "float16", "int64", "uint8", "bool",
-                               "float64", "int32", "complex128"])
+spec_dtypes = st.sampled_from(
+    ["float32", "bfloat16", "float16", "int64", "uint8", "bool", "float64", "int32", "complex128"]
+)
 spec_shapes = st.lists(st.integers(0, 40), min_size=0, max_size=3).map(tuple)
 
 
@@ -186,16 +201,19 @@ def test_tensor_spec_properties():
     assert set(WIRE_DTYPES) == {"float32", "bfloat16", "float16"}
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(name="", shape=(2,), dtype="float32"), "name"),
-    (dict(name="w", shape=(2, -1), dtype="float32"), "'w'.*shape"),
-    (dict(name="w", shape=(2.0,), dtype="float32"), "'w'.*shape"),
-    (dict(name="w", shape=(True,), dtype="float32"), "'w'.*shape"),
-    (dict(name="w", shape=5, dtype="float32"), "'w'.*shape"),
-    (dict(name="w", shape=(2,), dtype="float33"), "'w'.*dtype"),
-    (dict(name="w", shape=(2,), dtype="Size"), "'w'.*dtype"),
-    (dict(name="w", shape=(2,), dtype=torch.float32), "'w'.*dtype"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(name="", shape=(2,), dtype="float32"), "name"),
+        (dict(name="w", shape=(2, -1), dtype="float32"), "'w'.*shape"),
+        (dict(name="w", shape=(2.0,), dtype="float32"), "'w'.*shape"),
+        (dict(name="w", shape=(True,), dtype="float32"), "'w'.*shape"),
+        (dict(name="w", shape=5, dtype="float32"), "'w'.*shape"),
+        (dict(name="w", shape=(2,), dtype="float33"), "'w'.*dtype"),
+        (dict(name="w", shape=(2,), dtype="Size"), "'w'.*dtype"),
+        (dict(name="w", shape=(2,), dtype=torch.float32), "'w'.*dtype"),
+    ],
+)
 def test_tensor_spec_rejects_bad_fields(kwargs, match):
     with pytest.raises(ValueError, match=match):
         TensorSpec(**kwargs)
@@ -225,8 +243,9 @@ def test_plan_properties_on_random_specs(native, monkeypatch):
 def test_native_and_python_planners_agree(specs, units, solo):
     bucket_bytes = units * ALIGNMENT
     plan = plan_buckets(specs, bucket_bytes, solo)  # native
-    chunks, sizes = B._plan_python([s.numel for s in specs], [s.itemsize for s in specs],
-                                   bucket_bytes, solo)
+    chunks, sizes = B._plan_python(
+        [s.numel for s in specs], [s.itemsize for s in specs], bucket_bytes, solo
+    )
     assert [tuple(vars(c).values()) for c in plan.chunks] == chunks
     assert list(plan.bucket_sizes) == sizes
     check_plan(plan)
@@ -244,8 +263,11 @@ def check_solo(plan):
         if spec.nbytes < plan.solo_bytes or spec.nbytes == 0:
             continue
         for chunk in by_tensor[spec_index]:
-            others = [c for c in plan.bucket_chunks(chunk.bucket)
-                      if c.tensor != spec_index and c.numel > 0]
+            others = [
+                c
+                for c in plan.bucket_chunks(chunk.bucket)
+                if c.tensor != spec_index and c.numel > 0
+            ]
             assert not others, (spec.name, chunk.bucket)
             assert chunk.offset == 0
 
@@ -302,17 +324,22 @@ def test_tensor_larger_than_a_bucket_is_split():
 
 
 def test_split_tensor_starts_in_the_current_bucket_when_it_is_empty():
-    plan = plan_buckets([TensorSpec("e", (0,), "float32"), TensorSpec("big", (1000,), "int64")],
-                        1024)
+    plan = plan_buckets(
+        [TensorSpec("e", (0,), "float32"), TensorSpec("big", (1000,), "int64")], 1024
+    )
     check_plan(plan)
     assert plan.chunks[0].bucket == plan.chunks[1].bucket == 0
 
 
 def test_odd_shapes_and_zero_size_tensors():
     rng = np.random.default_rng()
-    specs = [TensorSpec("a", (7, 13), "bfloat16"), TensorSpec("empty", (0, 5), "float32"),
-             TensorSpec("b", (int(rng.integers(1, 99)), 3), "float16"),
-             TensorSpec("scalar", (), "float32"), TensorSpec("empty2", (3, 0), "int64")]
+    specs = [
+        TensorSpec("a", (7, 13), "bfloat16"),
+        TensorSpec("empty", (0, 5), "float32"),
+        TensorSpec("b", (int(rng.integers(1, 99)), 3), "float16"),
+        TensorSpec("scalar", (), "float32"),
+        TensorSpec("empty2", (3, 0), "int64"),
+    ]
     plan = plan_buckets(specs, ALIGNMENT * 4)
     check_plan(plan)
     assert [c.numel for c in plan.chunks if c.tensor in (1, 4)] == [0, 0]
@@ -338,27 +365,31 @@ def test_bad_specs():
 
 
 def _meta():
-    return plan_buckets([TensorSpec("a", (3, 4), "float32"), TensorSpec("b", (5,), "int64")],
-                        1024).to_metadata()
+    return plan_buckets(
+        [TensorSpec("a", (3, 4), "float32"), TensorSpec("b", (5,), "int64")], 1024
+    ).to_metadata()
 
 
-@pytest.mark.parametrize("edit, match", [
-    (lambda m: m.pop("bucket_bytes"), "'bucket_bytes'"),
-    (lambda m: m.pop("alignment"), "'alignment'"),
-    (lambda m: m.pop("tensors"), "'tensors'"),
-    (lambda m: m.update(bucket_bytes="1024"), r"\['bucket_bytes'\]"),
-    (lambda m: m.update(bucket_bytes=1000), "bucket_bytes"),
-    (lambda m: m.update(bucket_bytes=-512), "bucket_bytes"),
-    (lambda m: m.update(alignment=128), r"\['alignment'\]"),
-    (lambda m: m.update(tensors={"a": 1}), r"\['tensors'\]"),
-    (lambda m: m["tensors"].append(["c", [2]]), r"\['tensors'\]\[2\]"),
-    (lambda m: m["tensors"].append([7, [2], "float32"]), r"\['tensors'\]\[2\] name"),
-    (lambda m: m["tensors"].append(["c", [2, -1], "float32"]), r"\['tensors'\]\[2\].*shape"),
-    (lambda m: m["tensors"].append(["c", "2", "float32"]), r"\['tensors'\]\[2\].*shape"),
-    (lambda m: m["tensors"].append(["c", [2.5], "float32"]), r"\['tensors'\]\[2\].*shape"),
-    (lambda m: m["tensors"].append(["c", [2], "floaty"]), r"\['tensors'\]\[2\].*dtype"),
-    (lambda m: m["tensors"].append(["a", [2], "float32"]), "'a' appears twice"),
-])
+@pytest.mark.parametrize(
+    "edit, match",
+    [
+        (lambda m: m.pop("bucket_bytes"), "'bucket_bytes'"),
+        (lambda m: m.pop("alignment"), "'alignment'"),
+        (lambda m: m.pop("tensors"), "'tensors'"),
+        (lambda m: m.update(bucket_bytes="1024"), r"\['bucket_bytes'\]"),
+        (lambda m: m.update(bucket_bytes=1000), "bucket_bytes"),
+        (lambda m: m.update(bucket_bytes=-512), "bucket_bytes"),
+        (lambda m: m.update(alignment=128), r"\['alignment'\]"),
+        (lambda m: m.update(tensors={"a": 1}), r"\['tensors'\]"),
+        (lambda m: m["tensors"].append(["c", [2]]), r"\['tensors'\]\[2\]"),
+        (lambda m: m["tensors"].append([7, [2], "float32"]), r"\['tensors'\]\[2\] name"),
+        (lambda m: m["tensors"].append(["c", [2, -1], "float32"]), r"\['tensors'\]\[2\].*shape"),
+        (lambda m: m["tensors"].append(["c", "2", "float32"]), r"\['tensors'\]\[2\].*shape"),
+        (lambda m: m["tensors"].append(["c", [2.5], "float32"]), r"\['tensors'\]\[2\].*shape"),
+        (lambda m: m["tensors"].append(["c", [2], "floaty"]), r"\['tensors'\]\[2\].*dtype"),
+        (lambda m: m["tensors"].append(["a", [2], "float32"]), "'a' appears twice"),
+    ],
+)
 def test_bad_metadata(edit, match):
     meta = _meta()
     edit(meta)
@@ -390,22 +421,29 @@ def _expected_bucket(plan: BucketPlan, k: int, sources, before: torch.Tensor) ->
     want = before.clone()
     for c in plan.bucket_chunks(k):
         spec = plan.specs[c.tensor]
-        piece = sources[c.tensor].reshape(-1)[c.start:c.start + c.numel].to(spec.torch_dtype)
-        want[c.offset:c.offset + c.numel * spec.itemsize] = piece.view(torch.uint8)
+        piece = sources[c.tensor].reshape(-1)[c.start : c.start + c.numel].to(spec.torch_dtype)
+        want[c.offset : c.offset + c.numel * spec.itemsize] = piece.view(torch.uint8)
     return want
 
 
 def _wire_view(buf: torch.Tensor, c: Chunk, spec: TensorSpec) -> torch.Tensor:
-    return buf[c.offset:c.offset + c.numel * spec.itemsize].view(spec.torch_dtype)
+    return buf[c.offset : c.offset + c.numel * spec.itemsize].view(spec.torch_dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int64", "bool",
-                                   "uint8", "float64"])
+@pytest.mark.parametrize(
+    "dtype", ["float32", "bfloat16", "float16", "int64", "bool", "uint8", "float64"]
+)
 def test_round_trip_is_bit_exact(dtype, impl, fresh_seed):
     rng = np.random.default_rng(fresh_seed)
     torch_dtype = getattr(torch, dtype)
-    shapes = [(7, 13), (int(rng.integers(100, 3000)),), (), (0, 4),
-              (int(rng.integers(1, 40)), int(rng.integers(1, 40)), 3), (5000,)]
+    shapes = [
+        (7, 13),
+        (int(rng.integers(100, 3000)),),
+        (),
+        (0, 4),
+        (int(rng.integers(1, 40)), int(rng.integers(1, 40)), 3),
+        (5000,),
+    ]
     specs = [TensorSpec(f"p{i}", s, dtype) for i, s in enumerate(shapes)]
     plan = plan_buckets(specs, ALIGNMENT * int(rng.integers(4, 40)))
     check_plan(plan)
@@ -421,18 +459,45 @@ def test_round_trip_is_bit_exact(dtype, impl, fresh_seed):
         assert torch.equal(bits(src), bits(tgt)) if src.numel() else tgt.numel() == 0
 
 
-SPECIALS = [float("inf"), -float("inf"), float("nan"), -float("nan"), 0.0, -0.0,
-            65504.0, 65519.996, 65520.0, 65536.0, -65520.0, 1e30, 3.3895314e38, 3.4e38,
-            2.0**-14, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-25 * 1.0000001, 1e-40, -1e-45,
-            1.1754942e-38, 2.0**-133, 1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 1.0 + 2.0**-11]
+SPECIALS = [
+    float("inf"),
+    -float("inf"),
+    float("nan"),
+    -float("nan"),
+    0.0,
+    -0.0,
+    65504.0,
+    65519.996,
+    65520.0,
+    65536.0,
+    -65520.0,
+    1e30,
+    3.3895314e38,
+    3.4e38,
+    2.0**-14,
+    2.0**-24,
+    2.0**-25,
+    3 * 2.0**-26,
+    2.0**-25 * 1.0000001,
+    1e-40,
+    -1e-45,
+    1.1754942e-38,
+    2.0**-133,
+    1.0 + 2.0**-8,
+    1.0 + 3 * 2.0**-8,
+    1.0 + 2.0**-11,
+]
 
 
 def _float32_inputs(n: int) -> torch.Tensor:
     """Random bit patterns (all exponents: NaN, Inf, subnormals), values near float16's
     range limits and the special values above, shuffled."""
-    parts = [random_bits((n,), torch.float32),
-             torch.randn(n) * 1e-5, torch.randn(n) * 6e4,
-             torch.tensor(SPECIALS, dtype=torch.float32)]
+    parts = [
+        random_bits((n,), torch.float32),
+        torch.randn(n) * 1e-5,
+        torch.randn(n) * 6e4,
+        torch.tensor(SPECIALS, dtype=torch.float32),
+    ]
     x = torch.cat(parts)
     return x[torch.randperm(x.numel())]
 
@@ -440,7 +505,7 @@ def _float32_inputs(n: int) -> torch.Tensor:
 @pytest.mark.parametrize("wire", ["bfloat16", "float16"])
 def test_pack_cast_from_float32_matches_torch(wire, impl, fresh_seed):
     x = _float32_inputs(20000)
-    x = x[:x.numel() // 26 * 26].reshape(-1, 2, 13)
+    x = x[: x.numel() // 26 * 26].reshape(-1, 2, 13)
     y = _float32_inputs(3001)
     specs = [TensorSpec("x", tuple(x.shape), wire), TensorSpec("y", tuple(y.shape), wire)]
     plan = plan_buckets(specs, ALIGNMENT * 100)
@@ -455,9 +520,17 @@ def test_pack_cast_from_float32_matches_torch(wire, impl, fresh_seed):
     assert_same_floats(torch.cat(got[1]), y.to(wire_dtype))
 
 
-@pytest.mark.parametrize("wire, target", [("bfloat16", "float32"), ("float16", "float32"),
-                                          ("bfloat16", "float16"), ("float16", "bfloat16"),
-                                          ("float32", "bfloat16"), ("float32", "float16")])
+@pytest.mark.parametrize(
+    "wire, target",
+    [
+        ("bfloat16", "float32"),
+        ("float16", "float32"),
+        ("bfloat16", "float16"),
+        ("float16", "bfloat16"),
+        ("float32", "bfloat16"),
+        ("float32", "float16"),
+    ],
+)
 def test_unpack_cast_matches_torch(wire, target, impl, fresh_seed):
     wire_dtype, target_dtype = getattr(torch, wire), getattr(torch, target)
     n = 50000 + int(torch.randint(0, 1000, ()))
@@ -479,8 +552,10 @@ def test_native_nan_encoding_keeps_sign_and_quiets(monkeypatch):
     monkeypatch.delenv(_native.DISABLE_ENV, raising=False)
     x = random_bits((4096,), torch.float32)
     x = x[x.isnan()]
-    specs = [TensorSpec("b", tuple(x.shape), "bfloat16"), TensorSpec("h", tuple(x.shape),
-                                                                     "float16")]
+    specs = [
+        TensorSpec("b", tuple(x.shape), "bfloat16"),
+        TensorSpec("h", tuple(x.shape), "float16"),
+    ]
     plan = plan_buckets(specs, ALIGNMENT * 64)
     buf = torch.empty(plan.bucket_bytes, dtype=torch.uint8)
     pack_bucket(plan, 0, [x, x], buf)
@@ -497,11 +572,19 @@ def test_native_nan_encoding_keeps_sign_and_quiets(monkeypatch):
 def test_thread_counts_give_identical_bytes(fresh_seed):
     rng = np.random.default_rng(fresh_seed)
     # ~6 MiB of output so 4 threads really split it, cuts landing inside chunks
-    shapes = [(int(rng.integers(1000, 5000)), 257), (7, 13), (int(rng.integers(1, 999)),),
-              (1536, 256), (0,), (int(rng.integers(10**5, 10**6)),)]
+    shapes = [
+        (int(rng.integers(1000, 5000)), 257),
+        (7, 13),
+        (int(rng.integers(1, 999)),),
+        (1536, 256),
+        (0,),
+        (int(rng.integers(10**5, 10**6)),),
+    ]
     dtypes = ["float32", "bfloat16", "float16", "bfloat16", "int64", "int64"]
-    srcs = [random_bits(s, torch.float32) if d in WIRE_DTYPES else random_bits(s, torch.int64)
-            for s, d in zip(shapes, dtypes)]
+    srcs = [
+        random_bits(s, torch.float32) if d in WIRE_DTYPES else random_bits(s, torch.int64)
+        for s, d in zip(shapes, dtypes)
+    ]
     specs = [TensorSpec(f"w{i}", s, d) for i, (s, d) in enumerate(zip(shapes, dtypes))]
     plan = plan_buckets(specs, 4 << 20)
     for k in range(plan.num_buckets):
@@ -515,8 +598,9 @@ def test_thread_counts_give_identical_bytes(fresh_seed):
             results.extend(bits(t) for t in targets if t.numel())
         n = len(results) // 3
         for i in range(n):
-            assert torch.equal(results[i], results[n + i]) and torch.equal(results[i],
-                                                                           results[2 * n + i])
+            assert torch.equal(results[i], results[n + i]) and torch.equal(
+                results[i], results[2 * n + i]
+            )
 
 
 def test_unpack_skips_none_targets_and_writes_parameters(impl, fresh_seed):
@@ -552,18 +636,25 @@ def _error_setup():
     return plan, [torch.randn(8, 4), torch.randint(0, 9, (5,))]
 
 
-@pytest.mark.parametrize("mutate, match", [
-    (lambda s: s.__setitem__(0, torch.randn(4, 8).t()), "'layer.w' is not contiguous"),
-    (lambda s: s.__setitem__(0, torch.randn(8, 5)), "'layer.w' has shape"),
-    (lambda s: s.__setitem__(0, torch.randn(8, 4, dtype=torch.float64)),
-     "'layer.w': cannot cast float64 to bfloat16"),
-    (lambda s: s.__setitem__(1, torch.randint(0, 9, (5,), dtype=torch.int32)),
-     "'layer.ids': cannot cast int32 to int64"),
-    (lambda s: s.__setitem__(1, torch.randn(5)), "'layer.ids': cannot cast float32 to int64"),
-    (lambda s: s.__setitem__(1, [1, 2, 3, 4, 5]), "'layer.ids' must be a torch.Tensor"),
-    (lambda s: s.__setitem__(0, torch.randn(8, 4, device="meta")), "'layer.w' is on meta"),
-    (lambda s: s.pop(), "tensors has 1 entries"),
-])
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda s: s.__setitem__(0, torch.randn(4, 8).t()), "'layer.w' is not contiguous"),
+        (lambda s: s.__setitem__(0, torch.randn(8, 5)), "'layer.w' has shape"),
+        (
+            lambda s: s.__setitem__(0, torch.randn(8, 4, dtype=torch.float64)),
+            "'layer.w': cannot cast float64 to bfloat16",
+        ),
+        (
+            lambda s: s.__setitem__(1, torch.randint(0, 9, (5,), dtype=torch.int32)),
+            "'layer.ids': cannot cast int32 to int64",
+        ),
+        (lambda s: s.__setitem__(1, torch.randn(5)), "'layer.ids': cannot cast float32 to int64"),
+        (lambda s: s.__setitem__(1, [1, 2, 3, 4, 5]), "'layer.ids' must be a torch.Tensor"),
+        (lambda s: s.__setitem__(0, torch.randn(8, 4, device="meta")), "'layer.w' is on meta"),
+        (lambda s: s.pop(), "tensors has 1 entries"),
+    ],
+)
 def test_pack_errors_name_the_tensor(mutate, match, impl):
     plan, sources = _error_setup()
     mutate(sources)
@@ -572,11 +663,14 @@ def test_pack_errors_name_the_tensor(mutate, match, impl):
         pack_bucket(plan, 0, sources, buf)
 
 
-@pytest.mark.parametrize("target, match", [
-    (torch.empty(4, 8).t(), "target for tensor 'layer.w' is not contiguous"),
-    (torch.empty(32), "target for tensor 'layer.w' has shape"),
-    (torch.empty(8, 4, dtype=torch.int32), "'layer.w': cannot cast bfloat16 to int32"),
-])
+@pytest.mark.parametrize(
+    "target, match",
+    [
+        (torch.empty(4, 8).t(), "target for tensor 'layer.w' is not contiguous"),
+        (torch.empty(32), "target for tensor 'layer.w' has shape"),
+        (torch.empty(8, 4, dtype=torch.int32), "'layer.w': cannot cast bfloat16 to int32"),
+    ],
+)
 def test_unpack_errors_name_the_tensor(target, match, impl):
     plan, sources = _error_setup()
     buf = torch.empty(1024, dtype=torch.uint8)
@@ -604,7 +698,7 @@ def test_buffer_and_argument_errors(impl):
     with pytest.raises(ValueError, match="num_threads"):
         pack_bucket(plan, 0, sources, buf, num_threads=0)
     with pytest.raises(ValueError, match="bucket has"):
-        unpack_bucket(plan, 0, buf[:need - 1], [None, None])
+        unpack_bucket(plan, 0, buf[: need - 1], [None, None])
     with pytest.raises(ValueError, match="targets has 1 entries"):
         unpack_bucket(plan, 0, buf, [None])
 
@@ -616,10 +710,12 @@ def test_native_copy_rejects_bad_descriptors():
     good = [a.data_ptr(), b.data_ptr(), 16, 1, 1]
     _C.bucket_copy(np.array([good], dtype=np.int64), 1)
     assert torch.equal(a, b)
-    for row, match in [([a.data_ptr(), b.data_ptr(), -1, 1, 1], "count"),
-                       ([a.data_ptr(), b.data_ptr(), 4, 9, 1], "dtype code"),
-                       ([a.data_ptr(), b.data_ptr(), 4, 0, 1], "raw bytes"),
-                       ([0, b.data_ptr(), 4, 1, 1], "null")]:
+    for row, match in [
+        ([a.data_ptr(), b.data_ptr(), -1, 1, 1], "count"),
+        ([a.data_ptr(), b.data_ptr(), 4, 9, 1], "dtype code"),
+        ([a.data_ptr(), b.data_ptr(), 4, 0, 1], "raw bytes"),
+        ([0, b.data_ptr(), 4, 1, 1], "null"),
+    ]:
         with pytest.raises(ValueError, match=r"copies\[0\]: .*" + match):
             _C.bucket_copy(np.array([row], dtype=np.int64), 1)
     with pytest.raises(ValueError, match="num_threads"):
@@ -644,13 +740,19 @@ def test_cuda_pack_unpack_matches_cpu(wire, fresh_seed, monkeypatch):
     rng = np.random.default_rng(fresh_seed)
     wire_dtype = getattr(torch, wire)
     src_dtype = torch.float32 if wire in WIRE_DTYPES else wire_dtype
-    shapes = [(int(rng.integers(1, 3000)), 129), (7, 13), (), (0, 3), (1536, 256),
-              (int(rng.integers(10**5, 10**6)),)]
+    shapes = [
+        (int(rng.integers(1, 3000)), 129),
+        (7, 13),
+        (),
+        (0, 3),
+        (1536, 256),
+        (int(rng.integers(10**5, 10**6)),),
+    ]
     specs = [TensorSpec(f"w{i}", s, wire) for i, s in enumerate(shapes)]
     plan = plan_buckets(specs, ALIGNMENT * int(rng.integers(2000, 20000)))
     cpu_src = [random_bits(s, src_dtype) for s in shapes]
     if wire in WIRE_DTYPES:
-        cpu_src[-1] = _float32_inputs(shapes[-1][0])[:shapes[-1][0]]
+        cpu_src[-1] = _float32_inputs(shapes[-1][0])[: shapes[-1][0]]
     gpu_src = [t.cuda() for t in cpu_src]
     cpu_buf = torch.zeros(plan.bucket_bytes, dtype=torch.uint8)
     gpu_buf = torch.zeros(plan.bucket_bytes, dtype=torch.uint8, device="cuda")
@@ -696,15 +798,16 @@ def test_cuda_many_chunks_and_misaligned_sources(fresh_seed, monkeypatch):
         base_dtype = torch.float32 if wire in WIRE_DTYPES else getattr(torch, wire)
         backing = random_bits((numel + 3,), base_dtype)
         shift = int(rng.integers(0, 4))
-        cpu_src.append(backing[shift:shift + numel])  # misaligned views of a buffer
+        cpu_src.append(backing[shift : shift + numel])  # misaligned views of a buffer
         specs.append(TensorSpec(f"t{i}", (numel,), wire))
     plan = plan_buckets(specs, 4 << 20)
     assert plan.num_buckets == 1 and len(plan.chunks) > 800
     cpu_buf = torch.zeros(plan.bucket_sizes[0], dtype=torch.uint8)
     pack_bucket(plan, 0, cpu_src, cpu_buf)
     gpu_src = [t.cuda() for t in cpu_src]  # contiguous copies...
-    gpu_src = [torch.cat([torch.zeros(1, dtype=t.dtype, device="cuda"), t])[1:]
-               for t in gpu_src]  # ...moved off 16-byte alignment
+    gpu_src = [
+        torch.cat([torch.zeros(1, dtype=t.dtype, device="cuda"), t])[1:] for t in gpu_src
+    ]  # ...moved off 16-byte alignment
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -729,4 +832,3 @@ def test_cuda_device_mismatch_names_the_tensor():
     buf = torch.empty(512, dtype=torch.uint8, device="cuda")
     with pytest.raises(ValueError, match="'w' is on cpu"):
         pack_bucket(plan, 0, [torch.randn(4)], buf)
-

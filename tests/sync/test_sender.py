@@ -12,9 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from sync_procs import (BF16, FP16, FP32, run_ranks, sync_fsdp2, sync_hf_engines,
-                        sync_mixed, sync_partial_failure, sync_peer_dies, sync_rejected)
+from sync_procs import (
+    BF16,
+    FP32,
+    run_ranks,
+    sync_fsdp2,
+    sync_hf_engines,
+    sync_mixed,
+    sync_partial_failure,
+    sync_peer_dies,
+    sync_rejected,
+)
 
 TRANSPORTS = ["gloo", "shm", "disk", "gloo-nccl-path"]
 
@@ -33,8 +41,9 @@ def _ok(reports):
 def test_bit_exact_mixed_dtypes_two_engines(kind, tmp_path):
     # fp32 / bf16 / fp16 parameters, odd shapes, a 3001-element fp32 tensor (12 KB) over
     # 4 KB buckets, untied head; two versions in a row on the same transport.
-    reports = run_ranks(sync_mixed, 3, (kind, str(tmp_path), _seed(), {}, {}, (False, False),
-                                        None, 4096, 2))
+    reports = run_ranks(
+        sync_mixed, 3, (kind, str(tmp_path), _seed(), {}, {}, (False, False), None, 4096, 2)
+    )
     _ok(reports)
     buckets, nbytes = reports[0]["stats"][0]
     assert buckets >= 4  # the big tensor alone spans three buckets
@@ -49,8 +58,11 @@ def test_solo_tensors_travel_unpacked_bit_exact(wire, tmp_path):
     # buckets of their own and go straight from parameter to parameter when dtypes allow
     names = ("embed", "odd", "f16", "b16", "big", "norm", "head")
     engine_dtypes = {k: BF16 for k in names} if wire else {}  # bf16 wire: bf16 engine
-    reports = run_ranks(sync_mixed, 3, ("gloo", str(tmp_path), _seed(), {}, engine_dtypes,
-                                        (False, False), wire, 4096, 2, 1000))
+    reports = run_ranks(
+        sync_mixed,
+        3,
+        ("gloo", str(tmp_path), _seed(), {}, engine_dtypes, (False, False), wire, 4096, 2, 1000),
+    )
     _ok(reports)
     for engine in reports[1:]:
         assert engine["versions"] == [1, 2] and engine["mismatch"] == []
@@ -59,16 +71,18 @@ def test_solo_tensors_travel_unpacked_bit_exact(wire, tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 def test_cuda_ipc_same_gpu_bit_exact(tmp_path):
     # the engine reads the trainer's buckets in place on the same GPU (device keyed by UUID)
-    reports = run_ranks(sync_mixed, 2, ("cuda-ipc", str(tmp_path), _seed(), {}, {},
-                                        (True, True), None, 4096, 2))
+    reports = run_ranks(
+        sync_mixed, 2, ("cuda-ipc", str(tmp_path), _seed(), {}, {}, (True, True), None, 4096, 2)
+    )
     _ok(reports)
     assert reports[1]["versions"] == [1, 2] and reports[1]["mismatch"] == []
 
 
 @pytest.mark.parametrize("tied", [(True, True), (False, False)])
 def test_tied_and_untied_heads(tied, tmp_path):
-    reports = run_ranks(sync_mixed, 3, ("gloo", str(tmp_path), _seed(), {}, {}, tied, None,
-                                        1024, 1))
+    reports = run_ranks(
+        sync_mixed, 3, ("gloo", str(tmp_path), _seed(), {}, {}, tied, None, 1024, 1)
+    )
     _ok(reports)
     for engine in reports[1:]:
         assert engine["mismatch"] == []
@@ -85,8 +99,21 @@ def test_fp32_trainer_to_bf16_engine(wire, tmp_path):
     # receiver-side cast (wire None) and sender-side cast (wire bf16) give torch's rounding
     engine_dtypes = {k: BF16 for k in ("embed", "odd", "f16", "b16", "big", "norm", "head")}
     trainer_dtypes = {k: FP32 for k in engine_dtypes}
-    reports = run_ranks(sync_mixed, 3, ("gloo", str(tmp_path), _seed(), trainer_dtypes,
-                                        engine_dtypes, (True, True), wire, 2048, 1))
+    reports = run_ranks(
+        sync_mixed,
+        3,
+        (
+            "gloo",
+            str(tmp_path),
+            _seed(),
+            trainer_dtypes,
+            engine_dtypes,
+            (True, True),
+            wire,
+            2048,
+            1,
+        ),
+    )
     _ok(reports)
     for engine in reports[1:]:
         assert engine["mismatch"] == []
@@ -99,8 +126,11 @@ def test_bad_plan_rejected_everywhere_nothing_changes(fault, tmp_path):
     reports = run_ranks(sync_rejected, 3, ("gloo", str(tmp_path), _seed(), fault))
     assert reports[0]["type"] == "WeightSyncError"
     assert "engine rank 2" in reports[0]["error"]
-    culprit = {"name": "'odd' is not a parameter", "shape": "'odd' has shape (7, 13)",
-               "dtype": "'big' arrives as float32"}[fault]
+    culprit = {
+        "name": "'odd' is not a parameter",
+        "shape": "'odd' has shape (7, 13)",
+        "dtype": "'big' arrives as float32",
+    }[fault]
     assert culprit in reports[0]["error"]
     for engine in reports[1:]:
         assert "rejected" in engine["error"] and culprit in engine["error"]
@@ -161,25 +191,28 @@ def test_fsdp2_rejected_update_stops_every_training_rank(tmp_path):
 
 # ---------------------------------------------------------------- disk transport, in-process
 
+
 def _disk_pair(tmp_path, run_id="run-a"):
     from areal_fast.sync.transports import DiskTransport
 
-    return (DiskTransport(str(tmp_path), 0, 2, run_id),
-            DiskTransport(str(tmp_path), 1, 2, run_id))
+    return (DiskTransport(str(tmp_path), 0, 2, run_id), DiskTransport(str(tmp_path), 1, 2, run_id))
 
 
 def test_disk_reused_directory_never_serves_an_earlier_run(tmp_path):
+    from sync_procs import Mixed
+
     from areal_fast.sync.receiver import WeightReceiver, check_against
     from areal_fast.sync.sender import WeightSender
     from areal_fast.sync.sources import ModuleSource
     from areal_fast.sync.transports import DiskTransport, WeightSyncTimeout
-    from sync_procs import Mixed
 
     sender_tp, receiver_tp = _disk_pair(tmp_path)
     model = Mixed({}, False).fill(_seed())
-    thread = threading.Thread(target=lambda: WeightSender(sender_tp, bucket_bytes=4096,
-                                                          timeout=20).send(
-        ModuleSource(model), 1))
+    thread = threading.Thread(
+        target=lambda: WeightSender(sender_tp, bucket_bytes=4096, timeout=20).send(
+            ModuleSource(model), 1
+        )
+    )
     thread.start()
     params = dict(Mixed({}, False).named_parameters())
     session = WeightReceiver(receiver_tp, timeout=20).start(lambda p: check_against(p, params))
@@ -194,11 +227,12 @@ def test_disk_reused_directory_never_serves_an_earlier_run(tmp_path):
 
 
 def test_disk_truncated_bucket_names_the_file(tmp_path):
+    from sync_procs import Mixed
+
     from areal_fast.sync.receiver import WeightReceiver, check_against
     from areal_fast.sync.sender import WeightSender
     from areal_fast.sync.sources import ModuleSource
     from areal_fast.sync.transports import WeightSyncError
-    from sync_procs import Mixed
 
     sender_tp, receiver_tp = _disk_pair(tmp_path)
     real_write = sender_tp._write_atomic
@@ -210,8 +244,10 @@ def test_disk_truncated_bucket_names_the_file(tmp_path):
         def write_then_truncate(tmp):  # before the rename: a reader never sees it whole
             write(tmp)
             data = Path(tmp).read_bytes()
-            Path(tmp).write_bytes(data[:len(data) // 2])
+            Path(tmp).write_bytes(data[: len(data) // 2])
+
         real_write(path, write_then_truncate)
+
     sender_tp._write_atomic = truncating_write
     seed = _seed()
     errors = {}
@@ -219,15 +255,18 @@ def test_disk_truncated_bucket_names_the_file(tmp_path):
     def send():
         try:
             WeightSender(sender_tp, bucket_bytes=4096, timeout=20).send(
-                ModuleSource(Mixed({}, False).fill(seed)), 1)
+                ModuleSource(Mixed({}, False).fill(seed)), 1
+            )
         except WeightSyncError as exc:
             errors["sender"] = str(exc)
+
     thread = threading.Thread(target=send)
     thread.start()
     engine = Mixed({}, False).fill(seed + 1)
     params = dict(engine.named_parameters())
     session = WeightReceiver(receiver_tp, timeout=20).start(
-        accept=lambda plan: check_against(plan, params))
+        accept=lambda plan: check_against(plan, params)
+    )
     with pytest.raises(WeightSyncError, match=r"bucket 1 file .*bucket-1\.safetensors"):
         session.unpack_into([params.get(s.name) for s in session.plan.specs])
     session.finish("bucket 1 damaged")
@@ -258,8 +297,9 @@ def test_receiver_rejects_sender_endpoint_and_bad_timeout(tmp_path):
 
 
 def test_source_maps_names_and_dedups_tied():
-    from areal_fast.sync.sources import ModuleSource
     from sync_procs import Mixed
+
+    from areal_fast.sync.sources import ModuleSource
 
     model = Mixed({}, tied=True)
     source = ModuleSource(model, name_map=lambda n: None if n == "norm" else "model." + n)

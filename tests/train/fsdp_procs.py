@@ -43,9 +43,17 @@ def global_batch(vocab: int, seed: int, version: int) -> PackedBatch:
         ids = torch.randint(0, vocab, (p + c,), generator=g).tolist()
         behav = (-torch.rand(c, generator=g) * 3 - 2).tolist()  # near the tiny model's ~ -4
         versions = torch.randint(max(version - 1, 0), version + 1, (c,), generator=g).tolist()
-        trajs.append(Trajectory(ids[:p], ids[p:], behav, versions, "stop",
-                                group_id=i // GROUP_SIZE,
-                                reward=float(torch.randint(0, 2, (1,), generator=g))))
+        trajs.append(
+            Trajectory(
+                ids[:p],
+                ids[p:],
+                behav,
+                versions,
+                "stop",
+                group_id=i // GROUP_SIZE,
+                reward=float(torch.randint(0, 2, (1,), generator=g)),
+            )
+        )
     rewards = torch.tensor([t.reward for t in trajs])
     return pack_trajectories(trajs, group_advantages(rewards, group_size=GROUP_SIZE))
 
@@ -80,8 +88,12 @@ def run_ranks(target: Callable, world_size: int, args: tuple, timeout: float = 1
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_entry, args=(target, rank, world_size, init_method, queue,
-                                              args), daemon=True) for rank in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_entry, args=(target, rank, world_size, init_method, queue, args), daemon=True
+        )
+        for rank in range(world_size)
+    ]
     for p in procs:
         p.start()
     reports: list = [None] * world_size
@@ -121,38 +133,50 @@ def weights_numpy(engine) -> dict[str, np.ndarray]:
 
 
 # ---------------------------------------------------------------------------- scenarios
-def trainer_factory_args(model_path: str, total_steps=None, temperature: float = 1.0,
-                         **actor_fields) -> dict:
+def trainer_factory_args(
+    model_path: str, total_steps=None, temperature: float = 1.0, **actor_fields
+) -> dict:
     """TorchTrainerFactory arguments of a scenario: the model at ``model_path``, the
     sampling temperature, and :func:`plain_actor` with ``actor_fields``."""
     from areal_fast.models.config import ModelConfig
     from areal_fast.rollout.config import RolloutConfig
 
-    return dict(model=ModelConfig(path=model_path), actor=plain_actor(**actor_fields),
-                rollout=RolloutConfig(temperature=temperature), total_steps=total_steps)
+    return dict(
+        model=ModelConfig(path=model_path),
+        actor=plain_actor(**actor_fields),
+        rollout=RolloutConfig(temperature=temperature),
+        total_steps=total_steps,
+    )
 
 
-def train_ranks(rank, world_size, init_method, factory_kwargs: dict, seed: int,
-                steps: int) -> dict:
+def train_ranks(rank, world_size, init_method, factory_kwargs: dict, seed: int, steps: int) -> dict:
     """Build the FSDP engine through TorchTrainerFactory, train ``steps`` steps on this
     rank's parts of the global batches."""
     from areal_fast.launch.factories import TorchTrainerFactory
 
-    factory = TorchTrainerFactory(rank=rank, world_size=world_size,
-                                  dist_init_method=init_method, dist_timeout=60,
-                                  **trainer_factory_args(**factory_kwargs))
+    factory = TorchTrainerFactory(
+        rank=rank,
+        world_size=world_size,
+        dist_init_method=init_method,
+        dist_timeout=60,
+        **trainer_factory_args(**factory_kwargs),
+    )
     engine = factory()
     vocab = engine.model.config.vocab_size
     stats = []
     for step in range(steps):
         batch = global_batch(vocab, seed + step, engine.version)
         stats.append(engine.train_step(select_sequences(batch, rank_parts(step)[rank])))
-    return {"stats": stats, "weights": weights_numpy(engine),
-            "sharded": type(next(engine.model.parameters())).__name__}
+    return {
+        "stats": stats,
+        "weights": weights_numpy(engine),
+        "sharded": type(next(engine.model.parameters())).__name__,
+    }
 
 
-def checkpoint_ranks(rank, world_size, init_method, model_dir: str, directory: str,
-                     seed: int, engine_kwargs: dict) -> dict:
+def checkpoint_ranks(
+    rank, world_size, init_method, model_dir: str, directory: str, seed: int, engine_kwargs: dict
+) -> dict:
     """Engine A: 2 steps, save, a 3rd. Engine B (fresh): load, the same 3rd step."""
     from areal_fast.rl.config import LossConfig
     from areal_fast.train.checkpoint import load_train_state, save_train_state
@@ -164,8 +188,9 @@ def checkpoint_ranks(rank, world_size, init_method, model_dir: str, directory: s
     actor = plain_actor(loss=LossConfig(), optim=optim, **engine_kwargs)
 
     def make():
-        return FSDPTrainEngine(load_causal_lm(model_dir), actor, mesh=mesh, temperature=1.0,
-                               total_steps=4)
+        return FSDPTrainEngine(
+            load_causal_lm(model_dir), actor, mesh=mesh, temperature=1.0, total_steps=4
+        )
 
     def step(engine, k):
         batch = global_batch(engine.model.config.vocab_size, seed + k, engine.version)
@@ -182,8 +207,14 @@ def checkpoint_ranks(rank, world_size, init_method, model_dir: str, directory: s
     load_train_state(b, directory)
     rng_b = torch.rand(3).tolist()  # ... is restored by the load
     stats_b = step(b, 2)
-    return {"stats_a": stats_a, "stats_b": stats_b, "rng_a": rng_a, "rng_b": rng_b,
-            "weights_a": weights_numpy(a), "weights_b": weights_numpy(b)}
+    return {
+        "stats_a": stats_a,
+        "stats_b": stats_b,
+        "rng_a": rng_a,
+        "rng_b": rng_b,
+        "weights_a": weights_numpy(a),
+        "weights_b": weights_numpy(b),
+    }
 
 
 def save_ranks(rank, world_size, init_method, model_dir: str, directory: str) -> dict:
@@ -191,7 +222,6 @@ def save_ranks(rank, world_size, init_method, model_dir: str, directory: str) ->
     from areal_fast.train.fsdp import FSDPTrainEngine, init_trainer_group
 
     mesh = init_trainer_group(rank, world_size, init_method, "gloo", 60)
-    engine = FSDPTrainEngine(load_causal_lm(model_dir), plain_actor(), mesh=mesh,
-                             temperature=1.0)
+    engine = FSDPTrainEngine(load_causal_lm(model_dir), plain_actor(), mesh=mesh, temperature=1.0)
     engine.save(directory)
     return {"weights": weights_numpy(engine)}

@@ -11,6 +11,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from fsdp_procs import checkpoint_ranks, global_batch, plain_actor, run_ranks, save_ranks
 from safetensors.torch import load_file, save_file
 
 from areal_fast.models.loading import load_causal_lm
@@ -18,21 +19,22 @@ from areal_fast.rl.batch import select_sequences
 from areal_fast.rl.config import LossConfig
 from areal_fast.train.checkpoint import load_train_state, save_train_state
 from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine, lr_factor
-from fsdp_procs import checkpoint_ranks, global_batch, plain_actor, run_ranks, save_ranks
 
 OPTIM = OptimizerConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=1)
 
 
 def _engine(model_dir, **actor_fields) -> TorchTrainEngine:
     actor_fields.setdefault("max_tokens_per_mb", 40)
-    return TorchTrainEngine(load_causal_lm(str(model_dir)),
-                            plain_actor(loss=LossConfig(), optim=OPTIM, **actor_fields),
-                            temperature=1.0, total_steps=4)
+    return TorchTrainEngine(
+        load_causal_lm(str(model_dir)),
+        plain_actor(loss=LossConfig(), optim=OPTIM, **actor_fields),
+        temperature=1.0,
+        total_steps=4,
+    )
 
 
 def _step(engine, seed: int, k: int) -> dict:
-    return engine.train_step(global_batch(engine.model.config.vocab_size, seed + k,
-                                          engine.version))
+    return engine.train_step(global_batch(engine.model.config.vocab_size, seed + k, engine.version))
 
 
 @pytest.fixture
@@ -40,8 +42,11 @@ def seed() -> int:
     return random.SystemRandom().randrange(1 << 30)
 
 
-@pytest.mark.parametrize("extra", [{}, dict(use_decoupled_loss=True, ppo_n_minibatches=2)],
-                         ids=["plain", "decoupled-2-minibatches"])
+@pytest.mark.parametrize(
+    "extra",
+    [{}, dict(use_decoupled_loss=True, ppo_n_minibatches=2)],
+    ids=["plain", "decoupled-2-minibatches"],
+)
 def test_resume_is_bit_exact(tiny_model_dir, tmp_path, seed, extra):
     a = _engine(tiny_model_dir, **extra)
     for k in range(2):
@@ -101,16 +106,27 @@ def _reshape_weight(directory):
     (directory / "train_state.json").write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize("damage, match", [
-    (lambda d: (d / "train_state.json").unlink(), r"train_state\.json is missing"),
-    (lambda d: _truncate(d / "train_state.json"), r"train_state\.json is not readable JSON"),
-    (lambda d: _truncate(d / "model.safetensors"), r"model\.safetensors has \d+ bytes"),
-    (lambda d: _truncate(d / "optimizer.pt"), r"optimizer\.pt has \d+ bytes"),
-    (lambda d: (d / "optimizer.pt").unlink(), r"optimizer\.pt is missing"),
-    (lambda d: (d / "rng_rank0.json").unlink(), r"rng_rank0\.json is missing"),
-    (_reshape_weight, r"model\.safetensors: weight 'model\.norm\.weight' has shape \(7,\)"),
-], ids=["no-state-json", "bad-state-json", "short-model", "short-optimizer", "no-optimizer",
-        "no-rng", "weight-shape"])
+@pytest.mark.parametrize(
+    "damage, match",
+    [
+        (lambda d: (d / "train_state.json").unlink(), r"train_state\.json is missing"),
+        (lambda d: _truncate(d / "train_state.json"), r"train_state\.json is not readable JSON"),
+        (lambda d: _truncate(d / "model.safetensors"), r"model\.safetensors has \d+ bytes"),
+        (lambda d: _truncate(d / "optimizer.pt"), r"optimizer\.pt has \d+ bytes"),
+        (lambda d: (d / "optimizer.pt").unlink(), r"optimizer\.pt is missing"),
+        (lambda d: (d / "rng_rank0.json").unlink(), r"rng_rank0\.json is missing"),
+        (_reshape_weight, r"model\.safetensors: weight 'model\.norm\.weight' has shape \(7,\)"),
+    ],
+    ids=[
+        "no-state-json",
+        "bad-state-json",
+        "short-model",
+        "short-optimizer",
+        "no-optimizer",
+        "no-rng",
+        "weight-shape",
+    ],
+)
 def test_damaged_directory_is_one_clear_error(tiny_model_dir, saved, damage, match):
     damage(saved)
     engine = _engine(tiny_model_dir)
@@ -127,24 +143,37 @@ def test_other_model_is_rejected_by_name(tiny_model_dir, tiny_qwen_dir, saved):
 
 
 def test_optimizer_of_another_model_is_rejected(tiny_model_dir, saved, tmp_path):
-    other = TorchTrainEngine(load_causal_lm(str(tiny_model_dir)),
-                             plain_actor(loss=LossConfig(), optim=OPTIM), temperature=1.0)
+    other = TorchTrainEngine(
+        load_causal_lm(str(tiny_model_dir)),
+        plain_actor(loss=LossConfig(), optim=OPTIM),
+        temperature=1.0,
+    )
     state = torch.load(saved / "optimizer.pt", weights_only=True)
     state["state"]["model.norm.weight"]["exp_avg"] = torch.zeros(5)
     torch.save(state, saved / "optimizer.pt")
     meta = json.loads((saved / "train_state.json").read_text())
     meta["files"]["optimizer.pt"] = (saved / "optimizer.pt").stat().st_size
     (saved / "train_state.json").write_text(json.dumps(meta))
-    with pytest.raises(ValueError, match=r"optimizer\.pt: model\.norm\.weight\.exp_avg has "
-                                         r"shape \(5,\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"optimizer\.pt: model\.norm\.weight\.exp_avg has "
+        r"shape \(5,\)",
+    ):
         load_train_state(other, str(saved))
 
 
 def test_two_fsdp_ranks_resume_and_load_into_one_process(tiny_model_dir, tmp_path, seed):
     directory = tmp_path / "fsdp"
-    reports = run_ranks(checkpoint_ranks, 2, (str(tiny_model_dir), str(directory), seed,
-                                              dict(max_tokens_per_mb=40,
-                                                   use_decoupled_loss=True)))
+    reports = run_ranks(
+        checkpoint_ranks,
+        2,
+        (
+            str(tiny_model_dir),
+            str(directory),
+            seed,
+            dict(max_tokens_per_mb=40, use_decoupled_loss=True),
+        ),
+    )
     for report in reports:
         assert report["stats_a"] == report["stats_b"]
         assert report["rng_a"] == report["rng_b"]
@@ -189,42 +218,61 @@ def _expected_factor(u: int, schedule: str, warmup: int, total) -> float:
     return 1 - p if schedule == "linear" else (1 + math.cos(math.pi * p)) / 2
 
 
-@pytest.mark.parametrize("schedule, warmup, total, minibatches", [
-    ("constant", 0, None, 1), ("constant", 2, 5, 1), ("linear", 2, 5, 1),
-    ("cosine", 1, 3, 2), ("linear", 0, None, 1)])
+@pytest.mark.parametrize(
+    "schedule, warmup, total, minibatches",
+    [
+        ("constant", 0, None, 1),
+        ("constant", 2, 5, 1),
+        ("linear", 2, 5, 1),
+        ("cosine", 1, 3, 2),
+        ("linear", 0, None, 1),
+    ],
+)
 def test_lr_follows_the_schedule(tiny_model_dir, schedule, warmup, total, minibatches):
     optim = OptimizerConfig(lr=1e-3, lr_schedule=schedule, warmup_steps=warmup)
-    engine = TorchTrainEngine(load_causal_lm(str(tiny_model_dir)),
-                              plain_actor(loss=LossConfig(), optim=optim,
-                                          ppo_n_minibatches=minibatches),
-                              temperature=1.0, total_steps=total)
+    engine = TorchTrainEngine(
+        load_causal_lm(str(tiny_model_dir)),
+        plain_actor(loss=LossConfig(), optim=optim, ppo_n_minibatches=minibatches),
+        temperature=1.0,
+        total_steps=total,
+    )
     updates = None if total is None else total * minibatches
     vocab = engine.model.config.vocab_size
     for step in range(5):
         batch = select_sequences(global_batch(vocab, step, 0), [0, 1])
         got = engine.train_step(batch)["lr"]
-        want = np.mean([1e-3 * _expected_factor(step * minibatches + i, schedule, warmup,
-                                                updates) for i in range(minibatches)])
+        want = np.mean(
+            [
+                1e-3 * _expected_factor(step * minibatches + i, schedule, warmup, updates)
+                for i in range(minibatches)
+            ]
+        )
         assert got == pytest.approx(want, rel=1e-12, abs=1e-18), (step, got, want)
         assert lr_factor(step, schedule, warmup, updates) == pytest.approx(
-            _expected_factor(step, schedule, warmup, updates), rel=1e-15)
+            _expected_factor(step, schedule, warmup, updates), rel=1e-15
+        )
 
 
 def test_default_lr_is_constant_and_untouched(tiny_model_dir):
-    engine = TorchTrainEngine(load_causal_lm(str(tiny_model_dir)),
-                              plain_actor(loss=LossConfig(), optim=OptimizerConfig(lr=3e-4)),
-                              temperature=1.0)
+    engine = TorchTrainEngine(
+        load_causal_lm(str(tiny_model_dir)),
+        plain_actor(loss=LossConfig(), optim=OptimizerConfig(lr=3e-4)),
+        temperature=1.0,
+    )
     vocab = engine.model.config.vocab_size
     for step in range(3):
         assert engine.train_step(global_batch(vocab, step, 0))["lr"] == 3e-4
     assert engine.optimizer.param_groups[0]["lr"] == 3e-4
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(lr_schedule="step"), "lr_schedule = 'step'"),
-    (dict(warmup_steps=-1), "warmup_steps = -1"),
-    (dict(warmup_steps=1.5), "warmup_steps = 1.5"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(lr_schedule="step"), "lr_schedule = 'step'"),
+        (dict(warmup_steps=-1), "warmup_steps = -1"),
+        (dict(warmup_steps=1.5), "warmup_steps = 1.5"),
+    ],
+)
 def test_schedule_config_is_validated(kwargs, match):
     with pytest.raises(ValueError, match=match):
         OptimizerConfig(**kwargs)
@@ -232,6 +280,9 @@ def test_schedule_config_is_validated(kwargs, match):
 
 def test_total_steps_is_validated(tiny_model_dir):
     with pytest.raises(ValueError, match="total_steps = 0"):
-        TorchTrainEngine(load_causal_lm(str(tiny_model_dir)),
-                         plain_actor(loss=LossConfig(), optim=OptimizerConfig()),
-                         temperature=1.0, total_steps=0)
+        TorchTrainEngine(
+            load_causal_lm(str(tiny_model_dir)),
+            plain_actor(loss=LossConfig(), optim=OptimizerConfig()),
+            temperature=1.0,
+            total_steps=0,
+        )

@@ -15,6 +15,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from fsdp_procs import (
+    global_batch,
+    local_mb_counts,
+    rank_parts,
+    run_ranks,
+    train_ranks,
+    trainer_factory_args,
+)
 
 from areal_fast.launch.factories import TorchTrainerFactory
 from areal_fast.models.config import ModelConfig
@@ -22,26 +30,30 @@ from areal_fast.rl.batch import select_sequences
 from areal_fast.rl.config import LossConfig
 from areal_fast.train.fsdp import init_trainer_group
 from areal_fast.train.torch_engine import OptimizerConfig
-from fsdp_procs import (global_batch, local_mb_counts, rank_parts, run_ranks,
-                        trainer_factory_args, train_ranks)
 
 BUDGET = 40  # tokens per micro-batch; a group is at most 2 x 20 tokens
 STEPS = 3
 SCENARIOS = {
     # clipping active (grad_clip below the norm): the global norm must be used
     "token_mean-recompute-clip": dict(
-        loss=LossConfig(), optim=OptimizerConfig(lr=1e-4, grad_clip=0.05),
-        use_decoupled_loss=True),
+        loss=LossConfig(), optim=OptimizerConfig(lr=1e-4, grad_clip=0.05), use_decoupled_loss=True
+    ),
     "seq_mean_token_sum-loglinear-groups": dict(
         loss=LossConfig(aggregation="seq_mean_token_sum", seq_len_norm=8.0),
-        optim=OptimizerConfig(lr=1e-4), use_decoupled_loss=True,
-        prox_logp_method="loglinear", keep_groups=True),
+        optim=OptimizerConfig(lr=1e-4),
+        use_decoupled_loss=True,
+        prox_logp_method="loglinear",
+        keep_groups=True,
+    ),
     # two minibatches: compared with a single process whose minibatch i is the union of the
     # ranks' i-th minibatches; KL against a sharded reference model; a decaying LR
     "token_sum-kl-minibatches": dict(
         loss=LossConfig(aggregation="token_sum", kl_coef=0.1, entropy_coef=0.01),
         optim=OptimizerConfig(lr=1e-4, lr_schedule="linear", warmup_steps=1),
-        use_decoupled_loss=True, ppo_n_minibatches=2, total_steps=STEPS),
+        use_decoupled_loss=True,
+        ppo_n_minibatches=2,
+        total_steps=STEPS,
+    ),
 }
 
 
@@ -59,16 +71,19 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, name):
         assert set(got) == set(want)
         for key in sorted(want):
             if key != "num_micro_batches":
-                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), \
-                    (f"seed {seed} step {step} {key}", got[key], want[key])
-                worst_stat = max(worst_stat, abs(got[key] - want[key]) / max(abs(want[key]),
-                                                                             1e-3))
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (
+                    f"seed {seed} step {step} {key}",
+                    got[key],
+                    want[key],
+                )
+                worst_stat = max(worst_stat, abs(got[key] - want[key]) / max(abs(want[key]), 1e-3))
     worst = 0.0
     for rank in (0, 1):
         for pname, want in expected_weights.items():
             got = reports[rank]["weights"][pname]
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6,
-                                       err_msg=f"seed {seed} {pname}")
+            np.testing.assert_allclose(
+                got, want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed} {pname}"
+            )
             worst = max(worst, float(np.abs(got - want).max()))
     print(f"{name}: max stat diff (relative) {worst_stat:.1e}, max |weight diff| {worst:.1e}")
 
@@ -91,8 +106,9 @@ def _union_of_rank_minibatches(engine, batch, step):
     """minibatch_parts for the single process: minibatch i = the ranks' i-th minibatches."""
     unions = [[] for _ in range(engine.ppo_n_minibatches)]
     for part in rank_parts(step):
-        for i, local in enumerate(type(engine).minibatch_parts(engine,
-                                                               select_sequences(batch, part))):
+        for i, local in enumerate(
+            type(engine).minibatch_parts(engine, select_sequences(batch, part))
+        ):
             unions[i].extend(part[j] for j in local)
     return lambda _batch: unions
 
@@ -100,22 +116,30 @@ def _union_of_rank_minibatches(engine, batch, step):
 def test_factory_stays_a_picklable_dataclass(tiny_model_dir):
     import pickle
 
-    factory = TorchTrainerFactory(ModelConfig(path=str(tiny_model_dir)), total_steps=7,
-                                  rank=1, world_size=2, dist_init_method="tcp://127.0.0.1:1",
-                                  dist_timeout=5.0)
+    factory = TorchTrainerFactory(
+        ModelConfig(path=str(tiny_model_dir)),
+        total_steps=7,
+        rank=1,
+        world_size=2,
+        dist_init_method="tcp://127.0.0.1:1",
+        dist_timeout=5.0,
+    )
     assert pickle.loads(pickle.dumps(factory)) == factory
     assert dataclasses.is_dataclass(factory)
     engine = TorchTrainerFactory(ModelConfig(path=str(tiny_model_dir)), total_steps=7)()
     assert engine.total_steps == 7 and not hasattr(engine, "mesh")
 
 
-@pytest.mark.parametrize("args, match", [
-    ((2, 2, "tcp://127.0.0.1:1", "gloo", 5.0), r"rank = 2 must be an int in \[0, 2\)"),
-    ((0, 0, "tcp://127.0.0.1:1", "gloo", 5.0), "world_size = 0"),
-    ((0, 1, "", "gloo", 5.0), "init_method is empty"),
-    ((0, 1, "tcp://127.0.0.1:1", "mpi", 5.0), "backend = 'mpi'"),
-    ((0, 1, "tcp://127.0.0.1:1", "gloo", 0.0), "timeout_s = 0.0"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ((2, 2, "tcp://127.0.0.1:1", "gloo", 5.0), r"rank = 2 must be an int in \[0, 2\)"),
+        ((0, 0, "tcp://127.0.0.1:1", "gloo", 5.0), "world_size = 0"),
+        ((0, 1, "", "gloo", 5.0), "init_method is empty"),
+        ((0, 1, "tcp://127.0.0.1:1", "mpi", 5.0), "backend = 'mpi'"),
+        ((0, 1, "tcp://127.0.0.1:1", "gloo", 0.0), "timeout_s = 0.0"),
+    ],
+)
 def test_init_trainer_group_rejects_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):
         init_trainer_group(*args)
@@ -124,8 +148,7 @@ def test_init_trainer_group_rejects_bad_arguments(args, match):
 def test_init_trainer_group_failed_rendezvous_is_one_line():
     from fsdp_procs import free_port
 
-    with pytest.raises(RuntimeError, match="trainer rank 1/2 could not join the gloo group") \
-            as err:
+    with pytest.raises(RuntimeError, match="trainer rank 1/2 could not join the gloo group") as err:
         init_trainer_group(1, 2, f"tcp://127.0.0.1:{free_port()}", "gloo", 1.0)
     assert "\n" not in str(err.value)
     assert not torch.distributed.is_initialized()

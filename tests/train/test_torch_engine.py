@@ -14,25 +14,40 @@ def _batch(vocab, seed):
     g = torch.Generator().manual_seed(seed)
     trajs = []
     for i in range(8):
-        p, c = int(torch.randint(2, 9, (1,), generator=g)), int(torch.randint(1, 12, (1,),
-                                                                               generator=g))
+        p, c = (
+            int(torch.randint(2, 9, (1,), generator=g)),
+            int(torch.randint(1, 12, (1,), generator=g)),
+        )
         ids = torch.randint(0, vocab, (p + c,), generator=g).tolist()
         behav = (-torch.rand(c, generator=g) * 4).tolist()
-        trajs.append(Trajectory(ids[:p], ids[p:], behav, [0] * c, "stop", group_id=i // 2,
-                                reward=float(torch.rand(1, generator=g))))
+        trajs.append(
+            Trajectory(
+                ids[:p],
+                ids[p:],
+                behav,
+                [0] * c,
+                "stop",
+                group_id=i // 2,
+                reward=float(torch.rand(1, generator=g)),
+            )
+        )
     adv = torch.randn(8, generator=g)
     return pack_trajectories(trajs, adv)
 
 
-AGGREGATIONS = [LossConfig(), LossConfig(aggregation="seq_mean_token_mean"),
-                LossConfig(aggregation="seq_mean_token_sum", seq_len_norm=8.0),
-                LossConfig(aggregation="token_sum", kl_coef=0.1, entropy_coef=0.01)]
+AGGREGATIONS = [
+    LossConfig(),
+    LossConfig(aggregation="seq_mean_token_mean"),
+    LossConfig(aggregation="seq_mean_token_sum", seq_len_norm=8.0),
+    LossConfig(aggregation="token_sum", kl_coef=0.1, entropy_coef=0.01),
+]
 
 
 @pytest.mark.parametrize("loss_config", AGGREGATIONS, ids=lambda c: c.aggregation)
 @pytest.mark.parametrize("method", ["kk", "ffd"])
-def test_micro_batches_accumulate_to_full_batch_gradient(tiny_model_dir, loss_config, method,
-                                                         fresh_seed):
+def test_micro_batches_accumulate_to_full_batch_gradient(
+    tiny_model_dir, loss_config, method, fresh_seed
+):
     grads = []
     for budget in (10_000, 24):
         model = load_causal_lm(str(tiny_model_dir))
@@ -42,8 +57,14 @@ def test_micro_batches_accumulate_to_full_batch_gradient(tiny_model_dir, loss_co
             with torch.no_grad():  # a reference that differs from the policy, same in both runs
                 for p in ref.parameters():
                     p.add_(0.01 * torch.randn(p.shape, generator=g))
-        actor = ActorConfig(loss=loss_config, optim=OptimizerConfig(), max_tokens_per_mb=budget,
-                            pack_method=method, keep_groups=False, use_decoupled_loss=False)
+        actor = ActorConfig(
+            loss=loss_config,
+            optim=OptimizerConfig(),
+            max_tokens_per_mb=budget,
+            pack_method=method,
+            keep_groups=False,
+            use_decoupled_loss=False,
+        )
         trainer = TorchTrainEngine(model, actor, temperature=0.9, ref_model=ref)
         batch = _batch(model.config.vocab_size, fresh_seed % 1000)
         stats = trainer.accumulate_gradients(batch)
@@ -57,8 +78,12 @@ def test_micro_batches_accumulate_to_full_batch_gradient(tiny_model_dir, loss_co
 def test_train_step_changes_weights_and_clips(tiny_model_dir, fresh_seed):
     model = load_causal_lm(str(tiny_model_dir))
     before = [p.detach().clone() for p in model.parameters()]
-    actor = ActorConfig(loss=LossConfig(), optim=OptimizerConfig(lr=1e-3, grad_clip=1e-3),
-                        keep_groups=False, use_decoupled_loss=False)
+    actor = ActorConfig(
+        loss=LossConfig(),
+        optim=OptimizerConfig(lr=1e-3, grad_clip=1e-3),
+        keep_groups=False,
+        use_decoupled_loss=False,
+    )
     trainer = TorchTrainEngine(model, actor, temperature=1.0)
     stats = trainer.train_step(_batch(model.config.vocab_size, 3))
     assert stats["grad_norm"] > 1e-3  # pre-clip norm is reported
@@ -67,8 +92,13 @@ def test_train_step_changes_weights_and_clips(tiny_model_dir, fresh_seed):
 
 def test_keep_groups_never_splits_a_group(tiny_model_dir):
     model = load_causal_lm(str(tiny_model_dir))
-    actor = ActorConfig(loss=LossConfig(), optim=OptimizerConfig(), max_tokens_per_mb=40,
-                        keep_groups=True, use_decoupled_loss=False)
+    actor = ActorConfig(
+        loss=LossConfig(),
+        optim=OptimizerConfig(),
+        max_tokens_per_mb=40,
+        keep_groups=True,
+        use_decoupled_loss=False,
+    )
     trainer = TorchTrainEngine(model, actor, temperature=1.0)
     batch = _batch(model.config.vocab_size, 5)
     seen = {}
@@ -81,5 +111,8 @@ def test_keep_groups_never_splits_a_group(tiny_model_dir):
 
 def test_kl_needs_reference(tiny_model_dir):
     with pytest.raises(ValueError, match="reference"):
-        TorchTrainEngine(load_causal_lm(str(tiny_model_dir)),
-                         ActorConfig(loss=LossConfig(kl_coef=0.1)), temperature=1.0)
+        TorchTrainEngine(
+            load_causal_lm(str(tiny_model_dir)),
+            ActorConfig(loss=LossConfig(kl_coef=0.1)),
+            temperature=1.0,
+        )

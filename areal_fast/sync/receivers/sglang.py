@@ -52,8 +52,10 @@ from typing import Any, Callable, Sequence
 logger = logging.getLogger(__name__)
 
 #: Where the request schemas were read (see tests/sync/sglang_schema.py for the copy).
-SGLANG_SOURCE = ("SGLang HTTP API, io_struct.py @ sgl-project/sglang 001067fffe33 "
-                 "(routes: http_server.py @ 0025436eab05)")
+SGLANG_SOURCE = (
+    "SGLang HTTP API, io_struct.py @ sgl-project/sglang 001067fffe33 "
+    "(routes: http_server.py @ 0025436eab05)"
+)
 
 #: Process-group name this client uses unless told otherwise (SGLang's own default is
 #: "weight_update_group"; the name only has to agree between init, update and destroy).
@@ -72,7 +74,7 @@ _JOIN_SLACK_S = 1.0
 
 def _one_line(text: Any, limit: int = _MESSAGE_LIMIT) -> str:
     text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _sglang_message(body: bytes) -> str:
@@ -97,8 +99,9 @@ def _check_timeout(value: Any, what: str = "timeout") -> float:
     try:
         seconds = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"SGLang client: {what} must be a number of seconds, got {value!r}") \
-            from None
+        raise ValueError(
+            f"SGLang client: {what} must be a number of seconds, got {value!r}"
+        ) from None
     if isinstance(value, bool) or not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"SGLang client: {what} must be a finite number > 0, got {value!r}")
     return seconds
@@ -119,8 +122,10 @@ def _check_base_url(base_url: Any) -> str:
     if not parts.hostname:
         raise ValueError(f"SGLang base_url {base_url!r} has no host")
     if parts.username or parts.password or parts.query or parts.fragment:
-        raise ValueError(f"SGLang base_url {base_url!r}: credentials, query and fragment are "
-                         "not allowed (pass api_key instead)")
+        raise ValueError(
+            f"SGLang base_url {base_url!r}: credentials, query and fragment are "
+            "not allowed (pass api_key instead)"
+        )
     return urllib.parse.urlunsplit((parts.scheme, parts.netloc, parts.path.rstrip("/"), "", ""))
 
 
@@ -145,8 +150,9 @@ def _check_int(value: Any, what: str, low: int, high: int | None = None) -> int:
 
 def _check_version_label(value: Any) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
-        raise ValueError(f"SGLang client: weight_version must be None or a non-empty str, "
-                         f"got {value!r}")
+        raise ValueError(
+            f"SGLang client: weight_version must be None or a non-empty str, got {value!r}"
+        )
     return value
 
 
@@ -154,24 +160,33 @@ def _dtype_name(dtype: Any) -> str:
     """``torch.bfloat16`` or "torch.bfloat16" or "bfloat16" -> "bfloat16" (SGLang resolves
     the name with ``getattr(torch, name)``)."""
     name = str(dtype)
-    name = name[len("torch."):] if name.startswith("torch.") else name
+    name = name[len("torch.") :] if name.startswith("torch.") else name
     if not _DTYPE_NAME.match(name):
-        raise ValueError(f"SGLang client: dtype {dtype!r} is not a torch dtype name "
-                         "such as 'bfloat16'")
+        raise ValueError(
+            f"SGLang client: dtype {dtype!r} is not a torch dtype name such as 'bfloat16'"
+        )
     return name
 
 
-def _tensor_specs(names: Sequence[str], dtypes: Sequence[Any], shapes: Sequence[Sequence[int]],
-                  load_format: str | None) -> tuple[list[str], list[str], list[list[int]]]:
+def _tensor_specs(
+    names: Sequence[str],
+    dtypes: Sequence[Any],
+    shapes: Sequence[Sequence[int]],
+    load_format: str | None,
+) -> tuple[list[str], list[str], list[list[int]]]:
     if load_format not in DISTRIBUTED_LOAD_FORMATS:
-        raise ValueError(f"SGLang client: load_format {load_format!r} is not one of "
-                         f"{DISTRIBUTED_LOAD_FORMATS} for /update_weights_from_distributed")
+        raise ValueError(
+            f"SGLang client: load_format {load_format!r} is not one of "
+            f"{DISTRIBUTED_LOAD_FORMATS} for /update_weights_from_distributed"
+        )
     for what, seq in (("names", names), ("dtypes", dtypes), ("shapes", shapes)):
         if isinstance(seq, (str, bytes)) or not hasattr(seq, "__len__"):
             raise ValueError(f"SGLang client: {what} must be a sequence, got {type(seq).__name__}")
     if not len(names) == len(dtypes) == len(shapes) or not len(names):
-        raise ValueError(f"SGLang client: names, dtypes and shapes must be non-empty and of one "
-                         f"length, got {len(names)}, {len(dtypes)}, {len(shapes)}")
+        raise ValueError(
+            f"SGLang client: names, dtypes and shapes must be non-empty and of one "
+            f"length, got {len(names)}, {len(dtypes)}, {len(shapes)}"
+        )
     name_list = [_check_name(n, "tensor name") for n in names]
     if len(set(name_list)) != len(name_list):
         dup = next(n for n in name_list if name_list.count(n) > 1)
@@ -180,12 +195,15 @@ def _tensor_specs(names: Sequence[str], dtypes: Sequence[Any], shapes: Sequence[
     shape_list = []
     for name, shape in zip(name_list, shapes):
         if isinstance(shape, (str, bytes)) or not hasattr(shape, "__iter__"):
-            raise ValueError(f"SGLang client: shape of {name!r} must be a sequence of ints, "
-                             f"got {shape!r}")
+            raise ValueError(
+                f"SGLang client: shape of {name!r} must be a sequence of ints, got {shape!r}"
+            )
         shape_list.append([_check_int(d, f"a dimension of {name!r}", 0) for d in shape])
     if load_format == "flattened_bucket" and len(set(dtype_list)) != 1:
-        raise ValueError(f"SGLang client: a flattened_bucket must hold one dtype, got "
-                         f"{sorted(set(dtype_list))} (send one bucket per dtype)")
+        raise ValueError(
+            f"SGLang client: a flattened_bucket must hold one dtype, got "
+            f"{sorted(set(dtype_list))} (send one bucket per dtype)"
+        )
     return name_list, dtype_list, shape_list
 
 
@@ -222,10 +240,12 @@ class SGLangWeightClient:
     def __init__(self, base_url: str, timeout: float = 60.0, api_key: str | None = None):
         self.base_url = _check_base_url(base_url)
         self.timeout = _check_timeout(timeout)
-        if api_key is not None and (not isinstance(api_key, str) or not api_key
-                                    or any(c.isspace() for c in api_key)):
-            raise ValueError("SGLang client: api_key must be None or a non-empty str "
-                             "without whitespace")
+        if api_key is not None and (
+            not isinstance(api_key, str) or not api_key or any(c.isspace() for c in api_key)
+        ):
+            raise ValueError(
+                "SGLang client: api_key must be None or a non-empty str without whitespace"
+            )
         self._api_key = api_key
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
@@ -234,8 +254,9 @@ class SGLangWeightClient:
 
     # ---------------------------------------------------------------- HTTP plumbing
 
-    def _request(self, method: str, path: str, payload: dict | None,
-                 timeout: float | None = None) -> bytes:
+    def _request(
+        self, method: str, path: str, payload: dict | None, timeout: float | None = None
+    ) -> bytes:
         seconds = self.timeout if timeout is None else _check_timeout(timeout)
         url = self.base_url + path
         where = f"SGLang {method} {url}"
@@ -255,8 +276,9 @@ class SGLangWeightClient:
                 body = exc.read()
             except (OSError, http.client.HTTPException):
                 body = b""
-            raise RuntimeError(f"{where} failed with HTTP {exc.code}: "
-                               f"{_sglang_message(body)}") from exc
+            raise RuntimeError(
+                f"{where} failed with HTTP {exc.code}: {_sglang_message(body)}"
+            ) from exc
         except urllib.error.URLError as exc:
             if isinstance(exc.reason, TimeoutError):
                 raise TimeoutError(f"{where} timed out after {seconds:g} s") from exc
@@ -264,8 +286,7 @@ class SGLangWeightClient:
         except TimeoutError as exc:
             raise TimeoutError(f"{where} timed out after {seconds:g} s") from exc
         except (OSError, http.client.HTTPException) as exc:
-            raise RuntimeError(f"{where} failed: {type(exc).__name__}: {_one_line(exc)}") \
-                from exc
+            raise RuntimeError(f"{where} failed: {type(exc).__name__}: {_one_line(exc)}") from exc
 
     def _json(self, method: str, path: str, body: bytes) -> dict:
         try:
@@ -273,20 +294,25 @@ class SGLangWeightClient:
         except ValueError:
             reply = None
         if not isinstance(reply, dict):
-            raise RuntimeError(f"SGLang {method} {self.base_url}{path} replied with no JSON "
-                               f"object: {_one_line(body.decode('utf-8', 'replace'))}")
+            raise RuntimeError(
+                f"SGLang {method} {self.base_url}{path} replied with no JSON "
+                f"object: {_one_line(body.decode('utf-8', 'replace'))}"
+            )
         return reply
 
     def _post_checked(self, path: str, payload: dict, timeout: float | None = None) -> dict:
         reply = self._json("POST", path, self._request("POST", path, payload, timeout))
         if reply.get("success") is not True:
             message = _one_line(reply.get("message") or reply)
-            raise RuntimeError(f"SGLang POST {self.base_url}{path} failed (success="
-                               f"{reply.get('success')!r}): {message}")
+            raise RuntimeError(
+                f"SGLang POST {self.base_url}{path} failed (success="
+                f"{reply.get('success')!r}): {message}"
+            )
         return reply
 
-    def _post_while(self, path: str, payload: dict, during: Callable[[], None],
-                    timeout: float | None) -> dict:
+    def _post_while(
+        self, path: str, payload: dict, during: Callable[[], None], timeout: float | None
+    ) -> dict:
         """POST from a background thread while ``during()`` runs in the caller's thread (so
         a trainer's ``broadcast`` keeps its CUDA device); wait for both."""
         if not callable(during):
@@ -315,22 +341,32 @@ class SGLangWeightClient:
         if "error" in box:
             error = box["error"]
             if during_error is not None and isinstance(error, (RuntimeError, TimeoutError)):
-                raise type(error)(f"{error}; the trainer side also raised "
-                                  f"{type(during_error).__name__}: {_one_line(during_error)}"
-                                  ) from error
+                raise type(error)(
+                    f"{error}; the trainer side also raised "
+                    f"{type(during_error).__name__}: {_one_line(during_error)}"
+                ) from error
             raise error
         if during_error is not None:
-            raise RuntimeError(f"{where}: the trainer side raised {type(during_error).__name__}:"
-                               f" {_one_line(during_error)}") from during_error
+            raise RuntimeError(
+                f"{where}: the trainer side raised {type(during_error).__name__}:"
+                f" {_one_line(during_error)}"
+            ) from during_error
         return box["reply"]
 
     # ---------------------------------------------------------------- endpoints
 
-    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
-                                  world_size: int, group_name: str = DEFAULT_GROUP_NAME,
-                                  backend: str = "nccl", *,
-                                  rendezvous: Callable[[], None] | None = None,
-                                  timeout: float | None = None) -> dict:
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str = "nccl",
+        *,
+        rendezvous: Callable[[], None] | None = None,
+        timeout: float | None = None,
+    ) -> dict:
         """Make SGLang's ranks join a process group with the trainer (POST
         /init_weights_update_group).
 
@@ -423,14 +459,19 @@ class SGLangWeightClient:
         payload = {"group_name": _check_name(group_name, "group_name")}
         return self._post_checked("/destroy_weights_update_group", payload)
 
-    def update_weights_from_distributed(self, names: Sequence[str], dtypes: Sequence[Any],
-                                        shapes: Sequence[Sequence[int]],
-                                        group_name: str = DEFAULT_GROUP_NAME,
-                                        flush_cache: bool = True,
-                                        weight_version: str | None = None, *,
-                                        load_format: str | None = None,
-                                        broadcast: Callable[[], None] | None = None,
-                                        timeout: float | None = None) -> dict:
+    def update_weights_from_distributed(
+        self,
+        names: Sequence[str],
+        dtypes: Sequence[Any],
+        shapes: Sequence[Sequence[int]],
+        group_name: str = DEFAULT_GROUP_NAME,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        *,
+        load_format: str | None = None,
+        broadcast: Callable[[], None] | None = None,
+        timeout: float | None = None,
+    ) -> dict:
         """Have SGLang receive tensors broadcast by the trainer and load them (POST
         /update_weights_from_distributed).
 
@@ -483,30 +524,41 @@ class SGLangWeightClient:
         Source: SGLang HTTP API, io_struct.py @ 001067fffe33,
         UpdateWeightsFromDistributedReqInput; model_runner.py for the flattened_bucket layout.
         """
-        payload = self._distributed_payload(names, dtypes, shapes, group_name, flush_cache,
-                                            weight_version, load_format)
+        payload = self._distributed_payload(
+            names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
+        )
         if broadcast is None:
             return self._post_checked("/update_weights_from_distributed", payload, timeout)
         return self._post_while("/update_weights_from_distributed", payload, broadcast, timeout)
 
     @staticmethod
-    def _distributed_payload(names, dtypes, shapes, group_name, flush_cache, weight_version,
-                             load_format) -> dict:
+    def _distributed_payload(
+        names, dtypes, shapes, group_name, flush_cache, weight_version, load_format
+    ) -> dict:
         names, dtypes, shapes = _tensor_specs(names, dtypes, shapes, load_format)
         if not isinstance(flush_cache, bool):
             raise ValueError(f"SGLang client: flush_cache must be a bool, got {flush_cache!r}")
-        payload = {"names": names, "dtypes": dtypes, "shapes": shapes,
-                   "group_name": _check_name(group_name, "group_name"),
-                   "flush_cache": flush_cache,
-                   "weight_version": _check_version_label(weight_version)}
+        payload = {
+            "names": names,
+            "dtypes": dtypes,
+            "shapes": shapes,
+            "group_name": _check_name(group_name, "group_name"),
+            "flush_cache": flush_cache,
+            "weight_version": _check_version_label(weight_version),
+        }
         if load_format is not None:
             payload["load_format"] = load_format
         return payload
 
-    def update_weights_from_tensor(self, serialized_named_tensors: Sequence[str | bytes],
-                                   load_format: str | None = None, flush_cache: bool = True,
-                                   weight_version: str | None = None, *,
-                                   timeout: float | None = None) -> dict:
+    def update_weights_from_tensor(
+        self,
+        serialized_named_tensors: Sequence[str | bytes],
+        load_format: str | None = None,
+        flush_cache: bool = True,
+        weight_version: str | None = None,
+        *,
+        timeout: float | None = None,
+    ) -> dict:
         """Load tensors shared with SGLang through CUDA IPC handles (POST
         /update_weights_from_tensor), for a trainer on the same GPUs.
 
@@ -547,8 +599,10 @@ class SGLangWeightClient:
         001067fffe33, UpdateWeightsFromTensorReqInput.
         """
         if isinstance(serialized_named_tensors, (str, bytes)) or not serialized_named_tensors:
-            raise ValueError("SGLang client: serialized_named_tensors must be a non-empty list "
-                             "with one payload per TP rank")
+            raise ValueError(
+                "SGLang client: serialized_named_tensors must be a non-empty list "
+                "with one payload per TP rank"
+            )
         encoded = []
         for item in serialized_named_tensors:
             if isinstance(item, (bytes, bytearray, memoryview)):
@@ -556,15 +610,20 @@ class SGLangWeightClient:
             elif isinstance(item, str) and item:
                 encoded.append(item)
             else:
-                raise ValueError(f"SGLang client: a serialized tensor payload must be non-empty "
-                                 f"str (base64) or bytes, got {type(item).__name__}")
+                raise ValueError(
+                    f"SGLang client: a serialized tensor payload must be non-empty "
+                    f"str (base64) or bytes, got {type(item).__name__}"
+                )
         if load_format is not None:
             _check_name(load_format, "load_format")
         if not isinstance(flush_cache, bool):
             raise ValueError(f"SGLang client: flush_cache must be a bool, got {flush_cache!r}")
-        payload = {"serialized_named_tensors": encoded, "load_format": load_format,
-                   "flush_cache": flush_cache,
-                   "weight_version": _check_version_label(weight_version)}
+        payload = {
+            "serialized_named_tensors": encoded,
+            "load_format": load_format,
+            "flush_cache": flush_cache,
+            "weight_version": _check_version_label(weight_version),
+        }
         return self._post_checked("/update_weights_from_tensor", payload, timeout)
 
     def pause_generation(self, mode: str = "abort") -> None:
@@ -653,20 +712,32 @@ class SGLangWeightClient:
         -----
         Source: SGLang HTTP API, http_server.py @ 0025436eab05, route /get_weight_version.
         """
-        reply = self._json("GET", "/get_weight_version",
-                           self._request("GET", "/get_weight_version", None))
+        reply = self._json(
+            "GET", "/get_weight_version", self._request("GET", "/get_weight_version", None)
+        )
         if "weight_version" not in reply:
-            raise RuntimeError(f"SGLang GET {self.base_url}/get_weight_version replied without "
-                               f"weight_version: {_one_line(reply)}")
+            raise RuntimeError(
+                f"SGLang GET {self.base_url}/get_weight_version replied without "
+                f"weight_version: {_one_line(reply)}"
+            )
         version = reply["weight_version"]
         return None if version is None else str(version)
 
     # ---------------------------------------------------------------- one version switch
 
-    def sync_version(self, version: int, names: Sequence[str], dtypes: Sequence[Any],
-                     shapes: Sequence[Sequence[int]], broadcast: Callable[[], None], *,
-                     group_name: str = DEFAULT_GROUP_NAME, pause_mode: str = "abort",
-                     load_format: str | None = None, timeout: float | None = None) -> dict:
+    def sync_version(
+        self,
+        version: int,
+        names: Sequence[str],
+        dtypes: Sequence[Any],
+        shapes: Sequence[Sequence[int]],
+        broadcast: Callable[[], None],
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        pause_mode: str = "abort",
+        load_format: str | None = None,
+        timeout: float | None = None,
+    ) -> dict:
         """Switch the server to policy ``version``: pause, receive and load the trainer's
         broadcast (flushing the prefix cache), continue.
 
@@ -714,26 +785,36 @@ class SGLangWeightClient:
         """
         version = _check_int(version, "version", 0)
         if pause_mode not in ("abort", "retract"):
-            raise ValueError(f"SGLang client: sync_version pause_mode must be 'abort' or "
-                             f"'retract', got {pause_mode!r}")
+            raise ValueError(
+                f"SGLang client: sync_version pause_mode must be 'abort' or "
+                f"'retract', got {pause_mode!r}"
+            )
         if not callable(broadcast):
             raise ValueError(f"SGLang client: broadcast must be callable, got {broadcast!r}")
         if timeout is not None:
             timeout = _check_timeout(timeout)
-        payload = self._distributed_payload(names, dtypes, shapes, group_name, True,
-                                            str(version), load_format)
+        payload = self._distributed_payload(
+            names, dtypes, shapes, group_name, True, str(version), load_format
+        )
         start = time.perf_counter()
         self.pause_generation(pause_mode)
         try:
-            reply = self._post_while("/update_weights_from_distributed", payload, broadcast,
-                                     timeout)
+            reply = self._post_while(
+                "/update_weights_from_distributed", payload, broadcast, timeout
+            )
         except (RuntimeError, TimeoutError) as exc:
             raise type(exc)(f"{exc}; engine left paused before version {version}") from exc
         try:
             self.continue_generation()
         except (RuntimeError, TimeoutError) as exc:
-            raise type(exc)(f"{exc}; version {version} is loaded but the engine is still "
-                            "paused") from exc
-        logger.info("SGLang %s switched to version %d (%d tensors) in %.3f s", self.base_url,
-                    version, len(payload["names"]), time.perf_counter() - start)
+            raise type(exc)(
+                f"{exc}; version {version} is loaded but the engine is still paused"
+            ) from exc
+        logger.info(
+            "SGLang %s switched to version %d (%d tensors) in %.3f s",
+            self.base_url,
+            version,
+            len(payload["names"]),
+            time.perf_counter() - start,
+        )
         return reply

@@ -87,6 +87,7 @@ WORKER_EXTENSION = f"{__name__}.AReaLFastWorkerExtension"
 
 # --------------------------------------------------------------------------- wire payloads
 
+
 @dataclass
 class AReaLFastInitInfo:
     """``init_info`` of the ``"areal_fast"`` backend (the dict given to
@@ -121,14 +122,19 @@ class AReaLFastInitInfo:
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"areal_fast backend init: backend = {self.backend!r}, expected "
-                             "'auto', 'gloo' or 'nccl'")
+            raise ValueError(
+                f"areal_fast backend init: backend = {self.backend!r}, expected "
+                "'auto', 'gloo' or 'nccl'"
+            )
         if not (isinstance(self.world_size, int) and self.world_size >= 2):
-            raise ValueError(f"areal_fast backend init: world_size = {self.world_size!r} must "
-                             "be an int >= 2 (trainer + at least one worker)")
+            raise ValueError(
+                f"areal_fast backend init: world_size = {self.world_size!r} must "
+                "be an int >= 2 (trainer + at least one worker)"
+            )
         if not (isinstance(self.rank_offset, int) and self.rank_offset >= 0):
-            raise ValueError(f"areal_fast backend init: rank_offset = {self.rank_offset!r} "
-                             "must be an int >= 0")
+            raise ValueError(
+                f"areal_fast backend init: rank_offset = {self.rank_offset!r} must be an int >= 0"
+            )
         if not self.timeout > 0:
             raise ValueError(f"areal_fast backend init: timeout = {self.timeout!r} must be > 0")
 
@@ -151,12 +157,16 @@ class AReaLFastUpdateInfo:
 
     def __post_init__(self) -> None:
         if self.timeout is not None and not (
-                isinstance(self.timeout, (int, float)) and 0 < self.timeout < float("inf")):
-            raise ValueError(f"update_info.timeout = {self.timeout!r} must be a positive, "
-                             f"finite number of seconds")
+            isinstance(self.timeout, (int, float)) and 0 < self.timeout < float("inf")
+        ):
+            raise ValueError(
+                f"update_info.timeout = {self.timeout!r} must be a positive, "
+                f"finite number of seconds"
+            )
 
 
 # --------------------------------------------------------------------------- accept check
+
 
 @dataclass
 class ExpectedWeights:
@@ -222,12 +232,13 @@ def check_update_plan(specs: Iterable[Any], expected: ExpectedWeights) -> str:
             return f"tensor {name!r} arrives twice"
         seen.add(name)
         if name not in expected.shapes:
-            return (f"tensor {name!r} is not a weight of this vLLM model "
-                    f"(checked against its {expected.source})")
+            return (
+                f"tensor {name!r} is not a weight of this vLLM model "
+                f"(checked against its {expected.source})"
+            )
         want = expected.shapes[name]
         if want is not None and tuple(want) != shape:
-            return (f"tensor {name!r} has shape {shape}, the model's checkpoint has "
-                    f"{tuple(want)}")
+            return f"tensor {name!r} has shape {shape}, the model's checkpoint has {tuple(want)}"
         have = expected.dtypes.get(name)
         if have is not None and have != dtype and not (have in CASTABLE and dtype in CASTABLE):
             return f"tensor {name!r} arrives as {dtype}, which cannot be cast to {have}"
@@ -235,8 +246,10 @@ def check_update_plan(specs: Iterable[Any], expected: ExpectedWeights) -> str:
             return f"tensor {name!r} arrives as {dtype}, which vLLM cannot load here"
     missing = sorted(expected.required - seen)
     if missing:
-        return (f"update misses {len(missing)} of the model's {len(expected.required)} weights, "
-                f"first {missing[0]!r} (only complete updates are accepted)")
+        return (
+            f"update misses {len(missing)} of the model's {len(expected.required)} weights, "
+            f"first {missing[0]!r} (only complete updates are accepted)"
+        )
     return ""
 
 
@@ -248,8 +261,14 @@ def _checkpoint_files(model: str, revision: Optional[str]) -> list[Path]:
         try:
             from huggingface_hub import snapshot_download
 
-            path = Path(snapshot_download(model, revision=revision, local_files_only=True,
-                                          allow_patterns=["*.safetensors", "*.json"]))
+            path = Path(
+                snapshot_download(
+                    model,
+                    revision=revision,
+                    local_files_only=True,
+                    allow_patterns=["*.safetensors", "*.json"],
+                )
+            )
         except Exception:  # not cached, no huggingface_hub, offline: fall back
             return []
     index = path / "model.safetensors.index.json"
@@ -259,9 +278,9 @@ def _checkpoint_files(model: str, revision: Optional[str]) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def expected_weights_from_checkpoint(model: str, revision: Optional[str] = None,
-                                     tie_word_embeddings: bool = False
-                                     ) -> Optional[ExpectedWeights]:
+def expected_weights_from_checkpoint(
+    model: str, revision: Optional[str] = None, tie_word_embeddings: bool = False
+) -> Optional[ExpectedWeights]:
     """Names, shapes and dtypes of ``model``'s safetensors checkpoint (headers only, cheap).
 
     Parameters
@@ -301,21 +320,34 @@ def expected_weights_from_checkpoint(model: str, revision: Optional[str] = None,
             shapes[head], dtypes[head] = shapes[embed], dtypes[embed]
         required.discard(head)
         optional.add(head)
-    return ExpectedWeights(shapes, dtypes, frozenset(required), frozenset(optional),
-                           source="checkpoint")
+    return ExpectedWeights(
+        shapes, dtypes, frozenset(required), frozenset(optional), source="checkpoint"
+    )
 
 
-_ST_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
-              "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-              "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+_ST_DTYPES = {
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F64": "float64",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+}
 
 
 def _safetensors_dtype(code: str) -> str:
     return _ST_DTYPES.get(code, code.lower())
 
 
-def expected_weights_from_parameters(model: torch.nn.Module,
-                                     tie_word_embeddings: bool = False) -> ExpectedWeights:
+def expected_weights_from_parameters(
+    model: torch.nn.Module, tie_word_embeddings: bool = False
+) -> ExpectedWeights:
     """Fallback when no checkpoint is on disk: checkpoint names derived from the vLLM model.
 
     Each parameter name whose module is a fused one in ``model.packed_modules_mapping``
@@ -337,7 +369,7 @@ def expected_weights_from_parameters(model: torch.nn.Module,
         for i, part in enumerate(parts):
             if part in packed:
                 for sub in packed[part]:
-                    names.add(".".join(parts[:i] + [sub] + parts[i + 1:]))
+                    names.add(".".join(parts[:i] + [sub] + parts[i + 1 :]))
                 expanded = True
                 break
         if not expanded:
@@ -347,11 +379,11 @@ def expected_weights_from_parameters(model: torch.nn.Module,
         names.discard("lm_head.weight")
         optional.add("lm_head.weight")
     shapes: dict[str, Optional[tuple[int, ...]]] = {n: None for n in names | optional}
-    return ExpectedWeights(shapes, {}, frozenset(names), frozenset(optional),
-                           source="parameters")
+    return ExpectedWeights(shapes, {}, frozenset(names), frozenset(optional), source="parameters")
 
 
 # --------------------------------------------------------------------------- worker backend
+
 
 def _tied_secondary_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """Modules holding a parameter that an earlier module (in ``named_modules`` order) owns,
@@ -436,26 +468,39 @@ class _ReceiverEngineImpl:
             backend = "nccl" if device.type == "cuda" else "gloo"
         rank = 1 + init_info.rank_offset + self._worker_index()
         if rank >= init_info.world_size:
-            raise ValueError(f"areal_fast backend: worker sync rank {rank} (rank_offset "
-                             f"{init_info.rank_offset}) does not fit world_size "
-                             f"{init_info.world_size}")
-        group = init_sync_group(rank, init_info.world_size, init_info.master_port,
-                                master_addr=init_info.master_address, backend=backend,
-                                timeout=init_info.timeout,
-                                device=device if backend == "nccl" else None)
+            raise ValueError(
+                f"areal_fast backend: worker sync rank {rank} (rank_offset "
+                f"{init_info.rank_offset}) does not fit world_size "
+                f"{init_info.world_size}"
+            )
+        group = init_sync_group(
+            rank,
+            init_info.world_size,
+            init_info.master_port,
+            master_addr=init_info.master_address,
+            backend=backend,
+            timeout=init_info.timeout,
+            device=device if backend == "nccl" else None,
+        )
         self._transport = TorchDistTransport(
-            group, backend, device=device if backend == "nccl" else torch.device("cpu"))
+            group, backend, device=device if backend == "nccl" else torch.device("cpu")
+        )
         self._receiver = WeightReceiver(self._transport, timeout=init_info.timeout)
         self._init, self._rank = init_info, rank
-        logger.info("areal_fast weight sync: worker joined as rank %d of %d (%s)", rank,
-                    init_info.world_size, backend)
+        logger.info(
+            "areal_fast weight sync: worker joined as rank %d of %d (%s)",
+            rank,
+            init_info.world_size,
+            backend,
+        )
 
     def start_weight_update(self) -> None:
         """No-op: the layerwise reload starts inside :meth:`receive_weights`, after the accept
         round, so a rejected or timed-out update never touches the model."""
         if self._receiver is None:
-            raise RuntimeError("areal_fast weight sync is not connected: call "
-                               "init_weight_transfer_engine first")
+            raise RuntimeError(
+                "areal_fast weight sync is not connected: call init_weight_transfer_engine first"
+            )
 
     def finish_weight_update(self) -> None:
         """No-op: :meth:`receive_weights` finalises the reload itself (also on failure)."""
@@ -491,10 +536,15 @@ class _ReceiverEngineImpl:
             expected = None
             try:
                 expected = expected_weights_from_checkpoint(
-                    str(mc.model), getattr(mc, "revision", None), tied)
+                    str(mc.model), getattr(mc, "revision", None), tied
+                )
             except Exception as exc:  # unreadable checkpoint: fall back to parameter names
-                logger.warning("areal_fast weight sync: cannot read the checkpoint index of "
-                               "%s (%s); checking names only", mc.model, exc)
+                logger.warning(
+                    "areal_fast weight sync: cannot read the checkpoint index of "
+                    "%s (%s); checking names only",
+                    mc.model,
+                    exc,
+                )
             self._expected = expected or expected_weights_from_parameters(self.model, tied)
         return self._expected
 
@@ -522,35 +572,48 @@ class _ReceiverEngineImpl:
             part-way (``self.failure`` set: some layers hold new weights).
         """
         if self._receiver is None:
-            raise RuntimeError("areal_fast weight sync is not connected: call "
-                               "init_weight_transfer_engine first")
+            raise RuntimeError(
+                "areal_fast weight sync is not connected: call init_weight_transfer_engine first"
+            )
         receiver, init = self._receiver, self._init
         assert init is not None
-        receiver.timeout = float(update_info.timeout if update_info.timeout is not None
-                                 else init.timeout)
+        receiver.timeout = float(
+            update_info.timeout if update_info.timeout is not None else init.timeout
+        )
         expected = self.expected_weights()
         start = time.perf_counter()
-        self.last = {"outcome": "receiving", "version": None, "message": "", "seconds": 0.0,
-                     "num_tensors": 0}
+        self.last = {
+            "outcome": "receiving",
+            "version": None,
+            "message": "",
+            "seconds": 0.0,
+            "num_tensors": 0,
+        }
         try:
             session = receiver.start(accept=lambda plan: check_update_plan(plan.specs, expected))
         except BaseException as exc:
             # A clean rejection ran the accept round on every rank: the group stays usable.
             # Anything else (timeout, broken transport, a header that never parsed) may leave
             # a half-finished collective: drop the group.
-            rejected = (isinstance(exc, WeightSyncError)
-                        and not isinstance(exc, WeightSyncTimeout)
-                        and str(exc).startswith("weight update rejected")
-                        and receiver.transport.broken is None)
+            rejected = (
+                isinstance(exc, WeightSyncError)
+                and not isinstance(exc, WeightSyncTimeout)
+                and str(exc).startswith("weight update rejected")
+                and receiver.transport.broken is None
+            )
             if not rejected:
                 self.shutdown()
             self._record("rejected" if rejected else "no-update", None, str(exc), start, 0)
             raise
         start = time.perf_counter()  # header received: time the transfer + load from here
-        if (update_info.expected_version is not None
-                and session.version != update_info.expected_version):
-            message = (f"engine expected weight version {update_info.expected_version}, "
-                       f"the trainer sent {session.version}")
+        if (
+            update_info.expected_version is not None
+            and session.version != update_info.expected_version
+        ):
+            message = (
+                f"engine expected weight version {update_info.expected_version}, "
+                f"the trainer sent {session.version}"
+            )
             if not self._finish_quietly(session, message):
                 self.shutdown()
             self._record("rejected", session.version, message, start, 0)
@@ -567,12 +630,14 @@ class _ReceiverEngineImpl:
             loaded = self._load(counted())
             missing = self._unloaded(loaded)
             if missing:
-                raise WeightSyncError(f"vLLM did not load {len(missing)} parameters, first "
-                                      f"{missing[0]!r}")
+                raise WeightSyncError(
+                    f"vLLM did not load {len(missing)} parameters, first {missing[0]!r}"
+                )
         except BaseException as exc:
             message = f"{type(exc).__name__}: {exc}"
-            self.failure = (f"update to v{session.version} failed after weights started to "
-                            f"load ({message})")
+            self.failure = (
+                f"update to v{session.version} failed after weights started to load ({message})"
+            )
             if not self._finish_quietly(session, message):
                 self.shutdown()
             self._record("failed", session.version, message, start, count[0])
@@ -580,8 +645,11 @@ class _ReceiverEngineImpl:
         try:
             session.finish("")
         except Exception as exc:  # installed completely; only the report got lost
-            logger.warning("areal_fast weight sync: v%d installed, but reporting it failed: %s",
-                           session.version, exc)
+            logger.warning(
+                "areal_fast weight sync: v%d installed, but reporting it failed: %s",
+                session.version,
+                exc,
+            )
             self.shutdown()
         self.weight_version, self.failure = session.version, ""
         self._record("installed", session.version, "", start, count[0])
@@ -615,8 +683,9 @@ class _ReceiverEngineImpl:
         if loaded is None:
             return []
         lora = getattr(self.vllm_config, "lora_config", None)  # type: ignore[attr-defined]
-        names = {n.replace(".base_layer.", ".") if lora else n
-                 for n, _ in self.model.named_parameters()}  # type: ignore[attr-defined]
+        names = {
+            n.replace(".base_layer.", ".") if lora else n for n, _ in self.model.named_parameters()
+        }  # type: ignore[attr-defined]
         return sorted(names - set(loaded))
 
     @staticmethod
@@ -630,17 +699,27 @@ class _ReceiverEngineImpl:
             return False
         return True
 
-    def _record(self, outcome: str, version: Optional[int], message: str, start: float,
-                num_tensors: int) -> None:
-        self.last = {"outcome": outcome, "version": version, "message": message[:2000],
-                     "seconds": time.perf_counter() - start, "num_tensors": num_tensors}
+    def _record(
+        self, outcome: str, version: Optional[int], message: str, start: float, num_tensors: int
+    ) -> None:
+        self.last = {
+            "outcome": outcome,
+            "version": version,
+            "message": message[:2000],
+            "seconds": time.perf_counter() - start,
+            "num_tensors": num_tensors,
+        }
 
     def status(self) -> dict[str, Any]:
         """Plain-data state of this worker's receiver (sent back over ``collective_rpc``)."""
-        return {"connected": self._receiver is not None, "rank": self._rank,
-                "weight_version": self.weight_version, "failure": self.failure,
-                "last": dict(self.last),
-                "checked_against": self._expected.source if self._expected else None}
+        return {
+            "connected": self._receiver is not None,
+            "rank": self._rank,
+            "weight_version": self.weight_version,
+            "failure": self.failure,
+            "last": dict(self.last),
+            "checked_against": self._expected.source if self._expected else None,
+        }
 
 
 _ENGINE_CLASS: Optional[type] = None
@@ -728,8 +807,10 @@ def vllm_llm_kwargs() -> dict[str, Any]:
     dict
         ``weight_transfer_config`` and ``worker_extension_cls``.
     """
-    return {"weight_transfer_config": {"backend": BACKEND_NAME},
-            "worker_extension_cls": WORKER_EXTENSION}
+    return {
+        "weight_transfer_config": {"backend": BACKEND_NAME},
+        "worker_extension_cls": WORKER_EXTENSION,
+    }
 
 
 if "vllm" in sys.modules:  # inside a vLLM worker (or a driver that imported vLLM already)

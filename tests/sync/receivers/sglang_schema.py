@@ -132,9 +132,9 @@ ENDPOINTS: dict[str, dict[str, Any]] = {
 
 def _type_ok(value: Any, spec: str) -> bool:
     if spec.startswith("optional["):
-        return value is None or _type_ok(value, spec[len("optional["):-1])
+        return value is None or _type_ok(value, spec[len("optional[") : -1])
     if spec.startswith("literal:"):
-        return isinstance(value, str) and value in spec[len("literal:"):].split("|")
+        return isinstance(value, str) and value in spec[len("literal:") :].split("|")
     if spec == "str":
         return isinstance(value, str)
     if spec == "bool":

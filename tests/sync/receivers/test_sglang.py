@@ -32,8 +32,11 @@ def _load_schema():
 
 schema = _load_schema()
 
-PAUSE, UPDATE, CONTINUE = "/pause_generation", "/update_weights_from_distributed", \
-    "/continue_generation"
+PAUSE, UPDATE, CONTINUE = (
+    "/pause_generation",
+    "/update_weights_from_distributed",
+    "/continue_generation",
+)
 WAIT_S = 5.0  # bound of every wait inside the fake server and the fake trainer
 
 
@@ -70,8 +73,9 @@ class FakeSGLang:
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.server.block_on_close = False
-        self.thread = threading.Thread(target=self.server.serve_forever,
-                                       kwargs={"poll_interval": 0.05}, daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 
@@ -93,8 +97,7 @@ class FakeSGLang:
     def reply(h: BaseHTTPRequestHandler, status: int, body) -> None:
         data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
         h.send_response(status)
-        h.send_header("Content-Type", "text/plain" if isinstance(body, str)
-                      else "application/json")
+        h.send_header("Content-Type", "text/plain" if isinstance(body, str) else "application/json")
         h.send_header("Content-Length", str(len(data)))
         h.end_headers()
         h.wfile.write(data)
@@ -105,12 +108,17 @@ class FakeSGLang:
         path = h.path
         problems = schema.validate(path, method, payload)
         with self.lock:
-            self.requests.append({"method": method, "path": path, "payload": payload,
-                                  "problems": problems,
-                                  "auth": h.headers.get("Authorization"),
-                                  "content_type": h.headers.get("Content-Type")})
-        if self.api_key is not None and h.headers.get("Authorization") != \
-                f"Bearer {self.api_key}":
+            self.requests.append(
+                {
+                    "method": method,
+                    "path": path,
+                    "payload": payload,
+                    "problems": problems,
+                    "auth": h.headers.get("Authorization"),
+                    "content_type": h.headers.get("Content-Type"),
+                }
+            )
+        if self.api_key is not None and h.headers.get("Authorization") != f"Bearer {self.api_key}":
             return self.reply(h, 401, {"error": "Unauthorized"})
         if path not in schema.ENDPOINTS:
             return self.reply(h, 404, {"detail": "Not Found"})
@@ -121,17 +129,23 @@ class FakeSGLang:
             return None
         if path == PAUSE:
             self.paused = True
-            return self.reply(h, 200, {"message": "Generation paused successfully.",
-                                       "status": "ok"})
+            return self.reply(
+                h, 200, {"message": "Generation paused successfully.", "status": "ok"}
+            )
         if path == CONTINUE:
             self.paused = False
-            return self.reply(h, 200, {"message": "Generation continued successfully.",
-                                       "status": "ok"})
+            return self.reply(
+                h, 200, {"message": "Generation continued successfully.", "status": "ok"}
+            )
         if path == "/flush_cache":
             if self.flush_busy:
-                return self.reply(h, 400, "Cache flushed.\nPlease check backend logs for more "
-                                          "details. (When there are running or waiting "
-                                          "requests, the operation will not be performed.)\n")
+                return self.reply(
+                    h,
+                    400,
+                    "Cache flushed.\nPlease check backend logs for more "
+                    "details. (When there are running or waiting "
+                    "requests, the operation will not be performed.)\n",
+                )
             return self.reply(h, 200, "Cache flushed.\n")
         if path == "/get_weight_version":
             return self.reply(h, 200, {"weight_version": self.weight_version})
@@ -140,12 +154,14 @@ class FakeSGLang:
             if self.fail_update is not None:
                 return self.reply(h, *self.fail_update)
             if self.need_broadcast and not self.broadcast_done.wait(WAIT_S):
-                return self.reply(h, 400, {"success": False,
-                                           "message": "fake: no broadcast arrived"})
+                return self.reply(
+                    h, 400, {"success": False, "message": "fake: no broadcast arrived"}
+                )
             if payload.get("weight_version") is not None:
                 self.weight_version = payload["weight_version"]
-            return self.reply(h, 200, {"success": True,
-                                       "message": "Succeeded to update parameter online."})
+            return self.reply(
+                h, 200, {"success": True, "message": "Succeeded to update parameter online."}
+            )
         return self.reply(h, 200, {"success": True, "message": "ok"})
 
 
@@ -172,10 +188,12 @@ def random_specs(rng: random.Random, one_dtype: str | None = None, min_n: int = 
 
 def trainer_broadcast(fake: FakeSGLang, calls: list):
     """The trainer side: like NCCL it cannot finish before the receiver joined."""
+
     def broadcast():
         calls.append(time.monotonic())
         assert fake.update_received.wait(WAIT_S), "update request not in flight during broadcast"
         fake.broadcast_done.set()
+
     return broadcast
 
 
@@ -197,14 +215,17 @@ def test_every_payload_validates_against_the_schema_copy(fake, rng):
 
     assert client.init_weights_update_group("10.0.0.1", port, 1, 3, group_name=group)["success"]
     fake.need_broadcast = False
-    assert client.update_weights_from_distributed(names, dtypes, shapes, group,
-                                                  weight_version=label)["success"]
+    assert client.update_weights_from_distributed(
+        names, dtypes, shapes, group, weight_version=label
+    )["success"]
     same = rng.choice(["bfloat16", "float32"])
-    assert client.update_weights_from_distributed(names, [same] * len(names), shapes, group,
-                                                  load_format="flattened_bucket")["success"]
+    assert client.update_weights_from_distributed(
+        names, [same] * len(names), shapes, group, load_format="flattened_bucket"
+    )["success"]
     blob = os.urandom(rng.randint(1, 64))
-    assert client.update_weights_from_tensor([blob, "c3RyaW5n"], load_format="direct",
-                                             weight_version=label)["success"]
+    assert client.update_weights_from_tensor(
+        [blob, "c3RyaW5n"], load_format="direct", weight_version=label
+    )["success"]
     for mode in ("abort", "retract", "in_place"):
         client.pause_generation(mode)
     client.continue_generation()
@@ -214,8 +235,14 @@ def test_every_payload_validates_against_the_schema_copy(fake, rng):
     assert_all_valid(fake)
 
     init = fake.of("/init_weights_update_group")[0]["payload"]
-    assert init == {"master_address": "10.0.0.1", "master_port": port, "rank_offset": 1,
-                    "world_size": 3, "group_name": group, "backend": "nccl"}
+    assert init == {
+        "master_address": "10.0.0.1",
+        "master_port": port,
+        "rank_offset": 1,
+        "world_size": 3,
+        "group_name": group,
+        "backend": "nccl",
+    }
     plain, bucket = (r["payload"] for r in fake.of(UPDATE))
     assert (plain["names"], plain["dtypes"], plain["shapes"]) == (names, dtypes, shapes)
     assert plain["group_name"] == group and plain["weight_version"] == label
@@ -226,8 +253,9 @@ def test_every_payload_validates_against_the_schema_copy(fake, rng):
     assert [r["payload"]["mode"] for r in fake.of(PAUSE)] == ["abort", "retract", "in_place"]
     assert fake.of("/flush_cache")[0]["payload"] is None
     assert fake.of("/get_weight_version")[0]["method"] == "GET"
-    assert all(r["content_type"] == "application/json" for r in fake.requests
-               if r["payload"] is not None)
+    assert all(
+        r["content_type"] == "application/json" for r in fake.requests if r["payload"] is not None
+    )
 
 
 def test_torch_style_dtypes_and_shapes_are_normalised(fake, rng):
@@ -250,9 +278,11 @@ def test_the_validator_rejects_what_sglang_would(rng):
     assert schema.validate(UPDATE, "POST", {**good, "flush_cache": 1})  # int, not bool
     assert schema.validate(PAUSE, "POST", {"mode": "pause"})
     assert schema.validate("/get_weight_version", "POST", None)  # wrong method
-    assert schema.validate("/init_weights_update_group", "POST",
-                           {"master_address": "h", "master_port": "29500", "rank_offset": 1,
-                            "world_size": 2})
+    assert schema.validate(
+        "/init_weights_update_group",
+        "POST",
+        {"master_address": "h", "master_port": "29500", "rank_offset": 1, "world_size": 2},
+    )
 
 
 # ------------------------------------------------------------------ sync_version
@@ -279,8 +309,15 @@ def test_sync_version_with_a_flattened_bucket(fake, rng):
     client = SGLangWeightClient(fake.url, timeout=WAIT_S)
     names, dtypes, shapes = random_specs(rng, one_dtype="bfloat16")
     version = rng.randint(0, 10**6)
-    client.sync_version(version, names, dtypes, shapes, trainer_broadcast(fake, []),
-                        pause_mode="retract", load_format="flattened_bucket")
+    client.sync_version(
+        version,
+        names,
+        dtypes,
+        shapes,
+        trainer_broadcast(fake, []),
+        pause_mode="retract",
+        load_format="flattened_bucket",
+    )
     assert fake.paths == [PAUSE, UPDATE, CONTINUE]
     assert fake.of(PAUSE)[0]["payload"] == {"mode": "retract"}
     assert fake.of(UPDATE)[0]["payload"]["load_format"] == "flattened_bucket"
@@ -288,12 +325,13 @@ def test_sync_version_with_a_flattened_bucket(fake, rng):
 
 
 @pytest.mark.parametrize("status", [400, 200])
-def test_success_false_raises_naming_the_endpoint_and_leaves_the_engine_paused(fake, rng,
-                                                                               status):
+def test_success_false_raises_naming_the_endpoint_and_leaves_the_engine_paused(fake, rng, status):
     client = SGLangWeightClient(fake.url, timeout=WAIT_S)
     names, dtypes, shapes = random_specs(rng)
-    message = f"Failed to update parameter online: boom-{rng.randint(0, 10**9)}. The full " \
-              "weights of the ModelRunner are partially updated."
+    message = (
+        f"Failed to update parameter online: boom-{rng.randint(0, 10**9)}. The full "
+        "weights of the ModelRunner are partially updated."
+    )
     fake.fail_update = (status, {"success": False, "message": message})
     with pytest.raises(RuntimeError) as info:
         client.sync_version(rng.randint(0, 99), names, dtypes, shapes, lambda: None)
@@ -374,8 +412,10 @@ def test_arguments_are_checked_before_the_engine_is_paused(fake, rng):
         dict(timeout=0),
     ]
     for case in bad:
-        kwargs = dict(version=3, names=names, dtypes=dtypes, shapes=shapes,
-                      broadcast=lambda: None) | case
+        kwargs = (
+            dict(version=3, names=names, dtypes=dtypes, shapes=shapes, broadcast=lambda: None)
+            | case
+        )
         with pytest.raises(ValueError):
             client.sync_version(**kwargs)
     with pytest.raises(ValueError):
@@ -392,10 +432,22 @@ def test_arguments_are_checked_before_the_engine_is_paused(fake, rng):
 # ------------------------------------------------------------------ transport errors
 
 
-@pytest.mark.parametrize("url", ["ftp://127.0.0.1:30000", "localhost:30000", "127.0.0.1:30000",
-                                 "http://", "http://127.0.0.1:99999", "http://127.0.0.1:x",
-                                 "", "http://host name:1", "http://u:p@127.0.0.1:1",
-                                 "http://127.0.0.1:1/?a=1", None])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "ftp://127.0.0.1:30000",
+        "localhost:30000",
+        "127.0.0.1:30000",
+        "http://",
+        "http://127.0.0.1:99999",
+        "http://127.0.0.1:x",
+        "",
+        "http://host name:1",
+        "http://u:p@127.0.0.1:1",
+        "http://127.0.0.1:1/?a=1",
+        None,
+    ],
+)
 def test_a_bad_base_url_raises_value_error(url):
     with pytest.raises(ValueError) as info:
         SGLangWeightClient(url)
@@ -420,8 +472,11 @@ def test_an_unreachable_server_raises_runtime_error_naming_the_url():
 def test_flush_refused_while_busy_names_the_endpoint(fake):
     client = SGLangWeightClient(fake.url, timeout=WAIT_S)
     fake.flush_busy = True
-    with pytest.raises(RuntimeError, match=r"/flush_cache failed with HTTP 400: .*running or "
-                                           r"waiting requests") as info:
+    with pytest.raises(
+        RuntimeError,
+        match=r"/flush_cache failed with HTTP 400: .*running or "
+        r"waiting requests",
+    ) as info:
         client.flush_cache()
     assert "\n" not in str(info.value)
 
@@ -444,8 +499,9 @@ def test_init_runs_the_trainer_rendezvous_while_the_request_is_in_flight(rng):
     try:
         client = SGLangWeightClient(server.url, timeout=WAIT_S)
         joined = []
-        client.init_weights_update_group("127.0.0.1", rng.randint(20000, 60000), 1, 2,
-                                         rendezvous=lambda: joined.append(1))
+        client.init_weights_update_group(
+            "127.0.0.1", rng.randint(20000, 60000), 1, 2, rendezvous=lambda: joined.append(1)
+        )
         assert joined == [1] and server.paths == ["/init_weights_update_group"]
         assert_all_valid(server)
     finally:
@@ -496,10 +552,29 @@ def test_live_sglang_server_switches_weights(tmp_path, rng):
     port, group_port = free_port(), free_port()
     log = open(tmp_path / "sglang.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sglang.launch_server", "--model-path", model_path,
-         "--host", "127.0.0.1", "--port", str(port), "--tp-size", "1",
-         "--mem-fraction-static", "0.3", "--dtype", "bfloat16", "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            model_path,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--tp-size",
+            "1",
+            "--mem-fraction-static",
+            "0.3",
+            "--dtype",
+            "bfloat16",
+            "--log-level",
+            "warning",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     pg = None
     try:
@@ -516,8 +591,11 @@ def test_live_sglang_server_switches_weights(tmp_path, rng):
             time.sleep(2)
 
         def post(path, body):
-            req = urllib.request.Request(base + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                base + path,
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
             with urllib.request.urlopen(req, timeout=120) as r:
                 return json.loads(r.read())
 
@@ -530,15 +608,21 @@ def test_live_sglang_server_switches_weights(tmp_path, rng):
 
         def join():
             holder["pg"] = init_custom_process_group(
-                backend=backend, init_method=f"tcp://127.0.0.1:{group_port}", world_size=2,
-                rank=0, group_name="areal_fast")
+                backend=backend,
+                init_method=f"tcp://127.0.0.1:{group_port}",
+                world_size=2,
+                rank=0,
+                group_name="areal_fast",
+            )
 
-        client.init_weights_update_group("127.0.0.1", group_port, 1, 2, backend=backend,
-                                         rendezvous=join)
+        client.init_weights_update_group(
+            "127.0.0.1", group_port, 1, 2, backend=backend, rendezvous=join
+        )
         pg = holder["pg"]
 
         model = transformers.AutoModelForCausalLM.from_pretrained(
-            model_path, torch_dtype=torch.bfloat16)
+            model_path, torch_dtype=torch.bfloat16
+        )
         params = dict(model.named_parameters())
         chosen = [n for n in params if n.endswith("mlp.down_proj.weight")][:2]
         assert chosen, "the live test expects a Llama/Qwen-style model (mlp.down_proj)"
@@ -552,23 +636,31 @@ def test_live_sglang_server_switches_weights(tmp_path, rng):
                     for t in tensors:
                         torch.distributed.broadcast(t, src=0, group=pg)
                 else:
-                    torch.distributed.broadcast(torch.cat([t.flatten() for t in tensors]),
-                                                src=0, group=pg)
+                    torch.distributed.broadcast(
+                        torch.cat([t.flatten() for t in tensors]), src=0, group=pg
+                    )
                 torch.cuda.synchronize(device)
 
-            reply = client.sync_version(version, chosen, ["bfloat16"] * len(chosen),
-                                        [list(t.shape) for t in tensors], broadcast,
-                                        load_format=load_format)
+            reply = client.sync_version(
+                version,
+                chosen,
+                ["bfloat16"] * len(chosen),
+                [list(t.shape) for t in tensors],
+                broadcast,
+                load_format=load_format,
+            )
             assert reply["success"] is True
             assert client.get_weight_version() == str(version)
             for name, t in zip(chosen, tensors):
                 got = post("/get_weights_by_name", {"name": name, "truncate_size": 2})
                 want = t[:2].float().cpu()
-                assert torch.allclose(torch.tensor(got, dtype=torch.float32).reshape(
-                    want.shape), want, atol=1e-2), name
-            out = post("/generate", {"text": "1 + 1 =",
-                                     "sampling_params": {"max_new_tokens": 4,
-                                                         "temperature": 0.0}})
+                assert torch.allclose(
+                    torch.tensor(got, dtype=torch.float32).reshape(want.shape), want, atol=1e-2
+                ), name
+            out = post(
+                "/generate",
+                {"text": "1 + 1 =", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}},
+            )
             assert "text" in out
         client.destroy_weights_update_group()
     finally:
