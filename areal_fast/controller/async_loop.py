@@ -24,6 +24,7 @@ import time
 from typing import Callable, Optional
 
 from areal_fast.controller import messages as msg
+from areal_fast.controller.acceptance import Acceptance
 from areal_fast.controller.checkpoint_manager import CheckpointManager, PendingSaves
 from areal_fast.controller.codec import Encoded, encode_message
 from areal_fast.controller.config import RecoveryConfig, RunPlan, Timeouts
@@ -38,17 +39,6 @@ from areal_fast.rollout.config import RolloutConfig
 
 TRAIN_PIPELINE = 2  # batches handed to the trainer ahead of completion (prefetch depth)
 log = logging.getLogger("areal_fast.controller")
-
-
-def _drop_hint(error: str) -> str:
-    """What to check for an agent drop reason (the start of ``error``)."""
-    hints = {
-        "timeout": "check agent.timeout (and that the agent does not block the event loop)",
-        "bad_reward": "run_agent_return_reward must return a finite number",
-        "no_calls": "the agent must call the model through its client",
-        "agent_error": "the agent raised: its log lines name the error",
-    }
-    return hints.get(error.split(":", 1)[0], "check agent.path")
 
 
 class AsyncController:
@@ -102,12 +92,8 @@ class AsyncController:
     ):
         self.workers, self.trainer, self.buffers = rollout_workers, trainer, weight_buffers
         self.trainer_ranks = trainer_ranks or [trainer]
-        self.next_request, self.plan, self.rollout, self.on_step = (
-            next_request,
-            plan,
-            rollout,
-            on_step,
-        )
+        self.next_request, self.plan = next_request, plan
+        self.rollout, self.on_step = rollout, on_step
         eta = rollout.max_head_offpolicyness
         self.staleness = StalenessManager(
             plan.batch_size, eta, rollout.max_concurrent_rollouts or (eta + 1) * plan.batch_size
@@ -121,8 +107,11 @@ class AsyncController:
         # per worker: when it last finished a group or went from idle to busy
         self.progress = {w.name: time.monotonic() for w in rollout_workers}
         self.agent_stats: dict[str, dict] = {}  # per worker: its agent running totals
-        self.filtered_in_a_row = 0
-        self.failed_in_a_row = 0  # agent groups in a row whose sessions were all dropped
+        self.acceptance = Acceptance(
+            rollout.dynamic_filter,
+            plan.max_filtered_in_a_row,
+            plan.max_failed_agent_groups_in_a_row,
+        )
         self.eval_records: dict[str, list] = {}
         self.eval_assignment: dict[str, list[msg.GroupRequest]] = {}
         self.cancelling: set[str] = set()  # rollout workers asked to cancel, not answered
@@ -131,7 +120,7 @@ class AsyncController:
         self.elapsed_before = 0.0  # training seconds of the run before a resume
         self._waiter: Optional[MessageWaiter] = None  # over every worker; rebuilt on change
         if resume is not None:
-            self._restore(resume)
+            self.recovery.resume(resume)
 
     # ---- the loop -------------------------------------------------------------------
     def run(self) -> RunCounts:
@@ -327,36 +316,14 @@ class AsyncController:
         self.progress[worker.name] = time.monotonic()
         if done.agent_stats:
             self.agent_stats[worker.name] = done.agent_stats
-        filtered = self.rollout.dynamic_filter and len(set(done.rewards)) == 1
-        self.filtered_in_a_row = self.filtered_in_a_row + 1 if filtered else 0
-        self.failed_in_a_row = self.failed_in_a_row + 1 if done.shard is None else 0
-        if (
-            done.shard is None
-            and self.failed_in_a_row >= self.plan.max_failed_agent_groups_in_a_row
-        ):
-            first = done.errors[0] if done.errors else "no reason given"
-            raise ValueError(
-                f"agent: every session of the last {self.failed_in_a_row} "
-                f"groups was dropped (e.g. {first}); {_drop_hint(first)}"
-            )
         # the version that will train it: batches are formed from the ready groups in order
         train_version = (
             self.version + len(self.ledger.training) + self.ledger.num_ready // self.plan.batch_size
         )
         # a too-stale group is dropped now, so that a replacement starts at once
         stale = self.ledger.too_stale(done.group_id, train_version)
-        reason = (
-            "agent_sessions_dropped"
-            if done.shard is None
-            else ("dynamic_filter" if filtered else "stale" if stale else None)
-        )
-        self.ledger.finish(done, reason)
-        if self.filtered_in_a_row > self.plan.max_filtered_in_a_row:
-            raise ValueError(
-                f"rollout.dynamic_filter: the last {self.filtered_in_a_row} "
-                f"groups all had equal rewards and were dropped, so no batch can "
-                f"be filled; check the reward function or turn the filter off"
-            )
+        self.ledger.finish(done, self.acceptance.drop_reason(done, stale))
+        self.acceptance.check_filter_limit()
 
     def _on_unknown_group(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
         """A group that is not running (it was cancelled at the end of training, or reported
@@ -425,15 +392,3 @@ class AsyncController:
             Called while :meth:`run` has groups running or in training.
         """
         return evaluate(self, requests)
-
-    def _restore(self, state: dict) -> None:
-        """Continue from a checkpoint's controller state: counts, version (the groups that
-        were pending then are counted as dropped); every rollout worker loads the weights."""
-        self.version = int(state["version"])
-        self.ledger.restore(state["counts"], int(state["pending_groups"]))
-        self.elapsed_before = float(state["elapsed_seconds"])
-        for worker in self.workers:
-            self.acked[worker.name] = 0
-            self.send_rollout(
-                worker, msg.UpdateWeights(self.version, self.buffers[self.version % 2])
-            )

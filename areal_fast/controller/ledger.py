@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import collections
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from areal_fast.controller import messages as msg
+from areal_fast.controller.run_counts import RunCounts
 
 
 class LedgerError(RuntimeError):
@@ -75,48 +76,6 @@ class TrainingBatch:
     @property
     def group_ids(self) -> list[int]:
         return [g.group_id for g in self.groups]
-
-
-@dataclass
-class RunCounts:
-    """Where every submitted rollout went: trained exactly once, or dropped with a reason."""
-
-    submitted: int = 0
-    trained: int = 0
-    dropped: dict = field(default_factory=lambda: collections.Counter())
-    interruptions: int = 0
-    stale_dropped_tokens: int = 0  # completion tokens of the groups dropped as stale
-    resubmitted: int = 0  # running groups of a dead rollout worker started again elsewhere
-    rollout_restarts: int = 0
-    # per restart: seconds from noticing the death to the new worker serving current weights
-    recovery_seconds: list = field(default_factory=list)
-
-    def as_dict(self) -> dict:
-        """The counts as plain JSON-able values (for summary.json)."""
-        return {
-            "rollouts_submitted": self.submitted,
-            "rollouts_trained": self.trained,
-            "rollouts_dropped": dict(self.dropped),
-            "sample_interruptions": self.interruptions,
-            "stale_dropped_completion_tokens": self.stale_dropped_tokens,
-            "rollouts_resubmitted": self.resubmitted,
-            "rollout_worker_restarts": self.rollout_restarts,
-            "rollout_recovery_seconds": list(self.recovery_seconds),
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "RunCounts":
-        """Inverse of :meth:`as_dict` (a resumed run continues the counts)."""
-        return cls(
-            data["rollouts_submitted"],
-            data["rollouts_trained"],
-            collections.Counter(data["rollouts_dropped"]),
-            data["sample_interruptions"],
-            data["stale_dropped_completion_tokens"],
-            data.get("rollouts_resubmitted", 0),
-            data.get("rollout_worker_restarts", 0),
-            list(data.get("rollout_recovery_seconds", [])),
-        )
 
 
 class Ledger:

@@ -27,7 +27,7 @@ log = logging.getLogger("areal_fast.controller")
 
 
 class Recovery:
-    """Restarts dead rollout workers and checks every worker's deadline.
+    """Restarts dead rollout workers, checks every worker's deadline, resumes from a checkpoint.
 
     Parameters
     ----------
@@ -173,3 +173,15 @@ class Recovery:
                 f"timeouts.rollout_stall = {t.rollout_stall:g} s "
                 f"({c.ledger.running_on(stalled[0])} running)"
             )
+
+    def resume(self, state: dict) -> None:
+        """Continue from a checkpoint's controller state (``controller.json``): counts and
+        version (the groups that were pending then are counted as dropped); every rollout
+        worker loads that version's weights."""
+        c = self.c
+        c.version = int(state["version"])
+        c.ledger.restore(state["counts"], int(state["pending_groups"]))
+        c.elapsed_before = float(state["elapsed_seconds"])
+        for worker in c.workers:
+            c.acked[worker.name] = 0
+            c.send_rollout(worker, msg.UpdateWeights(c.version, c.buffers[c.version % 2]))
