@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="append the result as one JSON line here")
     args = parser.parse_args(argv)
     from areal_fast.launch.config import load_config
-    from areal_fast.launch.experiment import load_datasets
+    from areal_fast.launch.inputs import load_datasets
 
     # only the data and eval settings are used: the run's own agent section is not checked
     cfg = load_config(str(Path(args.run) / "config.yaml"), ['agent.path=""'])

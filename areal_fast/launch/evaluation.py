@@ -25,7 +25,8 @@ from areal_fast.controller.requests import ChatPrompts, eval_requests
 from areal_fast.controller.workers import WorkerError, WorkerHandle, wait_messages
 from areal_fast.launch.cluster import ClusterSpec
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
-from areal_fast.launch.experiment import check_resources, cluster_spec, load_eval_set, make_cluster
+from areal_fast.launch.inputs import load_eval_set
+from areal_fast.launch.worker_specs import check_resources, cluster_spec, make_cluster
 from areal_fast.models.loading import load_model_config, load_tokenizer
 
 EVAL_FILE = "eval.jsonl"

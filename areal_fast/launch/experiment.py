@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import platform
 import random
 import shutil
@@ -22,15 +21,11 @@ from areal_fast.controller.checkpoint_manager import Checkpoint, CheckpointManag
 from areal_fast.controller.messages import SaveCheckpoint, Saved
 from areal_fast.controller.metrics import MetricsLog, plot_progress
 from areal_fast.controller.requests import ChatPrompts, MathRequests, ProblemStream, eval_requests
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.controller.workers import WorkerError, wait_messages
-from areal_fast.data.rewards import math_reward
-from areal_fast.data.tasks import drop_eval_overlap, load_problems
 from areal_fast.launch import console
-from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster
-from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
-from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
+from areal_fast.launch.cluster import Cluster
+from areal_fast.launch.config import ExperimentConfig
+from areal_fast.launch.inputs import check_lengths, load_datasets
 from areal_fast.launch.interrupt import (
     CHECKPOINT_WAIT_SECONDS,
     RunInterrupted,
@@ -39,6 +34,18 @@ from areal_fast.launch.interrupt import (
     signal_of,
     signals_deferred,
     write_interrupted,
+)
+from areal_fast.launch.run_dir import (
+    check_run_dir,
+    check_trajectory_dir,
+    mark_failed,
+    prepare_run_dir,
+)
+from areal_fast.launch.worker_specs import (
+    check_resources,
+    cluster_spec,
+    make_cluster,
+    worker_threads,
 )
 from areal_fast.models.loading import load_model_config, load_tokenizer
 from areal_fast.rollout.engine import SamplingParams
@@ -51,326 +58,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def unique_questions(problems):
-    """``problems`` without repeated questions, first occurrence kept, order preserved."""
-    seen, out = set(), []
-    for problem in problems:
-        if problem.question not in seen:
-            seen.add(problem.question)
-            out.append(problem)
-    return out
-
-
-def load_datasets(cfg: ExperimentConfig):
-    """Training and distinct held-out problems; held-out questions are removed from training.
-
-    The held-out set is the first ``data.eval_size`` distinct questions of the eval split
-    (GSM8K: a subset drawn with ``data.eval_seed``, in file order; generated tasks: drawn
-    with ``data.eval_seed``).
-    """
-    d = cfg.data
-    eval_set = load_eval_set(cfg)
-    train_set = load_problems(
-        d.task,
-        split=d.train_split,
-        size=d.train_size,
-        seed=d.train_seed,
-        path=d.path,
-        task_kwargs=d.task_kwargs,
-    )
-    train_set, removed = drop_eval_overlap(train_set, eval_set)
-    if not train_set:
-        raise ValueError(
-            f"data: every training problem also appears in the held-out set "
-            f"({removed} removed); raise data.train_size or change the task"
-        )
-    return train_set, eval_set, removed
-
-
-def load_eval_set(cfg: ExperimentConfig):
-    """The held-out problems: the first ``data.eval_size`` distinct questions of the eval
-    split (see :func:`load_datasets`).
-
-    Raises
-    ------
-    ValueError
-        The task offers fewer distinct questions than ``data.eval_size``.
-    """
-    d = cfg.data
-    # generated tasks repeat questions: draw extra so that eval_size distinct ones remain
-    pool_size = d.eval_size if d.task == "gsm8k" else 3 * d.eval_size
-    pool = load_problems(
-        d.task,
-        split=d.eval_split,
-        size=pool_size,
-        seed=d.eval_seed,
-        path=d.path,
-        task_kwargs=d.task_kwargs,
-    )
-    eval_set = unique_questions(pool)[: d.eval_size]
-    if len(eval_set) < d.eval_size:
-        raise ValueError(
-            f"data.eval_size = {d.eval_size}: the task offers only "
-            f"{len(eval_set)} distinct held-out questions"
-        )
-    return eval_set
-
-
-def check_run_dir(cfg: ExperimentConfig) -> None:
-    """Fail early if the run directory cannot be (re)used; changes nothing on disk.
-
-    An existing directory is replaced only with ``overwrite=true`` and only if it is a run
-    directory (holds ``config.yaml``), never an arbitrary folder.
-    """
-    run_dir = cfg.run_dir
-    for parent in reversed(run_dir.parents):
-        if parent.exists() and not parent.is_dir():
-            raise ConfigError(
-                f"fileroot: {parent} is a file, so run directory {run_dir} cannot be created"
-            )
-    if cfg.resume:
-        if not (run_dir / "config.yaml").is_file():
-            raise ConfigError(
-                f"resume=true: {run_dir} is not an areal-fast run directory (no config.yaml)"
-            )
-        _check_same_model(cfg, run_dir / "config.yaml")
-        return
-    if not run_dir.exists():
-        return
-    if not cfg.overwrite:
-        if (run_dir / "INTERRUPTED").is_file():
-            raise ConfigError(
-                f"run directory {run_dir} already exists and was interrupted; "
-                f"pass resume=true to continue it, overwrite=true to replace "
-                f"it, or choose another trial_name"
-            )
-        raise ConfigError(
-            f"run directory {run_dir} already exists; pass overwrite=true "
-            f"or choose another trial_name"
-        )
-    if not (run_dir.is_dir() and (run_dir / "config.yaml").is_file()):
-        raise ConfigError(
-            f"overwrite=true refuses to delete {run_dir}: it is not an areal-fast "
-            f"run directory (no config.yaml)"
-        )
-
-
-def _check_same_model(cfg: ExperimentConfig, saved_path: Path) -> None:
-    """A resumed run must train the model its checkpoints hold.
-
-    Raises
-    ------
-    ConfigError
-        Naming the first ``model.*`` key that differs from the run's ``config.yaml``.
-    """
-    from omegaconf import OmegaConf
-
-    saved = OmegaConf.to_container(OmegaConf.load(saved_path)).get("model", {})
-    now = OmegaConf.to_container(OmegaConf.structured(cfg.model))
-    for key, value in now.items():
-        if saved.get(key, value) != value:
-            raise ConfigError(
-                f"resume=true: model.{key} = {value!r} differs from the run's "
-                f"{saved_path} ({saved[key]!r})"
-            )
-
-
-def prepare_run_dir(cfg: ExperimentConfig) -> Path:
-    """Create the run directory (replacing an old run's when allowed) with ``config.yaml``;
-    with ``resume`` keep it, only removing the marks of the ended attempt."""
-    check_run_dir(cfg)
-    run_dir = cfg.run_dir
-    if cfg.resume:
-        for name in ("FAILED", "INTERRUPTED", "summary.json"):
-            (run_dir / name).unlink(missing_ok=True)
-        (run_dir / "config.resumed.yaml").write_text(to_yaml(cfg))  # the original stays
-        return run_dir
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    try:
-        run_dir.mkdir(parents=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"fileroot: cannot create run directory {run_dir} ({exc.strerror})"
-        ) from exc
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    return run_dir
-
-
-def check_lengths(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_positions) -> None:
-    """Fail before any work if the longest possible sequence fits no micro-batch or model.
-
-    Raises
-    ------
-    ValueError
-        Naming ``actor.max_tokens_per_mb`` or ``rollout.max_new_tokens`` /
-        ``eval.max_new_tokens``.
-    """
-    longest_prompt = max(len(prompts(p)) for p in problems)
-    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
-    if max_positions and longest_prompt + new_tokens > max_positions:
-        raise ValueError(
-            f"rollout.max_new_tokens / eval.max_new_tokens = {new_tokens}: with "
-            f"the longest prompt ({longest_prompt} tokens) this exceeds the "
-            f"model's {max_positions} positions"
-        )
-    sequence = (
-        f"longest prompt {longest_prompt} + rollout.max_new_tokens {cfg.rollout.max_new_tokens}"
-    )
-    need = longest_prompt + cfg.rollout.max_new_tokens
-    if cfg.actor.keep_groups:  # a whole group goes in one micro-batch
-        need *= cfg.rollout.group_size
-        sequence = f"rollout.group_size {cfg.rollout.group_size} × ({sequence})"
-    if need > cfg.actor.max_tokens_per_mb:
-        what = "a GRPO group (actor.keep_groups)" if cfg.actor.keep_groups else "one sequence"
-        raise ValueError(
-            f"actor.max_tokens_per_mb = {cfg.actor.max_tokens_per_mb} is smaller "
-            f"than {what} can be: {sequence} = {need} tokens; set "
-            f"actor.max_tokens_per_mb >= {need}"
-        )
-
-
-def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
-    """(trainer, rollout-worker) torch threads: ``launcher.*_threads`` when set; otherwise all
-    cores each when η = 0 (trainer and engines take turns), else the cores split between the
-    trainer and the rollout workers, which then run at the same time."""
-    cores = cfg.threads or os.cpu_count() or 1
-    if cfg.rollout.max_head_offpolicyness == 0:
-        trainer, rollout = cores, max(1, cores // cfg.rollout.num_workers)
-    else:
-        trainer = max(1, cores // 2)
-        rollout = max(1, (cores - trainer) // cfg.rollout.num_workers)
-    return (cfg.launcher.trainer_threads or trainer, cfg.launcher.rollout_threads or rollout)
-
-
-def check_trajectory_dir(cfg: ExperimentConfig) -> None:
-    """Create an explicitly set ``trajectory.directory`` now, so a path that cannot hold it
-    fails before any work (the run directory's default is created with the run).
-
-    Raises
-    ------
-    ConfigError
-        Naming ``trajectory.directory`` and the OS error.
-    """
-    store = cfg.trajectory
-    if not (store.enabled and store.directory):
-        return
-    try:
-        Path(store.directory).mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConfigError(
-            f"trajectory.directory = {store.directory!r} cannot be created ({exc.strerror or exc})"
-        ) from exc
-
-
-def agent_spec(cfg: ExperimentConfig):
-    """The rollout workers' agent workload (None without ``agent.path``); the trajectory
-    store goes to ``<run dir>/trajectories`` unless ``trajectory.directory`` is set."""
-    from dataclasses import replace
-
-    from areal_fast.agent.workload import AgentWorkloadSpec
-
-    if not cfg.agent.path:
-        return None
-    store = cfg.trajectory
-    if store.enabled and not store.directory:
-        store = replace(store, directory=str(cfg.run_dir / "trajectories"))
-    return AgentWorkloadSpec(cfg.agent, cfg.model.path, store)
-
-
-def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
-    """Worker specs of one experiment: HF engines, the torch trainer (its ranks), math
-    rewards (or the configured agent); ``resume_from`` is a checkpoint to load.
-
-    The specs carry the config's own sections (``cfg.model``, ``cfg.rollout``, ``cfg.actor``,
-    ``cfg.scheduler``, ``cfg.launcher``), so every worker uses the values set there.
-    """
-    trainer_threads, rollout_threads = worker_threads(cfg)
-    engine = HFEngineFactory(cfg.model, cfg.rollout)
-    trainer = TorchTrainerFactory(
-        cfg.model, cfg.actor, cfg.rollout, seed=cfg.seed, total_steps=cfg.total_steps
-    )
-    spool = str(cfg.run_dir / "shards") if cfg.recovery.spool_shards else None
-    return ClusterSpec(
-        rollout=RolloutWorkerSpec(
-            engine, math_reward, threads=rollout_threads, agent=agent_spec(cfg), spool_dir=spool
-        ),
-        trainer=TrainerWorkerSpec(
-            trainer, cfg.actor, threads=trainer_threads, resume_from=resume_from
-        ),
-        num_rollout_workers=cfg.rollout.num_workers,
-        scheduler=cfg.scheduler,
-        launcher=cfg.launcher,
-        workers_file=str(cfg.run_dir / "workers.json"),
-    )
-
-
-def check_resources(cfg: ExperimentConfig) -> None:
-    """Fail before anything is written when a local Ray instance cannot hold the workers.
-
-    With ``scheduler.type=ray`` and no ``scheduler.ray_address``, the Ray launcher starts a
-    Ray instance of ``scheduler.ray_num_cpus`` CPUs (default: the cores Ray sees) and the
-    GPUs torch sees; every trainer rank and rollout worker needs its bundle
-    (``scheduler.cpus_per_*`` / ``gpus_per_*``). A cluster that is joined is checked when
-    the launcher connects to it.
-
-    Raises
-    ------
-    ConfigError
-        Ray is not installed, or the workers need more CPUs or GPUs than the local instance
-        has; the message shows the sum and names the keys.
-    """
-    s = cfg.scheduler
-    if s.type != "ray":
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        raise ConfigError("scheduler.type = 'ray' needs Ray: pip install 'areal_fast[ray]'")
-    if s.ray_address is not None:
-        return
-    ranks, workers = s.train_world_size, cfg.rollout.num_workers
-    have = {"CPU": s.ray_num_cpus or _ray_cpus(), "GPU": torch.cuda.device_count()}
-    for resource, kind in (("CPU", "cpus"), ("GPU", "gpus")):
-        per_rank = getattr(s, f"{kind}_per_trainer_rank")
-        per_worker = getattr(s, f"{kind}_per_rollout_worker")
-        need = ranks * per_rank + workers * per_worker
-        if need > have[resource]:
-            where = (
-                "scheduler.ray_num_cpus" if resource == "CPU" and s.ray_num_cpus else "this machine"
-            )
-            raise ConfigError(
-                f"scheduler: the Ray workers need {need:g} {resource}s (scheduler."
-                f"train_world_size {ranks} × scheduler.{kind}_per_trainer_rank {per_rank:g} + "
-                f"rollout.num_workers {workers} × scheduler.{kind}_per_rollout_worker "
-                f"{per_worker:g}), a local Ray instance has {have[resource]:g} ({where}); "
-                f"lower scheduler.{kind}_per_* (fractions are allowed) or the worker counts"
-            )
-
-
-def _ray_cpus() -> float:
-    """CPUs a local Ray instance gets by default (Ray's own count: cgroup quotas too)."""
-    try:
-        from ray._private.utils import get_num_cpus
-
-        return float(get_num_cpus())
-    except Exception:  # noqa: BLE001 - a Ray without that helper: count the cores
-        return float(
-            len(os.sched_getaffinity(0))
-            if hasattr(os, "sched_getaffinity")
-            else os.cpu_count() or 1
-        )
-
-
-def make_cluster(cfg: ExperimentConfig, spec: ClusterSpec) -> Cluster:
-    """The launcher ``scheduler.type`` names: local processes or Ray actors."""
-    if cfg.scheduler.type == "ray":
-        from areal_fast.launch.ray_cluster import RayCluster
-
-        return RayCluster(spec, cfg.scheduler)
-    return LocalCluster(spec)
 
 
 def run_plan(cfg: ExperimentConfig) -> RunPlan:
@@ -448,7 +135,7 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
             return _attempt(cfg, run_dir, data, resume, restarts, show_progress, progress)
         except WorkerError as exc:
             if not _trainer_fault(exc):
-                _mark_failed(run_dir, exc)
+                mark_failed(run_dir, exc)
                 raise
             if restarts >= cfg.recovery.max_trainer_restarts:
                 failure = WorkerError(
@@ -458,7 +145,7 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
                     exc.worker,
                     exc.died,
                 )
-                _mark_failed(run_dir, failure)
+                mark_failed(run_dir, failure)
                 raise failure from exc
             restarts += 1
             log.warning(
@@ -472,7 +159,7 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
         except KeyboardInterrupt as exc:
             raise _stopped(cfg, progress, signal_of(exc)) from None
         except BaseException as exc:
-            _mark_failed(run_dir, exc)
+            mark_failed(run_dir, exc)
             raise
 
 
@@ -512,15 +199,6 @@ def _stopped(cfg: ExperimentConfig, progress: _Progress, signum: int) -> RunInte
 def _trainer_fault(exc: WorkerError) -> bool:
     """Whether a trainer rank died or failed (a restart from a checkpoint may help)."""
     return bool(exc.worker) and exc.worker.startswith("trainer")
-
-
-def _mark_failed(run_dir: Path, exc: BaseException) -> None:
-    """Write ``FAILED``: the error's type and first line (its type alone when it has no
-    message)."""
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    (run_dir / "FAILED").write_text(
-        f"{type(exc).__name__}: {first}\n" if first else f"{type(exc).__name__}\n"
-    )
 
 
 def _attempt(

@@ -1,6 +1,6 @@
 """Every component built for an experiment uses the values of its ``ExperimentConfig``.
 
-:func:`~areal_fast.launch.experiment.cluster_spec` builds the worker specs, the engine and
+:func:`~areal_fast.launch.worker_specs.cluster_spec` builds the worker specs, the engine and
 trainer factories; the factories build the HF engine and the trainer on the tiny model. Each
 value a component actually uses (the torch optimizer's learning rate, the engine's batch
 size, the trainer's micro-batch budget, ...) is compared with the config's, for the default
@@ -20,8 +20,8 @@ from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.launch.cluster import ClusterSpec
 from areal_fast.launch.config import ConfigError, ExperimentConfig, load_config
-from areal_fast.launch.experiment import cluster_spec
 from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
+from areal_fast.launch.worker_specs import cluster_spec
 from areal_fast.train.fsdp import FSDPTrainEngine
 from areal_fast.train.torch_engine import TorchTrainEngine
 

@@ -163,7 +163,7 @@ def test_a_mapping_is_emptied_by_braces_and_merged_otherwise():
 
 @needs_gsm8k
 def test_arith_example_switches_to_gsm8k_by_override():
-    from areal_fast.launch.experiment import load_datasets
+    from areal_fast.launch.inputs import load_datasets
 
     cfg = load_config(
         str(ARITH),
@@ -190,7 +190,7 @@ def test_total_steps_zero_names_the_eval_command():
 @needs_gsm8k
 def test_gsm8k_example_fits_its_micro_batch_and_shows_the_arithmetic():
     from areal_fast.controller.requests import ChatPrompts
-    from areal_fast.launch.experiment import check_lengths, load_datasets
+    from areal_fast.launch.inputs import check_lengths, load_datasets
     from areal_fast.models.loading import load_model_config, load_tokenizer
 
     cfg = load_config(str(GSM8K), [f"data.path={GSM8K_DIR}"])
@@ -238,7 +238,7 @@ def test_gsm8k_example_fits_its_micro_batch_and_shows_the_arithmetic():
 def test_ray_resources_are_checked_from_the_config(overrides, needle):
     import torch
 
-    from areal_fast.launch.experiment import check_resources
+    from areal_fast.launch.worker_specs import check_resources
 
     if "GPUs" in needle and torch.cuda.device_count() > 0:
         pytest.skip("this machine has a GPU")

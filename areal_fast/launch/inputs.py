@@ -1,0 +1,106 @@
+"""A run's inputs, loaded and checked before any worker starts: the training and held-out
+problems (questions in both are dropped from training) and the lengths they need."""
+
+from __future__ import annotations
+
+from areal_fast.controller.requests import ChatPrompts
+from areal_fast.data.tasks import drop_eval_overlap, load_problems
+from areal_fast.launch.config import ExperimentConfig
+
+
+def unique_questions(problems):
+    """``problems`` without repeated questions, first occurrence kept, order preserved."""
+    seen, out = set(), []
+    for problem in problems:
+        if problem.question not in seen:
+            seen.add(problem.question)
+            out.append(problem)
+    return out
+
+
+def load_datasets(cfg: ExperimentConfig):
+    """Training and distinct held-out problems; held-out questions are removed from training.
+
+    The held-out set is the first ``data.eval_size`` distinct questions of the eval split
+    (GSM8K: a subset drawn with ``data.eval_seed``, in file order; generated tasks: drawn
+    with ``data.eval_seed``).
+    """
+    d = cfg.data
+    eval_set = load_eval_set(cfg)
+    train_set = load_problems(
+        d.task,
+        split=d.train_split,
+        size=d.train_size,
+        seed=d.train_seed,
+        path=d.path,
+        task_kwargs=d.task_kwargs,
+    )
+    train_set, removed = drop_eval_overlap(train_set, eval_set)
+    if not train_set:
+        raise ValueError(
+            f"data: every training problem also appears in the held-out set "
+            f"({removed} removed); raise data.train_size or change the task"
+        )
+    return train_set, eval_set, removed
+
+
+def load_eval_set(cfg: ExperimentConfig):
+    """The held-out problems: the first ``data.eval_size`` distinct questions of the eval
+    split (see :func:`load_datasets`).
+
+    Raises
+    ------
+    ValueError
+        The task offers fewer distinct questions than ``data.eval_size``.
+    """
+    d = cfg.data
+    # generated tasks repeat questions: draw extra so that eval_size distinct ones remain
+    pool_size = d.eval_size if d.task == "gsm8k" else 3 * d.eval_size
+    pool = load_problems(
+        d.task,
+        split=d.eval_split,
+        size=pool_size,
+        seed=d.eval_seed,
+        path=d.path,
+        task_kwargs=d.task_kwargs,
+    )
+    eval_set = unique_questions(pool)[: d.eval_size]
+    if len(eval_set) < d.eval_size:
+        raise ValueError(
+            f"data.eval_size = {d.eval_size}: the task offers only "
+            f"{len(eval_set)} distinct held-out questions"
+        )
+    return eval_set
+
+
+def check_lengths(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_positions) -> None:
+    """Fail before any work if the longest possible sequence fits no micro-batch or model.
+
+    Raises
+    ------
+    ValueError
+        Naming ``actor.max_tokens_per_mb`` or ``rollout.max_new_tokens`` /
+        ``eval.max_new_tokens``.
+    """
+    longest_prompt = max(len(prompts(p)) for p in problems)
+    new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
+    if max_positions and longest_prompt + new_tokens > max_positions:
+        raise ValueError(
+            f"rollout.max_new_tokens / eval.max_new_tokens = {new_tokens}: with "
+            f"the longest prompt ({longest_prompt} tokens) this exceeds the "
+            f"model's {max_positions} positions"
+        )
+    sequence = (
+        f"longest prompt {longest_prompt} + rollout.max_new_tokens {cfg.rollout.max_new_tokens}"
+    )
+    need = longest_prompt + cfg.rollout.max_new_tokens
+    if cfg.actor.keep_groups:  # a whole group goes in one micro-batch
+        need *= cfg.rollout.group_size
+        sequence = f"rollout.group_size {cfg.rollout.group_size} × ({sequence})"
+    if need > cfg.actor.max_tokens_per_mb:
+        what = "a GRPO group (actor.keep_groups)" if cfg.actor.keep_groups else "one sequence"
+        raise ValueError(
+            f"actor.max_tokens_per_mb = {cfg.actor.max_tokens_per_mb} is smaller "
+            f"than {what} can be: {sequence} = {need} tokens; set "
+            f"actor.max_tokens_per_mb >= {need}"
+        )

@@ -1,0 +1,119 @@
+"""The run directory: checks before anything is written (an existing run, resume=true on
+another model), its preparation, and the file that records a failed run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
+
+
+def check_run_dir(cfg: ExperimentConfig) -> None:
+    """Fail early if the run directory cannot be (re)used; changes nothing on disk.
+
+    An existing directory is replaced only with ``overwrite=true`` and only if it is a run
+    directory (holds ``config.yaml``), never an arbitrary folder.
+    """
+    run_dir = cfg.run_dir
+    for parent in reversed(run_dir.parents):
+        if parent.exists() and not parent.is_dir():
+            raise ConfigError(
+                f"fileroot: {parent} is a file, so run directory {run_dir} cannot be created"
+            )
+    if cfg.resume:
+        if not (run_dir / "config.yaml").is_file():
+            raise ConfigError(
+                f"resume=true: {run_dir} is not an areal-fast run directory (no config.yaml)"
+            )
+        _check_same_model(cfg, run_dir / "config.yaml")
+        return
+    if not run_dir.exists():
+        return
+    if not cfg.overwrite:
+        if (run_dir / "INTERRUPTED").is_file():
+            raise ConfigError(
+                f"run directory {run_dir} already exists and was interrupted; "
+                f"pass resume=true to continue it, overwrite=true to replace "
+                f"it, or choose another trial_name"
+            )
+        raise ConfigError(
+            f"run directory {run_dir} already exists; pass overwrite=true "
+            f"or choose another trial_name"
+        )
+    if not (run_dir.is_dir() and (run_dir / "config.yaml").is_file()):
+        raise ConfigError(
+            f"overwrite=true refuses to delete {run_dir}: it is not an areal-fast "
+            f"run directory (no config.yaml)"
+        )
+
+
+def _check_same_model(cfg: ExperimentConfig, saved_path: Path) -> None:
+    """A resumed run must train the model its checkpoints hold.
+
+    Raises
+    ------
+    ConfigError
+        Naming the first ``model.*`` key that differs from the run's ``config.yaml``.
+    """
+    from omegaconf import OmegaConf
+
+    saved = OmegaConf.to_container(OmegaConf.load(saved_path)).get("model", {})
+    now = OmegaConf.to_container(OmegaConf.structured(cfg.model))
+    for key, value in now.items():
+        if saved.get(key, value) != value:
+            raise ConfigError(
+                f"resume=true: model.{key} = {value!r} differs from the run's "
+                f"{saved_path} ({saved[key]!r})"
+            )
+
+
+def prepare_run_dir(cfg: ExperimentConfig) -> Path:
+    """Create the run directory (replacing an old run's when allowed) with ``config.yaml``;
+    with ``resume`` keep it, only removing the marks of the ended attempt."""
+    check_run_dir(cfg)
+    run_dir = cfg.run_dir
+    if cfg.resume:
+        for name in ("FAILED", "INTERRUPTED", "summary.json"):
+            (run_dir / name).unlink(missing_ok=True)
+        (run_dir / "config.resumed.yaml").write_text(to_yaml(cfg))  # the original stays
+        return run_dir
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    try:
+        run_dir.mkdir(parents=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"fileroot: cannot create run directory {run_dir} ({exc.strerror})"
+        ) from exc
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    return run_dir
+
+
+def check_trajectory_dir(cfg: ExperimentConfig) -> None:
+    """Create an explicitly set ``trajectory.directory`` now, so a path that cannot hold it
+    fails before any work (the run directory's default is created with the run).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``trajectory.directory`` and the OS error.
+    """
+    store = cfg.trajectory
+    if not (store.enabled and store.directory):
+        return
+    try:
+        Path(store.directory).mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(
+            f"trajectory.directory = {store.directory!r} cannot be created ({exc.strerror or exc})"
+        ) from exc
+
+
+def mark_failed(run_dir: Path, exc: BaseException) -> None:
+    """Write ``FAILED``: the error's type and first line (its type alone when it has no
+    message)."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    (run_dir / "FAILED").write_text(
+        f"{type(exc).__name__}: {first}\n" if first else f"{type(exc).__name__}\n"
+    )

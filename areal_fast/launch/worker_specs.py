@@ -1,0 +1,136 @@
+"""What each worker process is told, built from the config: threads, the rollout and trainer
+specs, Ray's resources (checked before anything is written), and the cluster that starts them."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from areal_fast.controller.rollout_worker import RolloutWorkerSpec
+from areal_fast.controller.trainer_worker import TrainerWorkerSpec
+from areal_fast.data.rewards import math_reward
+from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster
+from areal_fast.launch.config import ConfigError, ExperimentConfig
+from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
+
+
+def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
+    """(trainer, rollout-worker) torch threads: ``launcher.*_threads`` when set; otherwise all
+    cores each when η = 0 (trainer and engines take turns), else the cores split between the
+    trainer and the rollout workers, which then run at the same time."""
+    cores = cfg.threads or os.cpu_count() or 1
+    if cfg.rollout.max_head_offpolicyness == 0:
+        trainer, rollout = cores, max(1, cores // cfg.rollout.num_workers)
+    else:
+        trainer = max(1, cores // 2)
+        rollout = max(1, (cores - trainer) // cfg.rollout.num_workers)
+    return (cfg.launcher.trainer_threads or trainer, cfg.launcher.rollout_threads or rollout)
+
+
+def agent_spec(cfg: ExperimentConfig):
+    """The rollout workers' agent workload (None without ``agent.path``); the trajectory
+    store goes to ``<run dir>/trajectories`` unless ``trajectory.directory`` is set."""
+    from dataclasses import replace
+
+    from areal_fast.agent.workload import AgentWorkloadSpec
+
+    if not cfg.agent.path:
+        return None
+    store = cfg.trajectory
+    if store.enabled and not store.directory:
+        store = replace(store, directory=str(cfg.run_dir / "trajectories"))
+    return AgentWorkloadSpec(cfg.agent, cfg.model.path, store)
+
+
+def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
+    """Worker specs of one experiment: HF engines, the torch trainer (its ranks), math
+    rewards (or the configured agent); ``resume_from`` is a checkpoint to load.
+
+    The specs carry the config's own sections (``cfg.model``, ``cfg.rollout``, ``cfg.actor``,
+    ``cfg.scheduler``, ``cfg.launcher``), so every worker uses the values set there.
+    """
+    trainer_threads, rollout_threads = worker_threads(cfg)
+    engine = HFEngineFactory(cfg.model, cfg.rollout)
+    trainer = TorchTrainerFactory(
+        cfg.model, cfg.actor, cfg.rollout, seed=cfg.seed, total_steps=cfg.total_steps
+    )
+    spool = str(cfg.run_dir / "shards") if cfg.recovery.spool_shards else None
+    return ClusterSpec(
+        rollout=RolloutWorkerSpec(
+            engine, math_reward, threads=rollout_threads, agent=agent_spec(cfg), spool_dir=spool
+        ),
+        trainer=TrainerWorkerSpec(
+            trainer, cfg.actor, threads=trainer_threads, resume_from=resume_from
+        ),
+        num_rollout_workers=cfg.rollout.num_workers,
+        scheduler=cfg.scheduler,
+        launcher=cfg.launcher,
+        workers_file=str(cfg.run_dir / "workers.json"),
+    )
+
+
+def check_resources(cfg: ExperimentConfig) -> None:
+    """Fail before anything is written when a local Ray instance cannot hold the workers.
+
+    With ``scheduler.type=ray`` and no ``scheduler.ray_address``, the Ray launcher starts a
+    Ray instance of ``scheduler.ray_num_cpus`` CPUs (default: the cores Ray sees) and the
+    GPUs torch sees; every trainer rank and rollout worker needs its bundle
+    (``scheduler.cpus_per_*`` / ``gpus_per_*``). A cluster that is joined is checked when
+    the launcher connects to it.
+
+    Raises
+    ------
+    ConfigError
+        Ray is not installed, or the workers need more CPUs or GPUs than the local instance
+        has; the message shows the sum and names the keys.
+    """
+    s = cfg.scheduler
+    if s.type != "ray":
+        return
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError("scheduler.type = 'ray' needs Ray: pip install 'areal_fast[ray]'")
+    if s.ray_address is not None:
+        return
+    ranks, workers = s.train_world_size, cfg.rollout.num_workers
+    have = {"CPU": s.ray_num_cpus or _ray_cpus(), "GPU": torch.cuda.device_count()}
+    for resource, kind in (("CPU", "cpus"), ("GPU", "gpus")):
+        per_rank = getattr(s, f"{kind}_per_trainer_rank")
+        per_worker = getattr(s, f"{kind}_per_rollout_worker")
+        need = ranks * per_rank + workers * per_worker
+        if need > have[resource]:
+            where = (
+                "scheduler.ray_num_cpus" if resource == "CPU" and s.ray_num_cpus else "this machine"
+            )
+            raise ConfigError(
+                f"scheduler: the Ray workers need {need:g} {resource}s (scheduler."
+                f"train_world_size {ranks} × scheduler.{kind}_per_trainer_rank {per_rank:g} + "
+                f"rollout.num_workers {workers} × scheduler.{kind}_per_rollout_worker "
+                f"{per_worker:g}), a local Ray instance has {have[resource]:g} ({where}); "
+                f"lower scheduler.{kind}_per_* (fractions are allowed) or the worker counts"
+            )
+
+
+def _ray_cpus() -> float:
+    """CPUs a local Ray instance gets by default (Ray's own count: cgroup quotas too)."""
+    try:
+        from ray._private.utils import get_num_cpus
+
+        return float(get_num_cpus())
+    except Exception:  # noqa: BLE001 - a Ray without that helper: count the cores
+        return float(
+            len(os.sched_getaffinity(0))
+            if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1
+        )
+
+
+def make_cluster(cfg: ExperimentConfig, spec: ClusterSpec) -> Cluster:
+    """The launcher ``scheduler.type`` names: local processes or Ray actors."""
+    if cfg.scheduler.type == "ray":
+        from areal_fast.launch.ray_cluster import RayCluster
+
+        return RayCluster(spec, cfg.scheduler)
+    return LocalCluster(spec)
