@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     args.overrides = [*args.overrides, *extra]
     if args.no_progress:
+        # the worker processes inherit it: their model loading and saving draw no bars either
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
         import transformers
 
         transformers.utils.logging.disable_progress_bar()

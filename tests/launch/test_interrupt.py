@@ -92,6 +92,7 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(tiny_model_dir, tmp_path, cap
     out, err = proc.communicate(timeout=180)
     assert proc.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert "Loading weights" not in err, "--no-progress: the workers drew progress bars"
     stopped = [line for line in err.splitlines() if line.startswith("areal-fast: interrupted")]
     assert len(stopped) == 1, err[-3000:]
     status = (run_dir / "INTERRUPTED").read_text().splitlines()
