@@ -104,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.config is None:
+            print(
+                "areal-fast: no --config: the built-in defaults and the key=value items are "
+                "used (`areal-fast config` lists them; examples/ has ready configs)",
+                file=sys.stderr,
+            )
         if args.command == "eval":
             from areal_fast.launch.evaluation import accuracy_line, run_evaluation
 

@@ -324,3 +324,11 @@ def test_failure_while_running_is_one_line(tiny_model_dir, tmp_path, capsys):
     assert "'trainer'" in last and "timeouts.train_step" in last
     assert (tmp_path / "grpo-arith" / "trial0" / "FAILED").exists()
     assert set(Path("/dev/shm").glob("areal_fast-weights-*")) <= before
+
+
+def test_train_without_config_says_it_uses_the_defaults(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert main(["train", f"fileroot={tmp_path}", f"model.path={missing}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("areal-fast: no --config: the built-in defaults")
+    assert str(missing) in err[-1] and not (tmp_path / "grpo-arith").exists()

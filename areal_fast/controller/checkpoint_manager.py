@@ -119,16 +119,18 @@ class CheckpointManager:
                 out.append((int(match.group(1)), path))
         return out
 
-    def latest(self) -> Optional[Checkpoint]:
+    def latest(self, quiet: bool = False) -> Optional[Checkpoint]:
         """The newest complete checkpoint, or None. Each damaged or partial one on the way is
-        skipped with a warning naming it and the reason (also kept in :attr:`skipped`)."""
+        skipped with a warning naming it and the reason (also kept in :attr:`skipped`), unless
+        ``quiet`` (a look that records nothing)."""
         for version, path in sorted(self._step_dirs(), reverse=True):
             try:
                 controller = check_checkpoint(path)
             except ValueError as exc:
-                reason = f"checkpoint {path} ignored: {exc}"
-                log.warning(reason)
-                self.skipped.append(reason)
+                if not quiet:
+                    reason = f"checkpoint {path} ignored: {exc}"
+                    log.warning(reason)
+                    self.skipped.append(reason)
                 continue
             return Checkpoint(path, version, controller)
         return None
@@ -223,6 +225,11 @@ class PendingSaves:
         directory, or None if no save into ``path`` was asked for."""
         if self.saving.pop(path, None) is None:
             return None
+        if version not in self.snapshots:
+            raise RuntimeError(
+                f"the trainer saved policy version {version} into {path} before the "
+                f"controller recorded that step"
+            )
         final = self.manager.commit(Path(path), version, self.snapshots[version])
         log.info("checkpoint of policy version %d written to %s", version, final)
         return final

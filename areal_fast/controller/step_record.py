@@ -39,7 +39,9 @@ STEP_METRICS: dict[str, str] = {
     "behav_logprob_abs_diff": "mean |trainer - engine| log-prob of the trained tokens",
     "behav_weight_mean": "decoupled PPO: mean behaviour importance weight",
     "behav_weight_masked_fraction": "decoupled PPO: fraction of tokens over behav_weight_cap",
-    "kl / entropy_mean / clip_fraction / ratio_mean / approx_kl / num_tokens": "loss statistics of rl.objectives.grpo_loss (means over trained tokens)",
+    "entropy_mean / clip_fraction / ratio_mean / approx_kl": "loss statistics of "
+    "rl.objectives.grpo_loss (means over trained tokens)",
+    "kl": "KL to the reference policy, mean over trained tokens (only with actor.loss.kl_coef > 0)",
     "fetch_wait_seconds": "trainer waiting for the batch's shards after the step began, s",
     # tokens and speed
     "trained_tokens": "completion tokens trained in this step (loss mask, every trainer rank)",

@@ -164,7 +164,10 @@ def load_problems(
         raise ValueError(f"size must be >= 1 or None, got {size}")
     if task == "gsm8k":
         if task_kwargs:
-            raise ValueError(f"task 'gsm8k' takes no task_kwargs, got '{next(iter(task_kwargs))}'")
+            raise ValueError(
+                f"task 'gsm8k' takes no task_kwargs, got '{next(iter(task_kwargs))}' "
+                f"(data.task_kwargs={{}} clears those of the config)"
+            )
         problems = load_gsm8k(path or GSM8K_DEFAULT_SOURCE, split)
         return _subset(problems, size, seed, f"gsm8k/{split}")
     if path is not None:

@@ -21,7 +21,7 @@ import threading
 import time
 from pathlib import Path
 
-from areal_fast.controller.messages import StateSaved
+from areal_fast.controller.messages import StateSaved, StepDone
 from areal_fast.controller.workers import WorkerError, wait_messages
 
 CHECKPOINT_WAIT_SECONDS = 60.0  # longest wait for a checkpoint in progress after Ctrl-C
@@ -89,7 +89,9 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
     ----------
     controller : AsyncController
         Its ``saves.saving`` maps each checkpoint's temporary folder to (version, asked
-        at); a :class:`StateSaved` answer is committed through its message handler.
+        at); :class:`StepDone` and :class:`StateSaved` answers go through its message
+        handler (a save asked for at step v and answered after step v + 1 was trained holds
+        step v + 1, whose controller state the :class:`StepDone` records).
     trainer_ranks : list of WorkerHandle
     timeout : float
         Seconds.
@@ -116,7 +118,9 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
             for handle, message in wait_messages(
                 trainer_ranks, min(left, 1.0), "while finishing a checkpoint"
             ):
-                if isinstance(message, StateSaved):
+                # a step the trainer finished meanwhile is recorded first: a save asked for
+                # before it holds that step's weights and is committed under its version
+                if isinstance(message, (StepDone, StateSaved)):
                     controller.handle([(handle, message)])
     except (KeyboardInterrupt, WorkerError, ValueError, OSError):
         return False

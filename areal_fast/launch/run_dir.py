@@ -1,5 +1,5 @@
-"""The run directory: checks before anything is written (an existing run, resume=true on
-another model), its preparation, and the file that records a failed run."""
+"""The run directory: checks before anything is written (an existing run, resume=true with
+another model, problems or held-out set, or with no step left), its preparation, and the file that records a failed run."""
 
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
             raise ConfigError(
                 f"resume=true: {run_dir} is not an areal-fast run directory (no config.yaml)"
             )
-        _check_same_model(cfg, run_dir / "config.yaml")
+        _check_same_inputs(cfg, run_dir / "config.yaml")
+        _check_steps_left(cfg, run_dir)
         return
     if not run_dir.exists():
         return
@@ -48,24 +49,56 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
         )
 
 
-def _check_same_model(cfg: ExperimentConfig, saved_path: Path) -> None:
-    """A resumed run must train the model its checkpoints hold.
+def _check_same_inputs(cfg: ExperimentConfig, saved_path: Path) -> None:
+    """A resumed run must train the model its checkpoints hold, on the same problems, and be
+    evaluated on the same held-out set (its before → after comparison spans the resume).
 
     Raises
     ------
     ConfigError
-        Naming the first ``model.*`` key that differs from the run's ``config.yaml``.
+        Naming the first ``model.*``, ``data.*`` or ``eval.max_new_tokens`` key that differs
+        from the run's ``config.yaml``.
     """
     from omegaconf import OmegaConf
 
-    saved = OmegaConf.to_container(OmegaConf.load(saved_path)).get("model", {})
-    now = OmegaConf.to_container(OmegaConf.structured(cfg.model))
-    for key, value in now.items():
-        if saved.get(key, value) != value:
-            raise ConfigError(
-                f"resume=true: model.{key} = {value!r} differs from the run's "
-                f"{saved_path} ({saved[key]!r})"
-            )
+    saved_all = OmegaConf.to_container(OmegaConf.load(saved_path))
+    for section in ("model", "data", "eval"):
+        saved = saved_all.get(section, {})
+        now = OmegaConf.to_container(OmegaConf.structured(getattr(cfg, section)))
+        for key, value in now.items():
+            if section == "eval" and key != "max_new_tokens":  # eval.before / after may change
+                continue
+            if saved.get(key, value) != value:
+                raise ConfigError(
+                    f"resume=true: {section}.{key} = {value!r} differs from the run's "
+                    f"{saved_path} ({saved[key]!r}); a resumed run keeps its model, "
+                    f"problems and held-out set"
+                )
+
+
+def _check_steps_left(cfg: ExperimentConfig, run_dir: Path) -> None:
+    """Refuse to resume a finished run (``summary.json``) whose newest complete checkpoint
+    already has ``total_steps`` (a run that stopped after its last checkpoint but before its
+    summary resumes: its final evaluation and model are still to come).
+
+    Raises
+    ------
+    ConfigError
+        Naming the checkpoint and ``total_steps``.
+    """
+    from areal_fast.controller.checkpoint_manager import CheckpointManager
+
+    if not (run_dir / "summary.json").is_file():
+        return
+    latest = CheckpointManager(run_dir / "checkpoints", cfg.checkpoint.every_steps).latest(
+        quiet=True
+    )
+    if latest is not None and latest.version >= cfg.total_steps:
+        raise ConfigError(
+            f"resume=true: {run_dir} finished and has trained {latest.version} steps "
+            f"({latest.path.name}), total_steps = {cfg.total_steps}: nothing to resume; "
+            f"raise total_steps to train further, or start another trial_name"
+        )
 
 
 def prepare_run_dir(cfg: ExperimentConfig) -> Path:

@@ -225,6 +225,25 @@ def test_resume_from_middle_checkpoint_equals_uninterrupted(tiny_model_dir, tmp_
     assert _losses(run_dir) == reference[1]  # bit-identical on CPU
 
 
+def test_resume_refuses_a_finished_run_or_changed_inputs(
+    tiny_model_dir, tmp_path, reference, capsys
+):
+    """A finished run has nothing to resume; a resume with other problems or another held-out
+    set would compare before/after accuracies of different sets. Both fail at once (exit 2)
+    and change nothing in the run directory."""
+    import shutil
+
+    run_dir = tmp_path / "grpo-arith" / "ref"
+    shutil.copytree(reference[0], run_dir)
+    before = sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir())
+    assert main(_args(tiny_model_dir, tmp_path, "ref", "resume=true")) == 2
+    err = capsys.readouterr().err
+    assert "finished and has trained 6 steps (step-00000006)" in err and "total_steps = 6" in err
+    assert main(_args(tiny_model_dir, tmp_path, "ref", "resume=true", "data.eval_size=3")) == 2
+    assert "resume=true: data.eval_size = 3 differs from the run's" in capsys.readouterr().err
+    assert sorted((p.name, p.stat().st_mtime_ns) for p in run_dir.iterdir()) == before
+
+
 def test_resume_needs_a_run_dir(tiny_model_dir, tmp_path, capsys):
     assert main(_args(tiny_model_dir, tmp_path, "none", "resume=true")) == 2
     err = capsys.readouterr().err
@@ -311,6 +330,7 @@ def test_checkpoint_damaged_in_place_is_marked_and_skipped(tiny_model_dir, tmp_p
 
     run_dir = tmp_path / "grpo-arith" / "ref"
     shutil.copytree(reference[0], run_dir)
+    (run_dir / "summary.json").unlink()  # it stopped after its last checkpoint
     newest = run_dir / "checkpoints" / "step-00000006"
     model = newest / "model.safetensors"
     model.write_bytes(b"\xff" * model.stat().st_size)

@@ -222,3 +222,38 @@ def test_eta_leaves_out_the_first_steps_warm_up(monkeypatch):
     assert capped.remaining(now[0]) == pytest.approx(150.0 - 110.0)
     bar.close()
     capped.close()
+
+
+def test_finishing_a_checkpoint_records_a_step_trained_meanwhile(tmp_path, monkeypatch):
+    """The trainer trains step 6 (sent ahead) before it answers the save asked at step 5:
+    its answer says version 6, so the StepDone of step 6 must be recorded before the save is
+    committed (as the controller's loop does), and the checkpoint is step-6."""
+    from areal_fast.controller import messages as msg
+    from areal_fast.controller.checkpoint_manager import PendingSaves
+    from areal_fast.launch import interrupt
+    from areal_fast.train.checkpoint import FORMAT, STATE_FILE
+
+    saves = PendingSaves(CheckpointManager(tmp_path / "checkpoints", every_steps=5))
+    tmp5 = saves.after_step(5, {"version": 5, "counts": {}})
+    assert tmp5 is not None
+
+    class Controller:  # the two messages' handling, as AsyncController does it
+        def __init__(self):
+            self.saves, self.handled = saves, []
+
+        def handle(self, messages):
+            for _, message in messages:
+                self.handled.append(type(message).__name__)
+                if isinstance(message, msg.StepDone):
+                    self.saves.after_step(message.version, {"version": message.version})
+                else:
+                    assert self.saves.commit(message.path, message.version) is not None
+
+    state = {"format": FORMAT, "version": 6, "world_size": 1, "scheduler": {}, "files": {}}
+    (Path(tmp5) / STATE_FILE).write_text(json.dumps(state))
+    replies = [[("trainer", msg.StepDone(6, {}))], [("trainer", msg.StateSaved(tmp5, 6))]]
+    monkeypatch.setattr(interrupt, "wait_messages", lambda *a: replies.pop(0) if replies else [])
+    controller = Controller()
+    assert interrupt.finish_checkpoints(controller, [], timeout=5.0, say=lambda line: None)
+    assert controller.handled == ["StepDone", "StateSaved"]
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000006"]
