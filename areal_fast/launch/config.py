@@ -324,11 +324,11 @@ def _mapping_keys() -> frozenset[str]:
 @functools.lru_cache(maxsize=1)
 def _known_keys() -> tuple[str, ...]:
     """Every dotted key and section name of :class:`ExperimentConfig`."""
-    from areal_fast.launch.config_reference import sections
+    from areal_fast.launch.config_reference import TOP_LEVEL, sections
 
     found = []
     for section in sections(strict=False):
-        if section.name != "top level":
+        if section.name != TOP_LEVEL:
             found.append(section.name)
         found += [k.key for k in section.keys]
     return tuple(found)

@@ -25,7 +25,8 @@ from areal_fast.controller.requests import ChatPrompts, eval_requests
 from areal_fast.controller.workers import WorkerError, WorkerHandle, wait_messages
 from areal_fast.launch.cluster import ClusterSpec
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
-from areal_fast.launch.inputs import load_eval_set
+from areal_fast.launch.inputs import check_positions, load_eval_set
+from areal_fast.launch.run_dir import write_eval_records
 from areal_fast.launch.worker_specs import check_resources, cluster_spec, make_cluster
 from areal_fast.models.loading import load_model_config, load_tokenizer
 
@@ -75,23 +76,6 @@ def check_eval_dir(path: Path, overwrite: bool) -> None:
         raise ConfigError(
             f"overwrite=true refuses to write into {path}: it holds no earlier "
             f"evaluation ({EVAL_FILE})"
-        )
-
-
-def check_positions(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_positions) -> None:
-    """The longest prompt plus ``eval.max_new_tokens`` must fit the model's positions.
-
-    Raises
-    ------
-    ValueError
-        Naming ``eval.max_new_tokens``, the longest prompt and the model's positions.
-    """
-    longest = max(len(prompts(p)) for p in problems)
-    if max_positions and longest + cfg.eval.max_new_tokens > max_positions:
-        raise ValueError(
-            f"eval.max_new_tokens = {cfg.eval.max_new_tokens}: with the longest "
-            f"prompt ({longest} tokens) this exceeds the model's {max_positions} "
-            f"positions"
         )
 
 
@@ -173,9 +157,9 @@ def run_evaluation(cfg: ExperimentConfig, out: str | None = None) -> dict:
     tokenizer = load_tokenizer(cfg.model.path)
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)
     check_positions(
-        cfg,
-        prompts,
-        problems,
+        "eval.max_new_tokens",
+        cfg.eval.max_new_tokens,
+        max(len(prompts(p)) for p in problems),
         getattr(load_model_config(cfg.model.path), "max_position_embeddings", None),
     )
     requests = eval_requests(problems, prompts, cfg.eval.max_new_tokens)
@@ -204,10 +188,7 @@ def run_evaluation(cfg: ExperimentConfig, out: str | None = None) -> dict:
         records = evaluate_on(cluster.rollout_workers, requests, cfg.launcher.timeouts.evaluate)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(to_yaml(cfg))
-    with (path / EVAL_FILE).open("w") as fh:
-        for record in records:
-            fh.write(json.dumps(record) + "\n")
-    correct = sum(bool(r["correct"]) for r in records)
+    correct = write_eval_records(path / EVAL_FILE, records)
     summary = {
         "accuracy": correct / max(len(records), 1),
         "correct": correct,

@@ -40,6 +40,7 @@ from areal_fast.launch.run_dir import (
     check_trajectory_dir,
     mark_failed,
     prepare_run_dir,
+    write_eval_records,
 )
 from areal_fast.launch.worker_specs import (
     check_resources,
@@ -471,10 +472,6 @@ def _evaluate(
     console.say(console.eval_started(when, len(requests), len(controller.workers), max_new_tokens))
     t0 = time.perf_counter()
     records = controller.evaluate(requests)
-    with path.open("w") as fh:
-        for record in records:
-            fh.write(json.dumps(record) + "\n")
-    console.say(
-        console.eval_finished(when, _correct(records), len(records), time.perf_counter() - t0)
-    )
+    correct = write_eval_records(path, records)
+    console.say(console.eval_finished(when, correct, len(records), time.perf_counter() - t0))
     return _accuracy(records)

@@ -84,12 +84,9 @@ def check_lengths(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_pos
     """
     longest_prompt = max(len(prompts(p)) for p in problems)
     new_tokens = max(cfg.rollout.max_new_tokens, cfg.eval.max_new_tokens)
-    if max_positions and longest_prompt + new_tokens > max_positions:
-        raise ValueError(
-            f"rollout.max_new_tokens / eval.max_new_tokens = {new_tokens}: with "
-            f"the longest prompt ({longest_prompt} tokens) this exceeds the "
-            f"model's {max_positions} positions"
-        )
+    check_positions(
+        "rollout.max_new_tokens / eval.max_new_tokens", new_tokens, longest_prompt, max_positions
+    )
     sequence = (
         f"longest prompt {longest_prompt} + rollout.max_new_tokens {cfg.rollout.max_new_tokens}"
     )
@@ -103,4 +100,20 @@ def check_lengths(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_pos
             f"actor.max_tokens_per_mb = {cfg.actor.max_tokens_per_mb} is smaller "
             f"than {what} can be: {sequence} = {need} tokens; set "
             f"actor.max_tokens_per_mb >= {need}"
+        )
+
+
+def check_positions(key: str, new_tokens: int, longest_prompt: int, max_positions) -> None:
+    """The longest prompt plus ``new_tokens`` (the value of ``key``) must fit the model's
+    ``max_positions`` (None or 0: no limit known).
+
+    Raises
+    ------
+    ValueError
+        Naming ``key``, the longest prompt and the model's positions.
+    """
+    if max_positions and longest_prompt + new_tokens > max_positions:
+        raise ValueError(
+            f"{key} = {new_tokens}: with the longest prompt ({longest_prompt} tokens) this "
+            f"exceeds the model's {max_positions} positions"
         )

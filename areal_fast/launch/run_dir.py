@@ -3,6 +3,7 @@ another model, problems or held-out set, or with no step left), its preparation,
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -150,3 +151,12 @@ def mark_failed(run_dir: Path, exc: BaseException) -> None:
     (run_dir / "FAILED").write_text(
         f"{type(exc).__name__}: {first}\n" if first else f"{type(exc).__name__}\n"
     )
+
+
+def write_eval_records(path: Path, records: list[dict]) -> int:
+    """Write held-out evaluation ``records`` (uid, answer, completion, correct, reward) to
+    ``path`` as JSON lines; returns how many are correct."""
+    with path.open("w") as fh:
+        for record in records:
+            fh.write(json.dumps(record) + "\n")
+    return sum(bool(r["correct"]) for r in records)
