@@ -82,7 +82,8 @@ def _wait_for(predicate, proc: subprocess.Popen, timeout: float = 240.0) -> None
 
 def _steps_done(run_dir: Path) -> int:
     path = run_dir / "metrics.jsonl"
-    return len(path.read_text().splitlines()) if path.is_file() else 0
+    # only whole lines: the run may be writing the next one right now
+    return path.read_text().count("\n") if path.is_file() else 0
 
 
 def _kill(run_dir: Path, worker: str) -> int:

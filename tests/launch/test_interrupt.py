@@ -61,7 +61,9 @@ def _steps(run_dir: Path) -> list[int]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line)["step"] for line in path.read_text().splitlines() if line]
+    # only whole lines: the run may be writing the next one right now
+    complete = path.read_text().split("\n")[:-1]
+    return [json.loads(line)["step"] for line in complete if line]
 
 
 def _saving(run_dir: Path, step: int) -> bool:
