@@ -52,6 +52,7 @@ import torch
 
 from areal_fast.sync.buckets import WIRE_DTYPES as CASTABLE
 from areal_fast.sync.receiver import WeightReceiver
+from areal_fast.sync.shared_memory import SharedWeightBuffer, WeightBufferSpec, WeightEntry
 from areal_fast.sync.transports import (
     TorchDistTransport,
     WeightSyncError,
@@ -71,6 +72,8 @@ __all__ = [
     "check_update_plan",
     "expected_weights_from_checkpoint",
     "expected_weights_from_parameters",
+    "buffer_spec_from_dict",
+    "buffer_spec_to_dict",
     "register_vllm_backend",
     "vllm_llm_kwargs",
 ]
@@ -148,14 +151,23 @@ class AReaLFastUpdateInfo:
     ----------
     expected_version : int, optional
         Refuse (leaving the model untouched) an update whose header carries another version.
+        With ``shared_buffer``: the version of the buffer's weights (required).
     timeout : float, optional
         Override of the init timeout for this update's steps.
+    shared_buffer : dict, optional
+        Read the update from a trainer's shared-memory slot on this machine instead of the
+        sync group (no group needed): a :class:`~areal_fast.sync.shared_memory.WeightBufferSpec`
+        as plain data (:func:`buffer_spec_to_dict`). The worker maps the file and loads from it
+        in place; the accept check and the failure rules are those of a streamed update.
     """
 
     expected_version: Optional[int] = None
     timeout: Optional[float] = None
+    shared_buffer: Optional[dict] = None
 
     def __post_init__(self) -> None:
+        if self.shared_buffer is not None and self.expected_version is None:
+            raise ValueError("update_info.shared_buffer needs update_info.expected_version")
         if self.timeout is not None and not (
             isinstance(self.timeout, (int, float)) and 0 < self.timeout < float("inf")
         ):
@@ -163,6 +175,33 @@ class AReaLFastUpdateInfo:
                 f"update_info.timeout = {self.timeout!r} must be a positive, "
                 f"finite number of seconds"
             )
+
+
+def buffer_spec_to_dict(spec: WeightBufferSpec) -> dict[str, Any]:
+    """A :class:`WeightBufferSpec` as JSON-able plain data (``update_info.shared_buffer``)."""
+    return {
+        "path": spec.path,
+        "total_bytes": int(spec.total_bytes),
+        "entries": [[e.name, list(e.shape), e.dtype, e.offset, e.nbytes] for e in spec.entries],
+    }
+
+
+def buffer_spec_from_dict(data: dict[str, Any]) -> WeightBufferSpec:
+    """Inverse of :func:`buffer_spec_to_dict`.
+
+    Raises
+    ------
+    ValueError
+        A missing key or a malformed entry (names it).
+    """
+    try:
+        entries = tuple(
+            WeightEntry(str(n), tuple(int(x) for x in shape), str(dt), int(off), int(nb))
+            for n, shape, dt, off, nb in data["entries"]
+        )
+        return WeightBufferSpec(str(data["path"]), int(data["total_bytes"]), entries)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"update_info.shared_buffer is malformed: {exc!r}") from None
 
 
 # --------------------------------------------------------------------------- accept check
@@ -443,6 +482,7 @@ class _ReceiverEngineImpl:
         self.weight_version: Optional[int] = None
         self.failure = ""
         self.last: dict[str, Any] = {}
+        self._buffers: dict[str, SharedWeightBuffer] = {}  # mapped trainer slots, by path
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -495,12 +535,9 @@ class _ReceiverEngineImpl:
         )
 
     def start_weight_update(self) -> None:
-        """No-op: the layerwise reload starts inside :meth:`receive_weights`, after the accept
-        round, so a rejected or timed-out update never touches the model."""
-        if self._receiver is None:
-            raise RuntimeError(
-                "areal_fast weight sync is not connected: call init_weight_transfer_engine first"
-            )
+        """No-op: the layerwise reload starts inside :meth:`receive_weights` (or
+        :meth:`receive_shared`), after the accept check, so a rejected or timed-out update
+        never touches the model. A streamed update without a sync group fails there."""
 
     def finish_weight_update(self) -> None:
         """No-op: :meth:`receive_weights` finalises the reload itself (also on failure)."""
@@ -512,7 +549,10 @@ class _ReceiverEngineImpl:
         build ("Cannot access accelerator device when none is available").
         """
         typed = self.parse_update_info(update_info)  # type: ignore[attr-defined]
-        self.receive_weights(typed)
+        if typed.shared_buffer is not None:
+            self.receive_shared(typed)
+        else:
+            self.receive_weights(typed)
         if torch.device(self.device).type == "cuda":  # type: ignore[attr-defined]
             torch.cuda.synchronize(self.device)  # type: ignore[attr-defined]
 
@@ -653,6 +693,59 @@ class _ReceiverEngineImpl:
             self.shutdown()
         self.weight_version, self.failure = session.version, ""
         self._record("installed", session.version, "", start, count[0])
+
+    def receive_shared(self, update_info: AReaLFastUpdateInfo) -> None:
+        """Load one complete update from a trainer's shared-memory slot, in place.
+
+        Steps: map the slot (cached by path: the trainer alternates two) → accept check of
+        its layout (:func:`check_update_plan`; nothing changes if it fails) → the layerwise
+        reload from views of the mapped file (the only copy is into vLLM's parameters) →
+        check that every parameter was loaded.
+
+        Raises
+        ------
+        WeightSyncError
+            Rejected, or the slot is gone (the model is untouched; ``failure`` unchanged), or
+            the load failed part-way (``failure`` set: some layers hold new weights).
+        """
+        assert update_info.shared_buffer is not None and update_info.expected_version is not None
+        version = int(update_info.expected_version)
+        start = time.perf_counter()
+        try:
+            spec = buffer_spec_from_dict(update_info.shared_buffer)
+            specs = [(e.name, e.shape, e.dtype) for e in spec.entries]
+            verdict = check_update_plan(specs, self.expected_weights())
+            if verdict:
+                raise WeightSyncError(verdict)
+            buffer = self._buffers.get(spec.path)
+            if buffer is None or buffer.spec != spec:
+                buffer = self._buffers[spec.path] = SharedWeightBuffer.attach(spec)
+                for path in list(self._buffers)[:-2]:  # keep the two newest slots mapped
+                    self._buffers.pop(path).close()
+        except (WeightSyncError, ValueError, OSError) as exc:
+            message = str(exc)
+            self._record("rejected", version, message, start, 0)
+            raise WeightSyncError(f"weight update rejected, nothing changed: {message}") from None
+        count = [0]
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in buffer.named_tensors():
+                count[0] += 1
+                yield name, tensor
+
+        try:
+            missing = self._unloaded(self._load(counted()))
+            if missing:
+                raise WeightSyncError(
+                    f"vLLM did not load {len(missing)} parameters, first {missing[0]!r}"
+                )
+        except BaseException as exc:
+            message = f"{type(exc).__name__}: {exc}"
+            self.failure = f"update to v{version} failed after weights started to load ({message})"
+            self._record("failed", version, message, start, count[0])
+            raise WeightSyncError(self.failure) from exc
+        self.weight_version, self.failure = version, ""
+        self._record("installed", version, "", start, count[0])
 
     def _load(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Optional[set]:
         """``model_runner.reload_weights(weights_iterator=...)`` semantics (vLLM 0.32

