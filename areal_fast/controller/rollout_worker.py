@@ -49,7 +49,8 @@ class RolloutWorkerSpec:
     Attributes
     ----------
     engine_factory : callable () -> (engine, decode)
-        Builds the :class:`AsyncInferenceEngine` and a ``decode(token_ids) -> str``.
+        Builds the :class:`AsyncInferenceEngine` and a ``decode(token_ids) -> str``. A
+        factory with a ``for_worker(name)`` method is first specialised to the worker.
     reward_fn : callable (completion_text, answer) -> float
         Module-level function (pickled by reference).
     threads : int, optional
@@ -99,7 +100,8 @@ class RolloutWorker:
 
     def __init__(self, name: str, conn, spec: RolloutWorkerSpec, authkey: bytes):
         self.name, self.conn, self.spec = name, conn, spec
-        self.engine, self.decode = spec.engine_factory()
+        factory = getattr(spec.engine_factory, "for_worker", lambda _: spec.engine_factory)
+        self.engine, self.decode = factory(name)()  # for_worker: e.g. a server URL each
         spool = str(Path(spec.spool_dir) / name) if spec.spool_dir else None
         self.store = ShardStore(authkey, spec.host, spool)
         self.inbox: queue.Queue = queue.Queue()
@@ -256,10 +258,13 @@ class RolloutWorker:
     def _update_weights(self, message: msg.UpdateWeights) -> None:
         start = time.perf_counter()
         spec = message.buffer
-        if spec.path not in self.buffers:
-            self.buffers[spec.path] = SharedWeightBuffer.attach(spec)
-        self.engine.pause(PAUSE_TIMEOUT_S)
-        self.engine.update_weights(self.buffers[spec.path].named_tensors(), message.version)
+        self.engine.pause(PAUSE_TIMEOUT_S)  # in the engine's pause mode (rollout.pause_mode)
+        if hasattr(self.engine, "update_weights_from_buffer"):  # it maps the slot itself
+            self.engine.update_weights_from_buffer(spec, message.version)
+        else:
+            if spec.path not in self.buffers:
+                self.buffers[spec.path] = SharedWeightBuffer.attach(spec)
+            self.engine.update_weights(self.buffers[spec.path].named_tensors(), message.version)
         self.engine.resume()
         self.conn.send(msg.WeightsUpdated(message.version, time.perf_counter() - start))
 
@@ -324,7 +329,7 @@ class RolloutWorker:
                 rewards,
                 [len(s.tokens) for s in group.samples],
                 [s.stop_reason for s in group.samples],
-                sum(s.interruptions for s in group.samples),
+                sum(max(s.interruptions, _seams(s.versions)) for s in group.samples),
             )
         )
 
@@ -371,7 +376,7 @@ class RolloutWorker:
             self.eval_records = None
 
     def _cancel_all(self) -> int:
-        self.engine.pause(PAUSE_TIMEOUT_S)
+        self.engine.pause(PAUSE_TIMEOUT_S, keep=False)  # running samples come back aborted
         cancelled = len(self.agent_groups)  # whatever the agent loop has finished meanwhile
         self.agent_groups.clear()
         if self.agent is not None:
@@ -382,6 +387,11 @@ class RolloutWorker:
         self.running = {rid: s for rid, s in self.running.items() if s.group_id in self.groups}
         self.engine.resume()
         return cancelled
+
+
+def _seams(versions: list[int]) -> int:
+    """Weight updates a sample's tokens span (a kept pause's seam is not an abort)."""
+    return sum(a != b for a, b in zip(versions, versions[1:]))
 
 
 def rollout_worker_main(conn, name: str, spec: RolloutWorkerSpec, authkey: bytes) -> None:

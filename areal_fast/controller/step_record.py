@@ -26,7 +26,7 @@ STEP_METRICS: dict[str, str] = {
     "response_length_mean": "mean completion length of the batch's samples, tokens",
     "response_length_max": "longest completion of the batch, tokens",
     "truncated_fraction": "fraction of samples stopped by rollout.max_new_tokens",
-    "sample_interruptions": "weight updates that paused the batch's samples mid-generation",
+    "sample_interruptions": "weight updates that reached the batch's samples mid-generation (aborted and resumed, or a kept pause's version seam)",
     # the trainer (TorchTrainEngine.train_step and the trainer worker)
     "loss": "policy loss, mean over the step's minibatches",
     "grad_norm": "global gradient norm before clipping, mean over the minibatches",

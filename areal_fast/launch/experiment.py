@@ -43,6 +43,7 @@ from areal_fast.launch.run_dir import (
     write_eval_records,
 )
 from areal_fast.launch.worker_specs import (
+    check_engine,
     check_resources,
     cluster_spec,
     make_cluster,
@@ -113,6 +114,7 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
     check_run_dir(cfg)  # raises the one-line error before any slow work
+    check_engine(cfg)
     check_resources(cfg)
     if cfg.agent.path:
         from areal_fast.agent.runner import load_agent

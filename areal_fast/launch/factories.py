@@ -46,6 +46,90 @@ class HFEngineFactory:
 
 
 @dataclass
+class ServingEngineFactory:
+    """Builds the engine ``rollout.engine`` names other than hf: vLLM's ``AsyncLLM`` in the
+    worker (``vllm``), a ``vllm serve`` it starts or joins (``vllm_server``), or an SGLang
+    server (``sglang_server``); and the tokenizer's decode function.
+
+    Attributes
+    ----------
+    model : ModelConfig
+        ``path`` and ``dtype`` (``rollout.vllm.dtype = auto`` takes the model's).
+    rollout : RolloutConfig
+        ``engine``, ``pause_mode``, ``max_batch_size`` (requests inside the engine at most),
+        ``server_url`` and the ``vllm.*`` settings.
+    threads : int, optional
+        CPU threads of a vLLM engine that this worker starts.
+    worker_index : int
+        Which ``rollout.server_url`` this worker uses (set per worker by
+        :meth:`for_worker`).
+    """
+
+    model: ModelConfig
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    threads: Optional[int] = None
+    worker_index: int = 0
+
+    def for_worker(self, name: str) -> "ServingEngineFactory":
+        """This factory for rollout worker ``name`` (``rollout-<index>``)."""
+        from dataclasses import replace
+
+        return replace(self, worker_index=int(name.rsplit("-", 1)[-1]))
+
+    def __call__(self):
+        from areal_fast.models.loading import load_tokenizer, resolve_model_path
+
+        r, v = self.rollout, self.rollout.vllm
+        tokenizer = load_tokenizer(self.model.path)
+        url = r.server_url[self.worker_index] if r.server_url else None
+        if r.engine == "sglang_server":
+            from areal_fast.rollout.sglang_server import SGLangServerEngine
+
+            engine = SGLangServerEngine(
+                url, max_running=r.max_batch_size, pause_mode=r.pause_mode,
+                call_timeout=v.call_timeout,
+            )  # fmt: skip
+        else:
+            kwargs = dict(
+                max_running=r.max_batch_size,
+                pause_mode=r.pause_mode,
+                dtype=self.model.dtype if v.dtype == "auto" else v.dtype,
+                max_model_len=v.max_model_len,
+                kv_cache_gib=v.kv_cache_gib,
+                gpu_memory_utilization=v.gpu_memory_utilization,
+                enforce_eager=v.enforce_eager,
+                enable_prefix_caching=v.enable_prefix_caching,
+                seed=v.seed,
+                threads=self.threads,
+                call_timeout=v.call_timeout,
+            )
+            path = resolve_model_path(self.model.path)
+            if r.engine == "vllm":
+                from areal_fast.rollout.vllm_async import AsyncVLLMEngine
+
+                engine = AsyncVLLMEngine(path, startup_timeout=v.startup_timeout, **kwargs)
+            else:
+                from areal_fast.rollout.vllm_server import VLLMServerEngine
+
+                engine = VLLMServerEngine(
+                    path, server_url=url, startup_timeout=v.startup_timeout, **kwargs
+                )
+
+        def decode(token_ids: list[int]) -> str:
+            return tokenizer.decode(token_ids, skip_special_tokens=True)
+
+        return engine, decode
+
+
+def engine_factory(model: ModelConfig, rollout: RolloutConfig, threads: Optional[int] = None):
+    """The factory of ``rollout.engine``: :class:`HFEngineFactory` or
+    :class:`ServingEngineFactory`."""
+    if rollout.engine == "hf":
+        return HFEngineFactory(model, rollout)
+    return ServingEngineFactory(model, rollout, threads)
+
+
+@dataclass
 class TorchTrainerFactory:
     """Builds a :class:`~areal_fast.train.torch_engine.TorchTrainEngine` (and its frozen
     reference model when ``actor.loss.kl_coef > 0``); with ``world_size > 1`` it joins the

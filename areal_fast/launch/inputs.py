@@ -87,6 +87,14 @@ def check_lengths(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_pos
     check_positions(
         "rollout.max_new_tokens / eval.max_new_tokens", new_tokens, longest_prompt, max_positions
     )
+    if cfg.rollout.engine in ("vllm", "vllm_server") and cfg.rollout.vllm.max_model_len:
+        check_positions(
+            "rollout.max_new_tokens / eval.max_new_tokens",
+            new_tokens,
+            longest_prompt,
+            cfg.rollout.vllm.max_model_len,
+            "rollout.vllm.max_model_len =",
+        )
     sequence = (
         f"longest prompt {longest_prompt} + rollout.max_new_tokens {cfg.rollout.max_new_tokens}"
     )
@@ -103,9 +111,11 @@ def check_lengths(cfg: ExperimentConfig, prompts: ChatPrompts, problems, max_pos
         )
 
 
-def check_positions(key: str, new_tokens: int, longest_prompt: int, max_positions) -> None:
+def check_positions(
+    key: str, new_tokens: int, longest_prompt: int, max_positions, limit: str = "the model's"
+) -> None:
     """The longest prompt plus ``new_tokens`` (the value of ``key``) must fit the model's
-    ``max_positions`` (None or 0: no limit known).
+    ``max_positions`` (None or 0: no limit known); ``limit`` names what sets them.
 
     Raises
     ------
@@ -115,5 +125,5 @@ def check_positions(key: str, new_tokens: int, longest_prompt: int, max_position
     if max_positions and longest_prompt + new_tokens > max_positions:
         raise ValueError(
             f"{key} = {new_tokens}: with the longest prompt ({longest_prompt} tokens) this "
-            f"exceeds the model's {max_positions} positions"
+            f"exceeds {limit} {max_positions} positions"
         )

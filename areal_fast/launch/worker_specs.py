@@ -12,7 +12,7 @@ from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.data.rewards import math_reward
 from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster
 from areal_fast.launch.config import ConfigError, ExperimentConfig
-from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
+from areal_fast.launch.factories import TorchTrainerFactory, engine_factory
 
 
 def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
@@ -44,14 +44,15 @@ def agent_spec(cfg: ExperimentConfig):
 
 
 def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
-    """Worker specs of one experiment: HF engines, the torch trainer (its ranks), math
-    rewards (or the configured agent); ``resume_from`` is a checkpoint to load.
+    """Worker specs of one experiment: the engines of ``rollout.engine``, the torch trainer
+    (its ranks), math rewards (or the configured agent); ``resume_from`` is a checkpoint to
+    load.
 
     The specs carry the config's own sections (``cfg.model``, ``cfg.rollout``, ``cfg.actor``,
     ``cfg.scheduler``, ``cfg.launcher``), so every worker uses the values set there.
     """
     trainer_threads, rollout_threads = worker_threads(cfg)
-    engine = HFEngineFactory(cfg.model, cfg.rollout)
+    engine = engine_factory(cfg.model, cfg.rollout, rollout_threads)
     trainer = TorchTrainerFactory(
         cfg.model, cfg.actor, cfg.rollout, seed=cfg.seed, total_steps=cfg.total_steps
     )
@@ -68,6 +69,23 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
         launcher=cfg.launcher,
         workers_file=str(cfg.run_dir / "workers.json"),
     )
+
+
+def check_engine(cfg: ExperimentConfig) -> None:
+    """Fail before anything is written when ``rollout.engine`` needs a package that is not
+    installed (vLLM for vllm / vllm_server).
+
+    Raises
+    ------
+    ConfigError
+        Naming the key and what to install.
+    """
+    import importlib.util
+
+    if cfg.rollout.engine in ("vllm", "vllm_server") and importlib.util.find_spec("vllm") is None:
+        from areal_fast.rollout.vllm_async import VLLM_MISSING
+
+        raise ConfigError(VLLM_MISSING.format(engine=cfg.rollout.engine))
 
 
 def check_resources(cfg: ExperimentConfig) -> None:

@@ -2,10 +2,45 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import List, Optional
 
 from areal_fast._checks import at_least, positive_finite
+
+ENGINES = ("hf", "vllm", "vllm_server", "sglang_server")
+PAUSE_MODES = ("abort", "keep")
+VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass
+class VLLMConfig:
+    """vLLM engine settings (``rollout.vllm.*``), for ``rollout.engine`` vllm and vllm_server."""
+
+    # weights and activations; auto: model.dtype
+    dtype: str = "auto"
+    # prompt + completion tokens a sequence may reach; None: the model's positions
+    max_model_len: Optional[int] = None
+    kv_cache_gib: float = 1.0  # CPU: KV-cache size in GiB (whole GiB, >= 1)
+    gpu_memory_utilization: float = 0.5  # GPU: fraction of its memory for weights + KV cache
+    enforce_eager: bool = True  # no CUDA graphs / torch.compile (fast start, slower decode)
+    enable_prefix_caching: bool = True  # a group's shared prompt is computed once
+    seed: int = 0  # engine seed (every sample has its own seed as well)
+    startup_timeout: float = 600.0  # seconds vLLM (or its server) may take to start
+    call_timeout: float = 600.0  # seconds a pause, resume or weight update may take
+
+    def __post_init__(self):
+        if self.dtype not in VLLM_DTYPES:
+            raise ValueError(f"dtype = {self.dtype!r}: expected one of {', '.join(VLLM_DTYPES)}")
+        if self.max_model_len is not None:
+            at_least("max_model_len", self.max_model_len, 2)
+        if not (self.kv_cache_gib >= 1 and self.kv_cache_gib < float("inf")):
+            raise ValueError(f"kv_cache_gib = {self.kv_cache_gib} must be >= 1 (GiB)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization = {self.gpu_memory_utilization} must be in (0, 1]"
+            )
+        positive_finite("startup_timeout", self.startup_timeout)
+        positive_finite("call_timeout", self.call_timeout)
 
 
 @dataclass
@@ -31,6 +66,18 @@ class RolloutConfig:
     # token's staleness ≤ η; slow groups are long ones, so it shortens trained completions)
     drop_stale: bool = True
     num_workers: int = 1  # rollout worker processes (one engine each)
+    # inference engine of every rollout worker: hf (embedded transformers, static batches),
+    # vllm (vLLM's AsyncLLM in the worker), vllm_server (a `vllm serve` per worker, started
+    # by it or at server_url), sglang_server (an SGLang server per worker at server_url)
+    engine: str = "hf"
+    # on a weight update: abort (running samples come back partial and are resubmitted,
+    # their KV recomputed) or keep (vllm*, sglang_server: frozen in the engine, decoding
+    # continues under the new weights; tokens before the seam keep old-weight KV)
+    pause_mode: str = "abort"
+    # vllm_server / sglang_server: one URL per rollout worker (e.g. [http://127.0.0.1:8000]);
+    # empty: vllm_server starts a server per worker (127.0.0.1, a free port, a random key)
+    server_url: List[str] = field(default_factory=list)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self):
         at_least("group_size", self.group_size, 2, "(GRPO compares samples of a prompt)")
@@ -43,3 +90,25 @@ class RolloutConfig:
         if self.max_concurrent_rollouts is not None:
             at_least("max_concurrent_rollouts", self.max_concurrent_rollouts, 1)
         at_least("num_workers", self.num_workers, 1)
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine = {self.engine!r}: expected one of {', '.join(ENGINES)}")
+        if self.pause_mode not in PAUSE_MODES:
+            raise ValueError(
+                f"pause_mode = {self.pause_mode!r}: expected one of {', '.join(PAUSE_MODES)}"
+            )
+        if self.pause_mode == "keep" and self.engine == "hf":
+            raise ValueError(
+                "pause_mode = 'keep' needs an engine with an in-place pause "
+                "(rollout.engine=vllm, vllm_server or sglang_server); hf aborts"
+            )
+        if self.server_url and self.engine not in ("vllm_server", "sglang_server"):
+            raise ValueError(
+                f"server_url is for engine vllm_server or sglang_server, not {self.engine!r}"
+            )
+        if self.engine == "sglang_server" and not self.server_url:
+            raise ValueError("engine = 'sglang_server' needs server_url (one URL per worker)")
+        if self.server_url and len(self.server_url) != self.num_workers:
+            raise ValueError(
+                f"server_url has {len(self.server_url)} URLs for num_workers = "
+                f"{self.num_workers}: give one per rollout worker"
+            )

@@ -160,8 +160,11 @@ class AsyncInferenceEngine(Protocol):
         """Finished or aborted requests, waiting up to ``timeout`` seconds for the first."""
         ...
 
-    def pause(self, timeout: float) -> None:
-        """Abort running requests and stop starting new ones; returns once the engine is idle.
+    def pause(self, timeout: float, keep: Optional[bool] = None) -> None:
+        """Stop starting requests and abort running ones; returns once the engine is idle.
+        ``keep=True`` (engines with an in-place pause; ``None``: the engine's own mode)
+        freezes running requests inside the engine instead, to continue after
+        :meth:`resume`.
 
         Raises TimeoutError if it is not idle within ``timeout`` seconds."""
         ...
@@ -175,6 +178,10 @@ class AsyncInferenceEngine(Protocol):
     def resume(self) -> None:
         """Start generating queued requests again."""
         ...
+
+    # Optional: ``update_weights_from_buffer(spec: WeightBufferSpec, version: int)``, for
+    # engines that map a trainer's shared-memory slot themselves (the rollout worker then
+    # passes only the slot's layout); see :mod:`areal_fast.rollout.loop_engine`.
 
     def drop_queued(self) -> int:
         """Forget queued (not yet running) requests; returns how many."""

@@ -362,8 +362,9 @@ class HFEngine:
             out, self._outputs = self._outputs, []
             return out
 
-    def pause(self, timeout: float) -> None:
-        """Abort the running batch, keep queued requests queued, and wait until idle.
+    def pause(self, timeout: float, keep: Optional[bool] = None) -> None:
+        """Abort the running batch, keep queued requests queued, and wait until idle
+        (``keep=True`` is refused: ``generate`` has no in-place pause).
 
         The running requests come back from :meth:`get_outputs` with their partial tokens
         and stop_reason "abort" (or "stop"/"length" if they finished in the same step).
@@ -385,6 +386,8 @@ class HFEngine:
         """
         if timeout < 0:
             raise ValueError(f"timeout = {timeout} must be >= 0")
+        if keep:
+            raise ValueError("HFEngine has no in-place pause (rollout.pause_mode=keep)")
         with self._cond:
             self._paused = True
             self._abort.set()

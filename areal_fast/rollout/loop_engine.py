@@ -125,7 +125,9 @@ class LoopEngine:
     initial_version : int
         Version label of the weights the engine starts with.
     call_timeout : float
-        Seconds any control call (pause, resume, weight update, open) may take.
+        Seconds any control call (pause, resume, weight update) may take.
+    startup_timeout : float, optional
+        Seconds :meth:`start` may take to open the engine (default: ``call_timeout``).
 
     Raises
     ------
@@ -140,6 +142,7 @@ class LoopEngine:
         pause_mode: str = "abort",
         initial_version: int = 0,
         call_timeout: float = 600.0,
+        startup_timeout: Optional[float] = None,
     ):
         if max_running < 1:
             raise ValueError(f"max_running = {max_running} must be >= 1")
@@ -149,6 +152,7 @@ class LoopEngine:
         self.max_running = int(max_running)
         self.pause_mode = pause_mode
         self.call_timeout = float(call_timeout)
+        self.startup_timeout = float(startup_timeout or call_timeout)
         self._version = int(initial_version)
         self._waiting: collections.deque[GenRequest] = collections.deque()
         self._running: dict[int, asyncio.Task] = {}
@@ -207,7 +211,9 @@ class LoopEngine:
         RuntimeError
             Already started.
         EngineError
-            The engine could not be opened within ``call_timeout`` (names the engine).
+            The engine could not be opened (names the engine).
+        TimeoutError
+            It took more than ``startup_timeout``.
         """
         if self._thread is not None:
             raise RuntimeError(f"{self.name}: already started")
@@ -216,7 +222,7 @@ class LoopEngine:
             target=self._loop.run_forever, name=f"{type(self).__name__}-loop", daemon=True
         )
         self._thread.start()
-        self._call(self._open(), "start")
+        self._call(self._open(), "start", self.startup_timeout)
 
     async def _open(self) -> None:
         self._idle = asyncio.Event()

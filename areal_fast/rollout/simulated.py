@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 from areal_fast.rollout.engine import GenOutput, GenRequest
 
@@ -115,8 +115,9 @@ class SimulatedEngine:
             out, self._outputs = self._outputs, []
         return out
 
-    def pause(self, timeout: float) -> None:
-        """Abort every running request (partial tokens returned); keep the queue."""
+    def pause(self, timeout: float, keep: Optional[bool] = None) -> None:
+        """Abort every running request (partial tokens returned); keep the queue (``keep``
+        is ignored: the simulated engine always aborts)."""
         now = time.monotonic()
         with self._cond:
             self._paused = True

@@ -31,6 +31,7 @@ clear_cache)``, ``resume_generation``, the weight-transfer methods), ``vllm/outp
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 from typing import Any, Optional
 
@@ -66,8 +67,8 @@ class AsyncVLLMEngine(LoopEngine):
         See :mod:`areal_fast.rollout.loop_engine`.
     dtype : str
         vLLM dtype ("float32", "bfloat16", "float16", "auto").
-    max_model_len : int
-        Prompt + completion tokens a sequence may reach.
+    max_model_len : int, optional
+        Prompt + completion tokens a sequence may reach (default: the model's positions).
     kv_cache_gib : float
         KV-cache size on CPU, GiB (``VLLM_CPU_KVCACHE_SPACE``, whole GiB, at least 1).
     gpu_memory_utilization : float
@@ -79,7 +80,9 @@ class AsyncVLLMEngine(LoopEngine):
         OpenMP threads of vLLM's CPU worker (``OMP_NUM_THREADS``, no core binding), so that
         it shares the machine with the trainer the way ``launcher.rollout_threads`` says.
     call_timeout : float
-        Seconds the engine may take to start, pause, resume or load one update.
+        Seconds a pause, resume or weight update may take.
+    startup_timeout : float, optional
+        Seconds vLLM may take to start (default: ``call_timeout``).
     engine_kwargs : dict, optional
         More ``AsyncEngineArgs`` fields.
 
@@ -96,7 +99,7 @@ class AsyncVLLMEngine(LoopEngine):
         max_running: int,
         pause_mode: str = "abort",
         dtype: str = "float32",
-        max_model_len: int = 2048,
+        max_model_len: Optional[int] = None,
         kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = True,
@@ -104,10 +107,15 @@ class AsyncVLLMEngine(LoopEngine):
         seed: int = 0,
         threads: Optional[int] = None,
         call_timeout: float = 600.0,
+        startup_timeout: Optional[float] = None,
         engine_kwargs: Optional[dict[str, Any]] = None,
     ):
         super().__init__(
-            "vLLM engine (AsyncLLM)", max_running, pause_mode, call_timeout=call_timeout
+            "vLLM engine (AsyncLLM)",
+            max_running,
+            pause_mode,
+            call_timeout=call_timeout,
+            startup_timeout=startup_timeout,
         )
         try:
             import vllm  # noqa: F401
@@ -116,7 +124,6 @@ class AsyncVLLMEngine(LoopEngine):
         self._args = dict(
             model=model_path,
             dtype=dtype,
-            max_model_len=int(max_model_len),
             gpu_memory_utilization=float(gpu_memory_utilization),
             enforce_eager=bool(enforce_eager),
             enable_prefix_caching=bool(enable_prefix_caching),
@@ -126,6 +133,8 @@ class AsyncVLLMEngine(LoopEngine):
             disable_log_stats=True,
             **(engine_kwargs or {}),
         )
+        if max_model_len is not None:
+            self._args["max_model_len"] = int(max_model_len)
         self._kv_cache_gib = kv_cache_gib
         self._threads = threads
         self._llm = None
@@ -145,7 +154,14 @@ class AsyncVLLMEngine(LoopEngine):
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             os.environ["OMP_NUM_THREADS"] = str(self._threads)
         args = AsyncEngineArgs(**self._args, **vllm_llm_kwargs())
-        self._llm = AsyncLLM.from_engine_args(args)
+        # A rollout worker is a daemonic process, which multiprocessing forbids to start
+        # children; vLLM's engine core is one (it exits by itself when its parent dies).
+        process = multiprocessing.current_process()
+        daemon, process.daemon = process.daemon, False
+        try:
+            self._llm = AsyncLLM.from_engine_args(args)
+        finally:
+            process.daemon = daemon
         await self._llm.update_weight_version(str(self.version))
 
     async def _engine_generate(self, request: GenRequest, salt: str) -> GenOutput:
@@ -215,4 +231,3 @@ class AsyncVLLMEngine(LoopEngine):
         if self._llm is not None:
             llm, self._llm = self._llm, None
             llm.shutdown()
-

@@ -357,7 +357,7 @@ class FakeEngine:
         self.stop.wait(timeout)
         return []
 
-    def pause(self, timeout):
+    def pause(self, timeout, keep=None):
         pass
 
     def resume(self):

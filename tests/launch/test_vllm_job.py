@@ -1,0 +1,162 @@
+"""The main job with vLLM rollouts (``rollout.engine=vllm`` / ``vllm_server``), end to end.
+
+Runs in the vLLM venv of .ci/run (``pytest -m vllm``): real ``areal-fast train`` processes on
+the demo model, GSM8K prompts (long completions, so that generation outlasts a train step and
+weight updates land mid-generation), one rollout worker, η = 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+
+
+def _args(root: Path, trial: str, steps: int, *extra: str) -> list[str]:
+    if not GSM8K.is_dir():
+        pytest.skip(f"GSM8K data not found at {GSM8K}")
+    return [
+        "train",
+        "--config",
+        str(REPO / "examples" / "gsm8k.yaml"),
+        "--no-progress",
+        f"fileroot={root}",
+        f"trial_name={trial}",
+        f"total_steps={steps}",
+        f"data.path={GSM8K}",
+        "data.train_size=64",
+        "data.eval_size=4",
+        "batch_size=4",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=64",
+        "eval.max_new_tokens=32",
+        "rollout.max_head_offpolicyness=1",
+        # one sequence at a time in the engine: generating a batch outlasts a train step
+        "rollout.max_batch_size=1",
+        "rollout.engine=vllm",
+        "rollout.vllm.dtype=float32",
+        "rollout.vllm.max_model_len=1024",
+        "model.dtype=float32",
+        "actor.max_tokens_per_mb=4096",
+        "launcher.startup_timeout=300",
+        *extra,
+    ]
+
+
+def _run(args: list[str], timeout: float = 900.0) -> str:
+    proc = subprocess.run(
+        [sys.executable, "-m", "areal_fast.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
+    return proc.stdout
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _check_job(run_dir: Path, steps: int) -> dict:
+    """What every vLLM job must satisfy; returns summary.json."""
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    # step 1 trains version-0 samples with version-0 weights: the trainer's recomputed
+    # log-probs are the engine's behaviour log-probs (fp32, at the sampling temperature)
+    assert metrics[0]["staleness_max"] == 0
+    assert metrics[0]["behav_logprob_abs_diff"] < 1e-4, metrics[0]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    # accounting: every submitted rollout was trained once or dropped with a counted reason
+    dropped = sum(summary["rollouts_dropped"].values())  # by reason, "cancelled" included
+    assert summary["rollouts_submitted"] == summary["rollouts_trained"] + dropped, summary
+    assert summary["rollouts_trained"] == steps * 4
+    # evaluation ran on the vLLM workers, before and after training
+    for name in ("eval_before.jsonl", "eval_after.jsonl"):
+        records = [json.loads(x) for x in (run_dir / name).read_text().splitlines()]
+        assert len(records) == 4 and all(r["completion"] for r in records), name
+    return summary
+
+
+@pytest.mark.parametrize("pause_mode", ["abort", "keep"])
+def test_main_job_on_vllm(tmp_path, pause_mode):
+    """3 steps in each pause mode, with weight updates landing mid-generation. Versions never
+    decrease within a sample: the rollout worker's Trajectory refuses one that does, which
+    would fail the worker (and show as a restart)."""
+    _run(_args(tmp_path, pause_mode, 3, f"rollout.pause_mode={pause_mode}"))
+    run_dir = tmp_path / "grpo-gsm8k" / pause_mode
+    summary = _check_job(run_dir, 3)
+    assert summary["rollout_worker_restarts"] == 0
+    # an update met running samples: aborted and resumed as prompt + partial (abort), or a
+    # version seam inside a sample (keep)
+    assert summary["sample_interruptions"] > 0, summary
+
+
+def test_main_job_on_vllm_server(tmp_path):
+    """2 steps against a `vllm serve` the rollout worker starts itself."""
+    _run(_args(tmp_path, "server", 2, "rollout.engine=vllm_server"))
+    summary = _check_job(tmp_path / "grpo-gsm8k" / "server", 2)
+    assert summary["rollout_worker_restarts"] == 0
+
+
+def test_engine_core_death_restarts_the_worker(tmp_path):
+    """Kill vLLM's engine-core process mid-run: the rollout worker fails naming the engine,
+    recovery restarts it with the current weights, the job finishes and nothing accepted is
+    lost (every step trains a whole batch)."""
+    args = _args(tmp_path, "death", 4)
+    run_dir = tmp_path / "grpo-gsm8k" / "death"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_fast.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
+    deadline = time.monotonic() + 600
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.monotonic() < deadline, "no step within 600 s"
+        time.sleep(0.2)
+    worker = json.loads((run_dir / "workers.json").read_text())["rollout-0"]
+    cores = _children(worker, "EngineCore")
+    assert cores, f"no vLLM engine-core process under the rollout worker {worker}"
+    os.kill(cores[0], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-5000:]
+    summary = _check_job(run_dir, 4)
+    assert summary["rollout_worker_restarts"] >= 1
+    assert "vLLM engine" in out, out[-3000:]
+
+
+def _children(pid: int, name_part: str) -> list[int]:
+    """Descendant processes of ``pid`` whose command name contains ``name_part``."""
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for child in Path("/proc").glob("[0-9]*"):
+            try:
+                stat = (child / "stat").read_text()
+            except OSError:
+                continue
+            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
+            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+            if ppid == parent:
+                todo.append(int(child.name))
+                if name_part in comm:
+                    found.append(int(child.name))
+    return found
