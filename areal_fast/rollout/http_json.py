@@ -122,9 +122,11 @@ class JsonHttpClient:
         """
         return await self._call("POST", path, payload, params, timeout, empty_ok)
 
-    async def get(self, path: str, *, timeout: Optional[float] = None) -> Any:
+    async def get(
+        self, path: str, *, timeout: Optional[float] = None, empty_ok: bool = False
+    ) -> Any:
         """GET ``path``; the decoded JSON reply (errors as :meth:`post`)."""
-        return await self._call("GET", path, None, None, timeout, False)
+        return await self._call("GET", path, None, None, timeout, empty_ok)
 
     async def _call(self, method, path, payload, params, timeout, empty_ok) -> Any:
         if self._session is None:
