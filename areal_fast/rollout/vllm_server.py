@@ -358,7 +358,11 @@ class VLLMServerEngine(LoopEngine):
                 self._stop_server()
                 raise
         self.http = JsonHttpClient(self.server_url, self.name, self.call_timeout, self._api_key)
-        super().start()
+        try:
+            super().start()
+        except BaseException:
+            self.close()  # a server started here does not outlive a failed start
+            raise
 
     def close(self) -> None:
         """Disconnect, and stop the server this engine started (safe to call twice)."""

@@ -221,6 +221,11 @@ class FakeSGLang:
                 self.label = body["weight_version"]
         return 200, {"success": True, "message": "Succeeded to update model weights."}
 
+    def route_update_weights_from_distributed(self, body: dict):
+        with self.lock:
+            self.label = body.get("weight_version") or self.label
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
 
 def _serialize(named_tensors):
     return pickle.dumps([(n, t.clone()) for n, t in named_tensors])
@@ -371,6 +376,29 @@ def test_keep_pause_without_spans_refuses_to_guess_the_seam():
     finally:
         engine.close()
         fake.close()
+
+
+def test_distributed_update_names_the_tensors_the_trainer_broadcasts(fake):
+    engine = _engine(fake)
+    sent = []
+    try:
+        with pytest.raises(RuntimeError, match="pause"):
+            engine.update_weights_distributed(["w"], ["float32"], [[2]], lambda: None, 1)
+        engine.pause(WAIT_S)
+        engine.update_weights_distributed(
+            ["w", "b"], [torch.float32, "float32"], [[2, 3], [3]], lambda: sent.append(1), 1
+        )
+        engine.resume()
+        engine.submit([GenRequest(0, [1], 2)])
+        out = _collect(engine, 1)[0]
+    finally:
+        engine.close()
+    assert fake.problems == [] and sent == [1]
+    assert fake.bodies("/update_weights_from_distributed") == [
+        {"names": ["w", "b"], "dtypes": ["float32", "float32"], "shapes": [[2, 3], [3]],
+         "group_name": "areal_fast", "flush_cache": True, "weight_version": "1"}
+    ]  # fmt: skip
+    assert engine.version == 1 and out.versions == [1, 1]
 
 
 @pytest.mark.parametrize("path", ["/generate", "/pause_generation"])
