@@ -121,10 +121,12 @@ class Cancelled:
 
 @dataclass
 class WorkerFailed:
-    """A worker caught an exception; the controller stops with this message."""
+    """A worker caught an exception; the controller stops with this message, or replaces the
+    worker when ``restartable`` (its inference engine failed: a new worker builds a new one)."""
 
     name: str
     message: str
+    restartable: bool = False
 
 
 # controller → trainer

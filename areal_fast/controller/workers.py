@@ -27,7 +27,8 @@ class WorkerError(RuntimeError):
     worker : str or None
         Name of the worker concerned (None when no single worker is to blame).
     died : bool
-        The worker's process is gone (killed, crashed): a restart may help.
+        The worker's process is gone (killed, crashed), or it reported a failure of its
+        inference engine: a restart may help.
     """
 
     def __init__(self, message: str, worker: Optional[str] = None, died: bool = False):
@@ -134,7 +135,8 @@ def _worker_entry(target, raw_conn, name: str, spec, authkey: bytes) -> None:
     except BaseException as exc:  # noqa: BLE001 - reported, then re-raised
         first = str(exc).splitlines()[0] if str(exc) else ""
         try:
-            conn.send(WorkerFailed(name, f"{type(exc).__name__}: {first}"))
+            restartable = bool(getattr(exc, "restartable", False))  # e.g. an EngineError
+            conn.send(WorkerFailed(name, f"{type(exc).__name__}: {first}", restartable))
         except (OSError, ValueError):
             pass
         if os.environ.get("AREAL_FAST_DEBUG"):
@@ -176,7 +178,11 @@ def _receive(handle: WorkerHandle, doing: str):
             f"worker {handle.name!r} sent an undecodable message {doing}: {exc}", handle.name
         ) from None
     if isinstance(message, WorkerFailed):
-        raise WorkerError(f"worker {message.name!r} failed {doing}: {message.message}", handle.name)
+        raise WorkerError(
+            f"worker {message.name!r} failed {doing}: {message.message}",
+            handle.name,
+            died=message.restartable,
+        )
     return message
 
 

@@ -38,6 +38,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import Any, Iterable, Optional
 
 import torch
@@ -48,11 +49,15 @@ from areal_fast.sync.shared_memory import WeightBufferSpec
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "keep")
+WATCH_INTERVAL_S = 1.0  # how often the engine's liveness is checked
 
 
 class EngineError(RuntimeError):
     """An inference engine failed (its process died, a request or an update failed); the
-    message names the engine."""
+    message names the engine. ``restartable``: a rollout worker that fails with it is
+    replaced by the controller's recovery (a new worker builds a new engine)."""
+
+    restartable = True
 
 
 def check_requests(requests: list[GenRequest]) -> None:
@@ -162,6 +167,7 @@ class LoopEngine:
         self._error: Optional[BaseException] = None
         self._idle: Optional[asyncio.Event] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._watch: Optional[asyncio.Task] = None
         self._thread: Optional[threading.Thread] = None
 
     # ------------------------------------------------------------ the subclass's part
@@ -196,6 +202,12 @@ class LoopEngine:
         """Shut the engine (or the connection) down."""
         raise NotImplementedError
 
+    def _engine_dead(self) -> Optional[str]:
+        """Why the engine is gone (its process died), or None; polled every
+        ``WATCH_INTERVAL_S`` seconds on the loop, so a dead engine fails every waiting call
+        within that time instead of at the call's timeout."""
+        return None
+
     # ------------------------------------------------------------ AsyncInferenceEngine
 
     @property
@@ -228,6 +240,16 @@ class LoopEngine:
         self._idle = asyncio.Event()
         self._idle.set()
         await self._engine_open()
+        self._watch = asyncio.ensure_future(self._watch_engine())
+
+    async def _watch_engine(self) -> None:
+        while self._error is None:
+            await asyncio.sleep(WATCH_INTERVAL_S)
+            reason = self._engine_dead()
+            if reason:
+                self._fail(EngineError(f"{self.name}: {reason}"), "watch")
+                for task in list(self._running.values()):
+                    task.cancel()
 
     def submit(self, requests: list[GenRequest], front: bool = False) -> None:
         """Queue requests; they enter the engine while fewer than ``max_running`` run.
@@ -381,6 +403,8 @@ class LoopEngine:
         self._thread = None
 
     async def _close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
         self._waiting.clear()
         for task in list(self._running.values()):
             task.cancel()
@@ -446,20 +470,31 @@ class LoopEngine:
             raise self._error
 
     def _call(self, coroutine, what: str, timeout: Optional[float] = None) -> Any:
-        """Run ``coroutine`` on the loop and wait for it; errors become :class:`EngineError`
-        (``TimeoutError`` and ``ValueError`` pass unchanged)."""
-        self._require_started()
-        self._raise_error()
+        """Run ``coroutine`` on the loop and wait for it, in slices so that a dead engine
+        fails the call at once; errors become :class:`EngineError` (``TimeoutError``,
+        ``ValueError`` and ``NotImplementedError`` pass unchanged)."""
+        try:
+            self._require_started()
+            self._raise_error()
+        except BaseException:
+            coroutine.close()  # never scheduled
+            raise
         timeout = self.call_timeout if timeout is None else timeout
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        deadline = time.monotonic() + timeout
+        while not future.done():
+            left = deadline - time.monotonic()
+            if self._error is not None or left <= 0:
+                future.cancel()
+                self._raise_error()
+                raise TimeoutError(f"{self.name}: {what} took more than {timeout:g} s")
+            concurrent.futures.wait([future], min(WATCH_INTERVAL_S, left))
         try:
-            return future.result(timeout)
-        except (TimeoutError, concurrent.futures.TimeoutError):
-            if future.done():  # the coroutine's own timeout, with its own message
-                raise
-            future.cancel()
-            raise TimeoutError(f"{self.name}: {what} took more than {timeout:g} s") from None
-        except (EngineError, ValueError, NotImplementedError):
+            return future.result()
+        except (EngineError, TimeoutError, ValueError, NotImplementedError):
             raise
+        except concurrent.futures.CancelledError:
+            self._raise_error()
+            raise EngineError(f"{self.name}: {what} was cancelled") from None
         except Exception as exc:
             raise EngineError(f"{self.name}: {what} failed: {type(exc).__name__}: {exc}") from exc

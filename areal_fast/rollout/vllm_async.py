@@ -227,6 +227,11 @@ class AsyncVLLMEngine(LoopEngine):
         await self._llm.update_weight_version(str(version))
         await self._llm.collective_rpc("areal_fast_after_update")
 
+    def _engine_dead(self) -> Optional[str]:
+        if self._llm is not None and self._llm.errored:
+            return "vLLM's engine core is dead (its process exited or failed)"
+        return None
+
     async def _engine_close(self) -> None:
         if self._llm is not None:
             llm, self._llm = self._llm, None

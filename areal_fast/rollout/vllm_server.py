@@ -55,7 +55,6 @@ Source: vLLM 0.32 ``vllm/entrypoints/rl/online/api_router.py``,
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import json
 import os
@@ -250,7 +249,6 @@ class VLLMServerEngine(LoopEngine):
         self.log_path: Optional[Path] = None
         self.http: Optional[JsonHttpClient] = None
         self._ids = itertools.count()
-        self._watchdog: Optional[asyncio.Task] = None
         self._finalizer = None
 
     # ------------------------------------------------------------ the server process
@@ -376,26 +374,18 @@ class VLLMServerEngine(LoopEngine):
             self._finalizer()  # runs _stop_process once
             self._finalizer = None
 
-    async def _watch_process(self) -> None:
-        while self.process is not None and self._error is None:
-            code = self.process.poll()
-            if code is not None:
-                self._fail(
-                    EngineError(
-                        f"{self.name}: the server process exited with code {code}; log "
-                        f"{self.log_path}: {_log_tail(self.log_path)}"
-                    ),
-                    "server",
-                )
-                return
-            await asyncio.sleep(0.5)
+    def _engine_dead(self) -> Optional[str]:
+        code = self.process.poll() if self.process is not None else None
+        if code is None:
+            return None
+        return f"the server process exited with code {code}; log {self.log_path}: " + (
+            _log_tail(self.log_path)
+        )
 
     # ------------------------------------------------------------ LoopEngine hooks
 
     async def _engine_open(self) -> None:
         await self.http.open()
-        if self.process is not None:
-            self._watchdog = asyncio.ensure_future(self._watch_process())
         await self.http.post("/update_weight_version", {"new_version": str(self.version)})
 
     async def _engine_generate(self, request: GenRequest, salt: str) -> GenOutput:
@@ -472,8 +462,5 @@ class VLLMServerEngine(LoopEngine):
                              empty_ok=True)  # fmt: skip
 
     async def _engine_close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
         if self.http is not None:
             await self.http.close()

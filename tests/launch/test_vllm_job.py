@@ -133,7 +133,7 @@ def test_engine_core_death_restarts_the_worker(tmp_path):
         assert time.monotonic() < deadline, "no step within 600 s"
         time.sleep(0.2)
     worker = json.loads((run_dir / "workers.json").read_text())["rollout-0"]
-    cores = _children(worker, "EngineCore")
+    cores = _engine_cores(worker)
     assert cores, f"no vLLM engine-core process under the rollout worker {worker}"
     os.kill(cores[0], signal.SIGKILL)
     out, _ = proc.communicate(timeout=900)
@@ -143,20 +143,17 @@ def test_engine_core_death_restarts_the_worker(tmp_path):
     assert "vLLM engine" in out, out[-3000:]
 
 
-def _children(pid: int, name_part: str) -> list[int]:
-    """Descendant processes of ``pid`` whose command name contains ``name_part``."""
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for child in Path("/proc").glob("[0-9]*"):
-            try:
-                stat = (child / "stat").read_text()
-            except OSError:
-                continue
-            comm = stat[stat.index("(") + 1 : stat.rindex(")")]
-            ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-            if ppid == parent:
-                todo.append(int(child.name))
-                if name_part in comm:
-                    found.append(int(child.name))
+def _engine_cores(worker: int) -> list[int]:
+    """The vLLM engine-core processes of a rollout worker: its children started by
+    multiprocessing's spawn (its resource tracker is not one)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (proc / "stat").read_text()
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        if ppid == worker and ("spawn_main" in cmdline or "EngineCore" in cmdline):
+            found.append(int(proc.name))
     return found
