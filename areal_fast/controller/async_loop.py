@@ -291,6 +291,7 @@ class AsyncController:
             self._on_step_done(message)
         elif isinstance(message, msg.WeightsUpdated):
             self.acked[worker.name] = max(self.acked[worker.name], message.version)
+            self.ledger.counts.update_seconds.append(message.seconds)
             self.recovery.end_warm_up(worker.name)
         elif isinstance(message, msg.StateSaved):
             if self.saves.commit(message.path, message.version) is None:

@@ -21,6 +21,9 @@ class RunCounts:
     rollout_restarts: int = 0
     # per restart: seconds from noticing the death to the new worker serving current weights
     recovery_seconds: list = field(default_factory=list)
+    # per acknowledged weight update: a rollout worker's pause → new weights installed →
+    # resumed, s (the trainer's part is each step's publish_seconds)
+    update_seconds: list = field(default_factory=list)
 
     def as_dict(self) -> dict:
         """The counts as plain JSON-able values (for summary.json)."""
@@ -33,6 +36,7 @@ class RunCounts:
             "rollouts_resubmitted": self.resubmitted,
             "rollout_worker_restarts": self.rollout_restarts,
             "rollout_recovery_seconds": list(self.recovery_seconds),
+            "weight_update_seconds": [round(x, 4) for x in self.update_seconds],
         }
 
     @classmethod
@@ -47,4 +51,5 @@ class RunCounts:
             data.get("rollouts_resubmitted", 0),
             data.get("rollout_worker_restarts", 0),
             list(data.get("rollout_recovery_seconds", [])),
+            list(data.get("weight_update_seconds", [])),
         )

@@ -73,7 +73,9 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
 
 def check_engine(cfg: ExperimentConfig) -> None:
     """Fail before anything is written when ``rollout.engine`` needs a package that is not
-    installed (vLLM for vllm / vllm_server).
+    installed: vLLM for vllm and for a vllm_server the workers start (one at
+    ``rollout.server_url`` needs only HTTP); SGLang for sglang_server (its serializer packs
+    the weight updates).
 
     Raises
     ------
@@ -82,10 +84,17 @@ def check_engine(cfg: ExperimentConfig) -> None:
     """
     import importlib.util
 
-    if cfg.rollout.engine in ("vllm", "vllm_server") and importlib.util.find_spec("vllm") is None:
+    r = cfg.rollout
+    needs_vllm = r.engine == "vllm" or (r.engine == "vllm_server" and not r.server_url)
+    if needs_vllm and importlib.util.find_spec("vllm") is None:
         from areal_fast.rollout.vllm_async import VLLM_MISSING
 
-        raise ConfigError(VLLM_MISSING.format(engine=cfg.rollout.engine))
+        raise ConfigError(VLLM_MISSING.format(engine=r.engine))
+    if r.engine == "sglang_server" and importlib.util.find_spec("sglang") is None:
+        raise ConfigError(
+            "rollout.engine = 'sglang_server' needs SGLang in the rollout workers too (its "
+            "serializer packs the weight updates): pip install sglang"
+        )
 
 
 def check_resources(cfg: ExperimentConfig) -> None:

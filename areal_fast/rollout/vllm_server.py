@@ -207,7 +207,7 @@ class VLLMServerEngine(LoopEngine):
         pause_mode: str = "abort",
         server_url: Optional[str] = None,
         dtype: str = "float32",
-        max_model_len: int = 2048,
+        max_model_len: Optional[int] = None,
         kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.5,
         enforce_eager: bool = True,
@@ -236,7 +236,7 @@ class VLLMServerEngine(LoopEngine):
         self._log_dir = log_dir
         self._serve = dict(
             dtype=dtype,
-            max_model_len=int(max_model_len),
+            max_model_len=None if max_model_len is None else int(max_model_len),
             kv_cache_gib=kv_cache_gib,
             gpu_memory_utilization=float(gpu_memory_utilization),
             enforce_eager=bool(enforce_eager),
@@ -264,7 +264,6 @@ class VLLMServerEngine(LoopEngine):
             "--host", "127.0.0.1",
             "--port", str(port),
             "--dtype", s["dtype"],
-            "--max-model-len", str(s["max_model_len"]),
             "--max-num-seqs", str(self.max_running),
             "--gpu-memory-utilization", str(s["gpu_memory_utilization"]),
             "--seed", str(s["seed"]),
@@ -276,6 +275,8 @@ class VLLMServerEngine(LoopEngine):
             "--enable-prefix-caching" if s["enable_prefix_caching"] else
             "--no-enable-prefix-caching",
         ]  # fmt: skip
+        if s["max_model_len"] is not None:
+            args += ["--max-model-len", str(s["max_model_len"])]
         if s["enforce_eager"]:
             args.append("--enforce-eager")
         return args + s["extra_args"]

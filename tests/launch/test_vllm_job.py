@@ -157,3 +157,31 @@ def _engine_cores(worker: int) -> list[int]:
         if ppid == worker and ("spawn_main" in cmdline or "EngineCore" in cmdline):
             found.append(int(proc.name))
     return found
+
+
+def test_agent_run_on_vllm(tmp_path):
+    """The multi-turn agent example for 2 steps on vLLM: sessions' model calls share the
+    engine (continuous batching), and every step trains a whole batch."""
+    args = [
+        "train",
+        "--config",
+        str(REPO / "examples" / "agent_multiturn.yaml"),
+        "--no-progress",
+        f"fileroot={tmp_path}",
+        "trial_name=agent",
+        "total_steps=2",
+        "batch_size=4",
+        "rollout.group_size=2",
+        "data.eval_size=4",
+        "rollout.engine=vllm",
+        "rollout.max_head_offpolicyness=1",
+        "rollout.vllm.max_model_len=1024",
+        "launcher.startup_timeout=300",
+    ]
+    _run(args)
+    run_dir = tmp_path / "agent-multiturn" / "agent"
+    metrics = _metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rollouts_trained"] == 8 and summary["rollout_worker_restarts"] == 0
+    assert summary["weight_update_seconds"], summary

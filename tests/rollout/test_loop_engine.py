@@ -93,7 +93,9 @@ def test_abort_pause_returns_partials_and_keeps_the_queue():
         engine.pause(5.0)
         aborted = _collect(engine, 2)
         assert set(aborted) == {0, 1}
-        assert all(o.stop_reason == "abort" and 0 < len(o.output_ids) < 50 for o in aborted.values())
+        assert all(
+            o.stop_reason == "abort" and 0 < len(o.output_ids) < 50 for o in aborted.values()
+        )
         assert engine.drop_queued() == 3
         engine.update_weights_from_buffer(None, 7)
         engine.resume()
