@@ -44,7 +44,13 @@ ALLOWED = {
     ("zstdcat", None),
     ("ray", "start"),
 }
-SKIPPED = {("pip", "install"), ("pip", "download"), ("git", "clone"), ("pytest", None)}
+SKIPPED = {
+    ("pip", "install"),
+    ("pip", "uninstall"),
+    ("pip", "download"),
+    ("git", "clone"),
+    ("pytest", None),
+}
 # link targets made by other means: the progress plot of a real run of the default job, and
 # the key reference generated from the config dataclasses
 NOT_WRITTEN_BY_HAND = {"docs/images/arith_progress.png", "docs/config.md"}
