@@ -256,8 +256,7 @@ class RolloutWorker:
         )
 
     def _update_weights(self, message: msg.UpdateWeights) -> None:
-        start = time.perf_counter()
-        spec = message.buffer
+        start, spec = time.perf_counter(), message.buffer
         self.engine.pause(PAUSE_TIMEOUT_S)  # in the engine's pause mode (rollout.pause_mode)
         if hasattr(self.engine, "update_weights_from_buffer"):  # it maps the slot itself
             self.engine.update_weights_from_buffer(spec, message.version)
@@ -389,8 +388,7 @@ class RolloutWorker:
         return cancelled
 
 
-def _seams(versions: list[int]) -> int:
-    """Weight updates a sample's tokens span (a kept pause's seam is not an abort)."""
+def _seams(versions: list[int]) -> int:  # updates a sample spans (a kept pause's seam)
     return sum(a != b for a, b in zip(versions, versions[1:]))
 
 
