@@ -47,6 +47,36 @@ VLLM_MISSING = (
 )
 
 
+def cpu_scheduling(model_path: str, max_model_len: Optional[int]) -> dict[str, Any]:
+    """Scheduler settings vLLM needs on a CPU for per-request seeds (empty on a GPU).
+
+    vLLM 0.32's CPU worker fails ("CPU Generator does not use offset", which kills the engine
+    core) when it discards the token sampled for a request whose prompt was prefilled only in
+    part (a chunked prefill) and that request has its own seed. So on a CPU chunked prefill is
+    off, and a step's token budget holds a whole sequence (vLLM requires it then):
+    ``max_num_batched_tokens = max(max_model_len, 2048)``, ``max_model_len`` defaulting to the
+    model's ``max_position_embeddings``.
+
+    Returns
+    -------
+    dict
+        ``AsyncEngineArgs`` fields (``enable_chunked_prefill``, ``max_num_batched_tokens``).
+    """
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:  # no vLLM here: the server at a URL is configured by whoever runs it
+        return {}
+    if not current_platform.is_cpu():
+        return {}
+    if max_model_len is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model_path)
+        text = getattr(config, "text_config", None) or config
+        max_model_len = int(getattr(text, "max_position_embeddings", 2048))
+    return {"enable_chunked_prefill": False, "max_num_batched_tokens": max(max_model_len, 2048)}
+
+
 def _finish_reason(reason: Optional[str]) -> str:
     if reason in ("stop", "length", "abort"):
         return reason
@@ -153,7 +183,8 @@ class AsyncVLLMEngine(LoopEngine):
         if self._threads:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
             os.environ["OMP_NUM_THREADS"] = str(self._threads)
-        args = AsyncEngineArgs(**self._args, **vllm_llm_kwargs())
+        scheduling = cpu_scheduling(self._args["model"], self._args.get("max_model_len"))
+        args = AsyncEngineArgs(**{**scheduling, **self._args}, **vllm_llm_kwargs())
         # A rollout worker is a daemonic process, which multiprocessing forbids to start
         # children; vLLM's engine core is one (it exits by itself when its parent dies).
         process = multiprocessing.current_process()

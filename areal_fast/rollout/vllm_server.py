@@ -75,6 +75,7 @@ import areal_fast
 from areal_fast.rollout.engine import GenOutput, GenRequest
 from areal_fast.rollout.http_json import JsonHttpClient, expect_dict, one_line
 from areal_fast.rollout.loop_engine import EngineError, LoopEngine, spans_to_versions
+from areal_fast.rollout.vllm_async import cpu_scheduling
 from areal_fast.sync.shared_memory import WeightBufferSpec
 
 GENERATE = "/inference/v1/generate"
@@ -277,6 +278,10 @@ class VLLMServerEngine(LoopEngine):
         ]  # fmt: skip
         if s["max_model_len"] is not None:
             args += ["--max-model-len", str(s["max_model_len"])]
+        scheduling = cpu_scheduling(self.model_path, s["max_model_len"])  # see its docstring
+        if scheduling:
+            args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
+                     str(scheduling["max_num_batched_tokens"])]  # fmt: skip
         if s["enforce_eager"]:
             args.append("--enforce-eager")
         return args + s["extra_args"]
