@@ -12,9 +12,8 @@ With an agent in its spec, training groups run as agent sessions instead
 engine with the plain samples (held-out evaluation stays plain), and aborted calls are
 resumed the same way.
 
-The worker's main thread owns the set of agent groups it handed to the workload and has not
-reported: :class:`CancelAll` counts and forgets them, so a group that ends on the agent loop
-after the cancel is not reported (the controller counted it as cancelled).
+The main thread owns the agent groups handed to the workload and not reported: :class:`CancelAll`
+counts and forgets them, so a group ending after the cancel is not reported (it was cancelled).
 """
 
 from __future__ import annotations
@@ -388,8 +387,10 @@ class RolloutWorker:
         return cancelled
 
 
-def _seams(versions: list[int]) -> int:  # updates a sample spans (a kept pause's seam)
-    return sum(a != b for a, b in zip(versions, versions[1:]))
+def _seams(versions: list[int]) -> int:  # updates a sample spans; decreasing: an engine bug
+    if any(b < a for a, b in zip(versions, versions[1:])):
+        raise RuntimeError(f"a sample's versions decrease: {versions}")
+    return sum(a < b for a, b in zip(versions, versions[1:]))
 
 
 def rollout_worker_main(conn, name: str, spec: RolloutWorkerSpec, authkey: bytes) -> None:

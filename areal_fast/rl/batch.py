@@ -64,14 +64,6 @@ class Trajectory:
                 f"({len(self.logprobs)}) and versions ({len(self.versions)}) "
                 f"must have equal lengths"
             )
-        last = -1
-        for i, version in enumerate(self.versions):  # -1: a token no model sampled
-            if 0 <= version < last:
-                raise ValueError(
-                    f"versions decrease within the completion of group {self.group_id}: "
-                    f"token {i} has version {version} after {last}"
-                )
-            last = max(last, version)
         if self.loss_mask is not None and len(self.loss_mask) != len(self.completion_ids):
             raise ValueError(
                 f"loss_mask ({len(self.loss_mask)}) and completion_ids "

@@ -95,8 +95,7 @@ def _check_job(run_dir: Path, steps: int) -> dict:
 @pytest.mark.parametrize("pause_mode", ["abort", "keep"])
 def test_main_job_on_vllm(tmp_path, pause_mode):
     """3 steps in each pause mode, with weight updates landing mid-generation. Versions never
-    decrease within a sample: the rollout worker's Trajectory refuses one that does, which
-    would fail the worker (and show as a restart)."""
+    decrease within a sample: the rollout worker fails on one that does (the job would fail)."""
     _run(_args(tmp_path, pause_mode, 3, f"rollout.pause_mode={pause_mode}"))
     run_dir = tmp_path / "grpo-gsm8k" / pause_mode
     summary = _check_job(run_dir, 3)

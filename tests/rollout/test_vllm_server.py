@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import areal_fast
 from areal_fast.rollout.engine import GenRequest
 from areal_fast.rollout.loop_engine import EngineError
 from areal_fast.rollout.vllm_server import GENERATE, VLLMServerEngine
@@ -395,7 +396,9 @@ def test_the_serve_command_binds_localhost_and_keeps_the_key_off_the_command_lin
     assert "--enforce-eager" in args and not any("secret" in a for a in args)
     assert env["VLLM_API_KEY"] == "secret-key" and env["VLLM_SERVER_DEV_MODE"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["OMP_NUM_THREADS"] == "2"
-    assert str(Path(__file__).resolve().parents[2]) in env["PYTHONPATH"].split(os.pathsep)
+    # the server imports the same areal_fast (the backend and worker extension) as this one
+    root = str(Path(areal_fast.__file__).resolve().parents[1])
+    assert root in env["PYTHONPATH"].split(os.pathsep)
 
 
 def test_bad_arguments_are_refused():
