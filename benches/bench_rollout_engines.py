@@ -4,7 +4,7 @@ Two workloads, the demo model (SmolLM2-135M-Instruct, float32) on this machine:
 
 ``--workload batch``: the same requests on every engine, in one process, one engine after
 the other. ``--prompts`` GSM8K test questions (the first ones of
-``/work/shared/data/gsm8k/test.jsonl`` or ``--gsm8k``, chat-templated with the instruction of
+``../shared/data/gsm8k/test.jsonl`` beside the checkout, or ``--gsm8k``, chat-templated with the instruction of
 ``examples/gsm8k.yaml``) × ``--samples`` samples, every sample its own seed (``sample_seed``) and its own
 budget, drawn from a lognormal (median 48, σ = 1, seed 0) capped at 256 and enforced as
 ``max_new_tokens``; temperature 0.7, top_p 1. The end-of-sequence token stops a sample (the
