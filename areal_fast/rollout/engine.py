@@ -132,6 +132,22 @@ class GenOutput:
     stop_reason: str
 
 
+def check_requests(requests: list[GenRequest]) -> None:
+    """Raise ``ValueError`` naming the first malformed request (empty ``input_ids``, a budget
+    below 1, a negative temperature or offset, ``top_p`` outside (0, 1])."""
+    for i, r in enumerate(requests):
+        if not r.input_ids:
+            raise ValueError(f"requests[{i}].input_ids is empty")
+        if r.max_new_tokens < 1:
+            raise ValueError(f"requests[{i}].max_new_tokens = {r.max_new_tokens} must be >= 1")
+        if r.temperature < 0:
+            raise ValueError(f"requests[{i}].temperature = {r.temperature} must be >= 0")
+        if not 0 < r.top_p <= 1:
+            raise ValueError(f"requests[{i}].top_p = {r.top_p} must be in (0, 1]")
+        if r.offset < 0:
+            raise ValueError(f"requests[{i}].offset = {r.offset} must be >= 0")
+
+
 class AsyncInferenceEngine(Protocol):
     """Request-level engine interface that rollout workers drive (mirrors SGLang's
     ``/generate``, ``/pause_generation``, ``/update_weights_*``, ``/continue_generation``).

@@ -11,7 +11,13 @@ import torch
 from transformers import StoppingCriteria
 
 from areal_fast.rl.batch import Trajectory
-from areal_fast.rollout.engine import GenOutput, GenRequest, SamplingParams, sample_seed
+from areal_fast.rollout.engine import (
+    GenOutput,
+    GenRequest,
+    SamplingParams,
+    check_requests,
+    sample_seed,
+)
 from areal_fast.rollout.sampling import SeededSampler
 
 
@@ -315,17 +321,7 @@ class HFEngine:
         BaseException
             The stored exception of a failed engine thread.
         """
-        for i, r in enumerate(requests):
-            if not r.input_ids:
-                raise ValueError(f"requests[{i}].input_ids is empty")
-            if r.max_new_tokens < 1:
-                raise ValueError(f"requests[{i}].max_new_tokens = {r.max_new_tokens} must be >= 1")
-            if r.temperature < 0:
-                raise ValueError(f"requests[{i}].temperature = {r.temperature} must be >= 0")
-            if not 0 < r.top_p <= 1:
-                raise ValueError(f"requests[{i}].top_p = {r.top_p} must be in (0, 1]")
-            if r.offset < 0:
-                raise ValueError(f"requests[{i}].offset = {r.offset} must be >= 0")
+        check_requests(requests)
         with self._cond:
             self._raise_error()
             if front:

@@ -15,33 +15,8 @@ from typing import Any, Optional
 
 import aiohttp
 
+from areal_fast._replies import one_line, server_message
 from areal_fast.rollout.loop_engine import EngineError
-
-_MESSAGE_LIMIT = 300
-
-
-def one_line(text: Any, limit: int = _MESSAGE_LIMIT) -> str:
-    """``text`` on one line, cut to ``limit`` characters."""
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def server_message(body: bytes) -> str:
-    """The server's message in an error reply: ``message``, ``detail``, ``error`` (or
-    ``error.message``) of a JSON object, else the text itself."""
-    text = body.decode("utf-8", "replace")
-    try:
-        reply = json.loads(text)
-    except ValueError:
-        return one_line(text) or "(empty body)"
-    if isinstance(reply, dict):
-        for key in ("message", "detail", "error"):
-            value = reply.get(key)
-            if isinstance(value, dict):
-                value = value.get("message", value)
-            if value:
-                return one_line(value)
-    return one_line(text) or "(empty body)"
 
 
 class JsonHttpClient:

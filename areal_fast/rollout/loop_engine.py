@@ -43,7 +43,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from areal_fast.rollout.engine import GenOutput, GenRequest
+from areal_fast.rollout.engine import GenOutput, GenRequest, check_requests
 from areal_fast.sync.shared_memory import WeightBufferSpec
 
 log = logging.getLogger(__name__)
@@ -58,22 +58,6 @@ class EngineError(RuntimeError):
     replaced by the controller's recovery (a new worker builds a new engine)."""
 
     restartable = True
-
-
-def check_requests(requests: list[GenRequest]) -> None:
-    """Raise ``ValueError`` naming the first malformed request (empty ``input_ids``, a budget
-    below 1, a negative temperature or offset, ``top_p`` outside (0, 1])."""
-    for i, r in enumerate(requests):
-        if not r.input_ids:
-            raise ValueError(f"requests[{i}].input_ids is empty")
-        if r.max_new_tokens < 1:
-            raise ValueError(f"requests[{i}].max_new_tokens = {r.max_new_tokens} must be >= 1")
-        if r.temperature < 0:
-            raise ValueError(f"requests[{i}].temperature = {r.temperature} must be >= 0")
-        if not 0 < r.top_p <= 1:
-            raise ValueError(f"requests[{i}].top_p = {r.top_p} must be in (0, 1]")
-        if r.offset < 0:
-            raise ValueError(f"requests[{i}].offset = {r.offset} must be >= 0")
 
 
 def spans_to_versions(spans: Optional[list], num_tokens: int, default: int) -> list[int]:

@@ -49,6 +49,9 @@ import urllib.parse
 import urllib.request
 from typing import Any, Callable, Sequence
 
+from areal_fast._replies import one_line as _one_line
+from areal_fast._replies import server_message as _sglang_message
+
 logger = logging.getLogger(__name__)
 
 #: Where the request schemas were read (see tests/sync/sglang_schema.py for the copy).
@@ -68,31 +71,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 DISTRIBUTED_LOAD_FORMATS = (None, "flattened_bucket")
 
 _DTYPE_NAME = re.compile(r"[a-z][a-z0-9_]*\Z")
-_MESSAGE_LIMIT = 300
 _JOIN_SLACK_S = 1.0
-
-
-def _one_line(text: Any, limit: int = _MESSAGE_LIMIT) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _sglang_message(body: bytes) -> str:
-    """SGLang's message from a reply body: ``message`` (weight routes and FastAPI errors),
-    ``detail``, ``error.message``, else the text itself."""
-    text = body.decode("utf-8", "replace")
-    try:
-        reply = json.loads(text)
-    except ValueError:
-        return _one_line(text) or "(empty body)"
-    if isinstance(reply, dict):
-        for key in ("message", "detail", "error"):
-            value = reply.get(key)
-            if isinstance(value, dict):
-                value = value.get("message", value)
-            if value:
-                return _one_line(value)
-    return _one_line(text) or "(empty body)"
 
 
 def _check_timeout(value: Any, what: str = "timeout") -> float:
