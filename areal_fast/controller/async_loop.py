@@ -34,6 +34,7 @@ from areal_fast.controller.recovery import Recovery
 from areal_fast.controller.shards import DistributedBatch
 from areal_fast.controller.staleness import StalenessManager
 from areal_fast.controller.step_record import step_record
+from areal_fast.controller.weight_tracker import WeightTracker
 from areal_fast.controller.workers import MessageWaiter, WorkerError, WorkerHandle
 from areal_fast.rollout.config import RolloutConfig
 
@@ -103,7 +104,8 @@ class AsyncController:
         self.recovery = Recovery(self, restart_rollout, recovery or RecoveryConfig(), self.timeouts)
         self.saves = PendingSaves(checkpoints)
         self.version = 0
-        self.acked = {w.name: 0 for w in rollout_workers}  # weights version each serves
+        self.weights = WeightTracker([w.name for w in rollout_workers])
+        self.acked = self.weights.acked  # weights version each serves
         # per worker: when it last finished a group or went from idle to busy
         self.progress = {w.name: time.monotonic() for w in rollout_workers}
         self.agent_stats: dict[str, dict] = {}  # per worker: its agent running totals
@@ -228,6 +230,7 @@ class AsyncController:
             )
         batch = self.ledger.trained(done.group_ids)
         self.version = done.version
+        self.weights.published(done)
         update = Encoded(
             encode_message(msg.UpdateWeights(self.version, self.buffers[self.version % 2]))
         )
@@ -290,7 +293,7 @@ class AsyncController:
         elif isinstance(message, msg.StepDone):
             self._on_step_done(message)
         elif isinstance(message, msg.WeightsUpdated):
-            self.acked[worker.name] = max(self.acked[worker.name], message.version)
+            self.weights.acknowledged(worker.name, message)
             self.ledger.counts.update_seconds.append(message.seconds)
             self.recovery.end_warm_up(worker.name)
         elif isinstance(message, msg.StateSaved):

@@ -24,6 +24,7 @@ from areal_fast.controller import messages as msg
 from areal_fast.controller.shards import DistributedBatch, ShardMetadata, TensorMetadata
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry
+from areal_fast.sync.slot_broadcast import WeightLink
 
 _TYPE_KEY = "__t"
 
@@ -45,6 +46,7 @@ def _message_types() -> dict[str, type]:
         SamplingParams,
         WeightBufferSpec,
         WeightEntry,
+        WeightLink,
     ]
     return {c.__name__: c for c in classes}
 

@@ -8,6 +8,7 @@ from typing import Optional
 from areal_fast.controller.shards import DistributedBatch, ShardMetadata
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.sync.shared_memory import WeightBufferSpec
+from areal_fast.sync.slot_broadcast import WeightLink
 
 
 @dataclass
@@ -45,6 +46,16 @@ class UpdateWeights:
 
 
 @dataclass
+class ConnectWeights:
+    """Sent to trainer rank 0 and to rollout worker ``worker``: from now on the worker gets
+    every new version over ``link`` (a :class:`~areal_fast.sync.slot_broadcast.WeightLink`)
+    instead of mapping the trainer's slots; rank 0 sends it the newest version at once."""
+
+    worker: str
+    link: WeightLink
+
+
+@dataclass
 class DropShards:
     """Forget these finished groups (filtered, stale or unused)."""
 
@@ -78,6 +89,8 @@ class WorkerReady:
     node_addr: str = ""
     weight_buffers: tuple = ()  # trainer: its two WeightBufferSpec slots
     version: int = 0  # trainer: the policy version it starts at (> 0 after a resume)
+    node_id: str = ""  # the node it runs on (areal_fast.controller.node)
+    sync_address: str = ""  # trainer rank 0: ip:port of its weight-link rendezvous store
 
 
 @dataclass
@@ -103,6 +116,7 @@ class WeightsUpdated:
 
     version: int
     seconds: float
+    checksum: str = ""  # CRC-32 of the weights installed (sync.checksum)
 
 
 @dataclass
@@ -173,6 +187,7 @@ class StepDone:
     fetch_seconds: float = 0.0
     train_seconds: float = 0.0
     publish_seconds: float = 0.0
+    weights_checksum: str = ""  # CRC-32 of the published weights (sync.checksum)
 
 
 @dataclass

@@ -22,7 +22,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,13 +29,13 @@ from typing import Callable, Optional
 import torch
 
 from areal_fast.controller import messages as msg
+from areal_fast.controller.node import node_id
+from areal_fast.controller.rollout_weights import PAUSE_TIMEOUT_S, WorkerWeights
 from areal_fast.controller.shard_io import shard_tensors
 from areal_fast.controller.shards import ShardMetadata, ShardStore, tensor_metadata
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
-from areal_fast.sync.shared_memory import SharedWeightBuffer
 
-PAUSE_TIMEOUT_S = 300.0
 FLUSH_TIMEOUT_S = 300.0  # trajectory store: writing out what is queued when training ends
 log = logging.getLogger("areal_fast.rollout_worker")
 
@@ -62,6 +61,8 @@ class RolloutWorkerSpec:
     host : str
         Address the shard server binds; a :class:`~areal_fast.launch.cluster.ClusterSpec`
         starts every rollout worker with its ``scheduler.host`` here.
+    checksum : bool
+        Report a CRC-32 of every installed weights version (``sync.checksum``).
     """
 
     engine_factory: Callable
@@ -70,6 +71,7 @@ class RolloutWorkerSpec:
     agent: Optional[object] = None
     spool_dir: Optional[str] = None
     host: str = "127.0.0.1"
+    checksum: bool = False
 
 
 @dataclass
@@ -108,7 +110,7 @@ class RolloutWorker:
         self.running: dict[int, _Sample] = {}
         self.eval_records: Optional[list[dict]] = None
         self.eval_pending = 0
-        self.buffers: dict[str, SharedWeightBuffer] = {}
+        self.weights = WorkerWeights(self.engine, conn, self.inbox.put, spec.host, spec.checksum)
         self.rids = itertools.count()
         self.stopped = False
         self.agent = None
@@ -142,13 +144,15 @@ class RolloutWorker:
                 self.agent.start()
             threading.Thread(target=self._read_control, daemon=True).start()
             threading.Thread(target=self._pump_outputs, daemon=True).start()
-            self.conn.send(msg.WorkerReady(self.name, self.store.address))
+            self.conn.send(msg.WorkerReady(self.name, self.store.address, node_id=node_id()))
             while not self.stopped:
                 kind, item = self.inbox.get()
                 if kind == "error":
                     raise item
                 if kind == "control":
                     self._handle_control(item)
+                elif kind == "weights":  # a version from the weight link
+                    self.weights.install_received(item)
                 elif kind == "agent_group":
                     self._finish_agent_group(item)
                 else:
@@ -163,7 +167,7 @@ class RolloutWorker:
         ``raise_error``) after all of them, the others are logged."""
         closers = [("the agent sessions", self.agent.close)] if self.agent is not None else []
         closers += [("the engine", self.engine.close), ("the shard store", self.store.close)]
-        closers += [(f"weight buffer {path}", b.close) for path, b in self.buffers.items()]
+        closers += [("the weight buffers", self.weights.close)]
         first = None
         for what, close in closers:
             try:
@@ -208,7 +212,9 @@ class RolloutWorker:
             self._start_groups(message.groups, evaluation=True)
             self._maybe_finish_eval()
         elif isinstance(message, msg.UpdateWeights):
-            self._update_weights(message)
+            self.weights.on_update(message)
+        elif isinstance(message, msg.ConnectWeights):
+            self.weights.connect(message)
         elif isinstance(message, msg.DropShards):
             self.store.drop(message.shard_ids)
         elif isinstance(message, msg.CancelAll):  # the end of training
@@ -253,18 +259,6 @@ class RolloutWorker:
             sample.seed,
             len(sample.tokens),
         )
-
-    def _update_weights(self, message: msg.UpdateWeights) -> None:
-        start, spec = time.perf_counter(), message.buffer
-        self.engine.pause(PAUSE_TIMEOUT_S)  # in the engine's pause mode (rollout.pause_mode)
-        if hasattr(self.engine, "update_weights_from_buffer"):  # it maps the slot itself
-            self.engine.update_weights_from_buffer(spec, message.version)
-        else:
-            if spec.path not in self.buffers:
-                self.buffers[spec.path] = SharedWeightBuffer.attach(spec)
-            self.engine.update_weights(self.buffers[spec.path].named_tensors(), message.version)
-        self.engine.resume()
-        self.conn.send(msg.WeightsUpdated(message.version, time.perf_counter() - start))
 
     def _handle_outputs(self, outputs: list[GenOutput]) -> None:
         resubmit = []

@@ -17,9 +17,11 @@ from typing import Callable, Optional
 import torch
 
 from areal_fast.controller import messages as msg
+from areal_fast.controller.node import advertised_ip, node_id
 from areal_fast.controller.shards import fetch_packed_batch
 from areal_fast.rl.decoupled import staleness_stats
 from areal_fast.sync.shared_memory import SharedWeightBuffer
+from areal_fast.sync.slot_broadcast import SlotBroadcaster, buffer_checksum
 from areal_fast.train.config import ActorConfig
 
 
@@ -42,6 +44,11 @@ class TrainerWorkerSpec:
         This trainer rank and the number of ranks.
     resume_from : str
         Checkpoint directory whose trainer state to load at start ("" for none).
+    host : str
+        Address rank 0's weight-link rendezvous store binds (rollout workers on other nodes
+        connect to it, see :mod:`areal_fast.sync.slot_broadcast`).
+    checksum : bool
+        Report a CRC-32 of every published version (``sync.checksum``).
     """
 
     trainer_factory: Callable
@@ -51,6 +58,8 @@ class TrainerWorkerSpec:
     rank: int = 0
     world_size: int = 1
     resume_from: str = ""
+    host: str = "127.0.0.1"
+    checksum: bool = False
 
 
 def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes) -> None:
@@ -68,26 +77,38 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
         load_train_state(trainer, spec.resume_from)
     buffers = _start_buffers(trainer, leader=spec.rank == 0)
     leader = spec.rank == 0
+    links = None  # rank 0: sends the slots to rollout workers on other nodes
+    if leader:
+        links = SlotBroadcaster(spec.host, advertised_ip(spec.host))
+        links.publish(int(trainer.version), buffers[trainer.version % 2])
     fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch")
     inbox: queue.Queue = queue.Queue()
-    threading.Thread(target=_read, args=(conn, inbox, fetcher, spec, authkey), daemon=True).start()
+    threading.Thread(
+        target=_read, args=(conn, inbox, fetcher, spec, authkey, links), daemon=True
+    ).start()
     try:
         conn.send(
             msg.WorkerReady(
-                name, weight_buffers=tuple(b.spec for b in buffers), version=int(trainer.version)
+                name,
+                weight_buffers=tuple(b.spec for b in buffers),
+                version=int(trainer.version),
+                node_id=node_id(),
+                sync_address=links.address if links else "",
             )
         )
         while True:
             message, fetched = inbox.get()
             if isinstance(message, Exception):
                 raise message
-            reply = _handle(trainer, message, fetched, buffers, spec)
+            reply = _handle(trainer, message, fetched, buffers, spec, links)
             if reply is not None and leader:
                 conn.send(reply)
             if isinstance(message, msg.Shutdown):
                 return
     finally:
         fetcher.shutdown(wait=False, cancel_futures=True)
+        if links is not None:
+            links.close()
         for buffer in buffers:
             buffer.close()
 
@@ -106,10 +127,15 @@ def _start_buffers(trainer, leader: bool) -> list:
     return buffers
 
 
-def _handle(trainer, message, fetched, buffers, spec: TrainerWorkerSpec):
+def _handle(trainer, message, fetched, buffers, spec: TrainerWorkerSpec, links):
     """Carry out one controller message on this rank; returns rank 0's reply (or None)."""
     if isinstance(message, msg.TrainStep):
-        return _train_step(trainer, message, fetched, buffers)
+        done = _train_step(trainer, message, fetched, buffers)
+        if links is not None:  # rank 0: remote workers get it while the next step trains
+            links.publish(done.version, buffers[message.slot])
+            if spec.checksum:
+                done.weights_checksum = buffer_checksum(buffers[message.slot])
+        return done
     if isinstance(message, msg.SaveCheckpoint):
         trainer.save(message.path)
         return msg.Saved(message.path)
@@ -130,8 +156,11 @@ def _publish(trainer, buffers, slot: int) -> None:
             pass
 
 
-def _read(conn, inbox: queue.Queue, fetcher, spec: TrainerWorkerSpec, authkey: bytes) -> None:
-    """Forward controller messages to the main thread; start each batch's fetch at once."""
+def _read(
+    conn, inbox: queue.Queue, fetcher, spec: TrainerWorkerSpec, authkey: bytes, links
+) -> None:
+    """Forward controller messages to the main thread; start each batch's fetch at once;
+    connect weight links at once (rank 0; the other ranks ignore them)."""
     while True:
         try:
             message = conn.recv()
@@ -141,6 +170,10 @@ def _read(conn, inbox: queue.Queue, fetcher, spec: TrainerWorkerSpec, authkey: b
         except Exception as exc:  # noqa: BLE001 - e.g. an undecodable message
             inbox.put((exc, None))
             return
+        if isinstance(message, msg.ConnectWeights):
+            if links is not None:
+                links.add_peer(message.worker, message.link)
+            continue
         fetched = None
         if isinstance(message, msg.TrainStep):
             fetched = fetcher.submit(_fetch, message.batch, authkey, spec)

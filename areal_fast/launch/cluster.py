@@ -27,11 +27,14 @@ from pathlib import Path
 from typing import Optional
 
 from areal_fast.controller import messages as msg
+from areal_fast.controller.node import LOCAL_NODE
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec, rollout_worker_main
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec, trainer_worker_main
 from areal_fast.controller.workers import WorkerError, WorkerHandle, spawn_worker, wait_messages
 from areal_fast.launch.config import LauncherConfig, SchedulerConfig
+from areal_fast.sync.config import SyncConfig, choose_transport
 from areal_fast.sync.shared_memory import remove_orphaned_buffers
+from areal_fast.sync.slot_broadcast import WeightLink
 
 
 @dataclass
@@ -58,6 +61,8 @@ class ClusterSpec:
         ``startup_timeout``: seconds for every worker to report ready.
     workers_file : str, optional
         JSON file that receives ``{worker name: pid}`` after every (re)start.
+    sync : SyncConfig
+        The weight path of each rollout worker (:meth:`Cluster.link_weights`).
     """
 
     rollout: RolloutWorkerSpec
@@ -66,10 +71,13 @@ class ClusterSpec:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     workers_file: Optional[str] = None
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
     def __post_init__(self):
         if self.num_rollout_workers < 1:
             raise ValueError(f"num_rollout_workers = {self.num_rollout_workers} must be >= 1")
+        if self.sync.transport == "disk" and not self.sync.disk_dir:
+            raise ValueError("sync.transport = disk needs sync.disk_dir (a folder every node sees)")
 
     @property
     def train_world_size(self) -> int:
@@ -144,6 +152,10 @@ class Cluster:
         Policy version the trainer started at (> 0 when it resumed from a checkpoint).
     authkey : bytes
         Random secret of this job; shard servers and channels accept only peers that know it.
+    nodes : dict[str, str]
+        Worker name → the node id it reported.
+    transports : dict[str, str]
+        Rollout worker name → its weight path (``shm``, ``broadcast`` or ``disk``).
 
     Raises
     ------
@@ -158,6 +170,11 @@ class Cluster:
         self.trainer_ranks: list[WorkerHandle] = []
         self.weight_buffers: tuple = ()
         self.trainer_version = 0
+        self.nodes: dict[str, str] = {}
+        self.transports: dict[str, str] = {}
+        self._sync_address = ""  # trainer rank 0's weight-link store
+        self._links = 0  # weight links made, for unique tags
+        self._job_tag = secrets.token_hex(4)
 
     @property
     def trainer(self) -> Optional[WorkerHandle]:
@@ -180,6 +197,8 @@ class Cluster:
                     self._start_worker(f"rollout-{i}", rollout_worker_main, rollout)
                 )
             self._wait_ready([*self.trainer_ranks, *self.rollout_workers])
+            for worker in self.rollout_workers:
+                self.link_weights(worker)
         except BaseException:
             self.close()
             raise
@@ -205,9 +224,37 @@ class Cluster:
                         handle.name,
                     )
                 waiting.discard(handle.name)
+                self.nodes[handle.name] = message.node_id or LOCAL_NODE
                 if handle is self.trainer:
                     self.weight_buffers = message.weight_buffers
                     self.trainer_version = message.version
+                    self._sync_address = message.sync_address
+
+    def link_weights(self, worker: WorkerHandle) -> None:
+        """Choose ``worker``'s weight path (``sync.transport``; ``auto``: shared memory on
+        trainer rank 0's node, a network link elsewhere) and, for a link, tell trainer rank 0
+        and the worker to connect (rank 0 then sends it the newest version)."""
+        if self.trainer is None:  # rollout only (evaluation): no weights to send
+            return
+        sync = self.spec.sync
+        kind = choose_transport(
+            sync.transport, self.nodes[worker.name], self.nodes[self.trainer.name]
+        )
+        self.transports[worker.name] = kind
+        if kind == "shm":
+            return
+        self._links += 1
+        link = WeightLink(
+            kind,
+            f"{worker.name}-{self._job_tag}-{self._links}",
+            address=self._sync_address if kind == "broadcast" else "",
+            directory=str(sync.disk_dir) if kind == "disk" else "",
+            timeout=sync.timeout,
+            bucket_bytes=sync.bucket_bytes,
+        )
+        connect = msg.ConnectWeights(worker.name, link)
+        self.trainer.send(connect)
+        worker.send(connect)
 
     def restart_rollout(self, name: str) -> WorkerHandle:
         """Replace the (dead) rollout worker ``name`` by a new one; returns its ready handle.
@@ -222,6 +269,7 @@ class Cluster:
         new = self._start_worker(name, rollout_worker_main, self.spec.rollout_spec())
         self.rollout_workers[self.rollout_workers.index(old)] = new
         self._wait_ready([new])
+        self.link_weights(new)
         self._write_workers_file()
         return new
 

@@ -27,6 +27,7 @@ from areal_fast.data.config import DataConfig
 from areal_fast.models.config import ModelConfig
 from areal_fast.rl.config import LossConfig
 from areal_fast.rollout.config import RolloutConfig
+from areal_fast.sync.config import SyncConfig
 from areal_fast.train.config import ActorConfig, OptimizerConfig
 
 # the component configs are defined beside their components and gathered here
@@ -159,6 +160,7 @@ class ExperimentConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)  # weight path to the rollout workers
     tags: List[str] = field(default_factory=list)  # free labels, kept in the run's config.yaml
 
     def __post_init__(self):

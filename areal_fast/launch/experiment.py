@@ -423,6 +423,8 @@ def _run(
         wall_seconds=time.perf_counter() - start,
         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
         **counts.as_dict(),
+        **controller.weights.summary(),
+        weight_transports=dict(cluster.transports),
         torch=torch.__version__,
         trainer_threads=worker_threads(cfg)[0],
         rollout_threads=worker_threads(cfg)[1],

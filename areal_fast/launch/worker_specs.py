@@ -4,6 +4,7 @@ specs, Ray's resources (checked before anything is written), and the cluster tha
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import torch
 
@@ -31,8 +32,6 @@ def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
 def agent_spec(cfg: ExperimentConfig):
     """The rollout workers' agent workload (None without ``agent.path``); the trajectory
     store goes to ``<run dir>/trajectories`` unless ``trajectory.directory`` is set."""
-    from dataclasses import replace
-
     from areal_fast.agent.workload import AgentWorkloadSpec
 
     if not cfg.agent.path:
@@ -57,17 +56,31 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
         cfg.model, cfg.actor, cfg.rollout, seed=cfg.seed, total_steps=cfg.total_steps
     )
     spool = str(cfg.run_dir / "shards") if cfg.recovery.spool_shards else None
+    sync = cfg.sync
+    if sync.transport == "disk" and not sync.disk_dir:
+        sync = replace(sync, disk_dir=str(cfg.run_dir / "weights"))
     return ClusterSpec(
         rollout=RolloutWorkerSpec(
-            engine, math_reward, threads=rollout_threads, agent=agent_spec(cfg), spool_dir=spool
+            engine,
+            math_reward,
+            threads=rollout_threads,
+            agent=agent_spec(cfg),
+            spool_dir=spool,
+            checksum=sync.checksum,
         ),
         trainer=TrainerWorkerSpec(
-            trainer, cfg.actor, threads=trainer_threads, resume_from=resume_from
+            trainer,
+            cfg.actor,
+            threads=trainer_threads,
+            resume_from=resume_from,
+            host=cfg.scheduler.host,
+            checksum=sync.checksum,
         ),
         num_rollout_workers=cfg.rollout.num_workers,
         scheduler=cfg.scheduler,
         launcher=cfg.launcher,
         workers_file=str(cfg.run_dir / "workers.json"),
+        sync=sync,
     )
 
 

@@ -1,0 +1,108 @@
+"""A rollout worker's weight updates: pause the engine, install the new version, resume.
+
+Two sources, one install: a worker on trainer rank 0's node maps the trainer's
+shared-memory slot named by each :class:`~areal_fast.controller.messages.UpdateWeights`; a
+worker given a :class:`~areal_fast.controller.messages.ConnectWeights` receives every
+version over its weight link into a node-local buffer of the same layout
+(:class:`~areal_fast.sync.slot_broadcast.SlotSubscriber`) and ignores the slot names. Either
+way the engine pauses in its pause mode only for the install, and the worker answers
+:class:`~areal_fast.controller.messages.WeightsUpdated`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+from areal_fast.controller import messages as msg
+from areal_fast.controller.node import advertised_ip
+from areal_fast.sync.shared_memory import SharedWeightBuffer
+from areal_fast.sync.slot_broadcast import SlotSubscriber, buffer_checksum
+
+PAUSE_TIMEOUT_S = 300.0
+
+
+class WorkerWeights:
+    """Weight installs of one rollout worker.
+
+    Parameters
+    ----------
+    engine : AsyncInferenceEngine
+        ``pause`` / ``resume`` and either ``update_weights_from_buffer(spec, version)`` (it
+        maps a buffer itself) or ``update_weights(named_tensors, version)``.
+    conn : MessageChannel
+        To the controller (for :class:`WeightsUpdated`).
+    post : callable ((kind, item)) -> None
+        Puts an item into the worker's inbox: ``("weights", (version, buffer, seconds))``
+        from the weight link, ``("error", exc)`` when the link fails.
+    host : str
+        The worker's bind host (its weight link binds the node's address).
+    checksum : bool
+        Send a CRC-32 of every installed version.
+    """
+
+    def __init__(self, engine, conn, post, host: str, checksum: bool = False):
+        self.engine, self.conn, self.post = engine, conn, post
+        self.host, self.checksum = host, checksum
+        self.slots: dict[str, SharedWeightBuffer] = {}  # the trainer's, mapped on first use
+        self.link: Optional[SlotSubscriber] = None
+
+    @property
+    def transport(self) -> str:
+        """``shm`` (the trainer's slots) or the weight link's kind."""
+        return self.link.link.kind if self.link is not None else "shm"
+
+    def on_update(self, message: msg.UpdateWeights) -> None:
+        """Install ``message.version`` from the trainer's slot (a linked worker gets it over
+        its link instead and ignores this)."""
+        if self.link is not None:
+            return
+        spec, start = message.buffer, time.perf_counter()
+        maps_itself = hasattr(self.engine, "update_weights_from_buffer")
+        if spec.path not in self.slots and (self.checksum or not maps_itself):
+            self.slots[spec.path] = SharedWeightBuffer.attach(spec)
+        slot = self.slots.get(spec.path)
+        self._install(message.version, spec, slot)
+        self._ack(message.version, time.perf_counter() - start, slot)
+
+    def connect(self, message: msg.ConnectWeights) -> None:
+        """Receive every version over ``message.link`` from now on (a previous link closes)."""
+        if self.link is not None:
+            self.link.close()
+        self.link = SlotSubscriber(
+            message.link,
+            advertised_ip(self.host),
+            deliver=lambda version, buffer, seconds: self.post(
+                ("weights", (version, buffer, seconds))
+            ),
+            fail=lambda exc: self.post(("error", exc)),
+        )
+        self.link.start()
+
+    def install_received(self, item: tuple) -> None:
+        """Install a version the link delivered: ``(version, node-local buffer, seconds the
+        transfer took)``; the link may then reuse the buffer."""
+        version, buffer, received = item
+        start = time.perf_counter()
+        self._install(version, buffer.spec, buffer)
+        self._ack(version, received + time.perf_counter() - start, buffer)
+        self.link.installed()
+
+    def _install(self, version: int, spec, buffer: Optional[SharedWeightBuffer]) -> None:
+        self.engine.pause(PAUSE_TIMEOUT_S)  # in the engine's pause mode (rollout.pause_mode)
+        if hasattr(self.engine, "update_weights_from_buffer"):  # it maps the buffer itself
+            self.engine.update_weights_from_buffer(spec, version)
+        else:
+            self.engine.update_weights(buffer.named_tensors(), version)
+        self.engine.resume()
+
+    def _ack(self, version: int, seconds: float, buffer: Optional[SharedWeightBuffer]) -> None:
+        checksum = buffer_checksum(buffer) if self.checksum and buffer is not None else ""
+        self.conn.send(msg.WeightsUpdated(version, seconds, checksum))
+
+    def close(self) -> None:
+        """Close the link and unmap the trainer's slots."""
+        if self.link is not None:
+            self.link.close()
+        for slot in self.slots.values():
+            slot.close()

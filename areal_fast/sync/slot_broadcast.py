@@ -1,0 +1,422 @@
+"""Weights for rollout workers on other nodes: trainer rank 0's slots, copied over the network.
+
+Trainer rank 0 writes every version into a host-side shared-memory slot
+(:class:`~areal_fast.sync.shared_memory.SharedWeightBuffer`, already gathered from every FSDP2
+rank). A worker on the same node maps that slot; a worker on another node cannot, so
+:class:`SlotBroadcaster` sends the slot to it from a thread of its own while training goes
+on, and :class:`SlotSubscriber` receives it on the worker into a node-local buffer with the
+same layout, from which the worker installs exactly as a local one does.
+
+One link per remote worker (:class:`WeightLink`): a stand-alone gloo process group of two
+ranks (trainer rank 0 and that worker; :class:`~areal_fast.sync.transports.TorchDistTransport`)
+met through one TCP store that trainer rank 0 listens on, or a folder on shared storage
+(:class:`~areal_fast.sync.transports.DiskTransport`). Every update is the bucketed protocol of
+:class:`~areal_fast.sync.sender.WeightSender` → :class:`~areal_fast.sync.receiver.WeightReceiver`
+(header, plan check, double-buffered buckets, completion round), each step bounded by the
+link's timeout. Because both ends are laid out by
+:func:`~areal_fast.sync.shared_memory.plan_layout`, each bucket is one contiguous byte range
+of both buffers and moves without pack or unpack copies.
+
+- A link per worker keeps failures apart: a worker that dies mid-update fails its own link
+  within the timeout (the trainer logs a line naming it); the other workers and the trainer
+  go on.
+- Each link sends the newest version only: a worker still taking version v when v + 1 is
+  published gets v + 1 next, never a mix (the controller rewrites a slot only after every
+  worker serves the version it held, so a slot being sent is never overwritten).
+- Before each update the sender posts ``update-<n>`` in the link's store (a file for disk),
+  so the worker waits for the next version without a timeout and without holding a
+  collective open between steps.
+
+Source
+------
+torch.distributed ``TCPStore``, ``PrefixStore``, ``ProcessGroupGloo`` (c10d).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from areal_fast.sync.receiver import WeightReceiver, check_against
+from areal_fast.sync.sender import SyncStats, WeightSender
+from areal_fast.sync.shared_memory import SharedWeightBuffer
+from areal_fast.sync.sources import SourceTensor
+from areal_fast.sync.transports import (
+    DiskTransport,
+    TorchDistTransport,
+    WeightSyncError,
+    WeightSyncTimeout,
+)
+
+log = logging.getLogger("areal_fast.sync")
+
+
+class LinkError(WeightSyncError):
+    """A worker's weight link failed; restarting the worker makes a new link."""
+
+    restartable = True
+
+
+POLL_SECONDS = 0.05  # how often a waiting worker checks for the next update
+
+
+@dataclass(frozen=True)
+class WeightLink:
+    """How one rollout worker gets weights from trainer rank 0 (a message field: plain values).
+
+    Attributes
+    ----------
+    kind : {"broadcast", "disk"}
+    tag : str
+        ``<worker>-a<attempt>``: names the link's pair group or disk run; a restarted
+        worker gets a new one.
+    address : str
+        broadcast: ``ip:port`` of trainer rank 0's rendezvous store.
+    directory : str
+        disk: the shared folder.
+    timeout : float
+        Seconds each step (connect, header, bucket, status round) may take.
+    bucket_bytes : int
+        Bucket size, a positive multiple of 256.
+    """
+
+    kind: str
+    tag: str
+    address: str = ""
+    directory: str = ""
+    timeout: float = 300.0
+    bucket_bytes: int = 64 << 20
+
+    def describe(self) -> str:
+        """Where the link goes, for messages."""
+        return f"gloo via {self.address}" if self.kind == "broadcast" else f"disk {self.directory}"
+
+
+def buffer_checksum(buffer: SharedWeightBuffer) -> str:
+    """CRC-32 (hex) of every tensor's bytes in layout order (padding excluded)."""
+    crc = 0
+    for _, tensor in buffer.named_tensors():
+        crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
+    return f"{crc:08x}"
+
+
+class SlotSource:
+    """The tensors of a weight slot as a :class:`~areal_fast.sync.sender.WeightSender` source
+    (views of the slot, in layout order; nothing is gathered or copied)."""
+
+    sending = True
+    aliases: dict = {}
+
+    def __init__(self, buffer: SharedWeightBuffer):
+        self._named = list(buffer.named_tensors())
+
+    def specs(self) -> list[SourceTensor]:
+        """Name, shape and dtype of every tensor."""
+        return [SourceTensor(name, tuple(t.shape), t.dtype) for name, t in self._named]
+
+    def sync_flag(self, go: bool) -> bool:
+        """One process: nothing to agree on."""
+        return go
+
+    def tensors(self, indices: Sequence[int]) -> Iterator[torch.Tensor]:
+        """The slot views ``indices``."""
+        for index in indices:
+            yield self._named[index][1]
+
+
+def _gloo_group(store, rank: int, bind_ip: str, timeout: float):
+    """A gloo group of two on ``store`` whose sockets bind ``bind_ip``."""
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=timeout)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_ip)]
+    return dist.ProcessGroupGloo(store, rank, 2, options)
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def _run_id(tag: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "-" for c in tag)[:64]
+
+
+class _Notice:
+    """Sender posts ``update-<n>`` before update n; the receiver polls for it (no timeout:
+    the next version may be a long training step away)."""
+
+    def __init__(self, store=None, directory: Optional[Path] = None):
+        self.store, self.directory = store, directory
+
+    def post(self, n: int, version: int) -> None:
+        if self.store is not None:
+            self.store.set(f"update-{n}", str(version))
+        else:
+            tmp = self.directory / f".update-{n}.tmp"
+            tmp.write_text(str(version))
+            tmp.rename(self.directory / f"update-{n}")
+
+    def ready(self, n: int) -> bool:
+        if self.store is not None:
+            return self.store.check([f"update-{n}"])
+        return (self.directory / f"update-{n}").is_file()
+
+
+class _Peer:
+    def __init__(self, worker: str, link: WeightLink):
+        self.worker, self.link = worker, link
+        self.closed = False
+        self.sent: list[SyncStats] = []
+        self.thread: Optional[threading.Thread] = None
+
+
+class SlotBroadcaster:
+    """Trainer rank 0's side: send every published slot to each remote worker's link.
+
+    Parameters
+    ----------
+    bind_ip : str
+        Address the rendezvous store and the gloo sockets bind (this node's address).
+    advertise_ip : str, optional
+        Address workers connect to (default ``bind_ip``; give the node's IP when binding a
+        wildcard).
+    timeout : float
+        Seconds a worker may take to join the store.
+
+    Attributes
+    ----------
+    address : str
+        ``ip:port`` of the rendezvous store, for :class:`WeightLink`.
+    errors : dict[str, str]
+        Worker → why its link failed (one line naming the worker and the link).
+    """
+
+    def __init__(self, bind_ip: str, advertise_ip: Optional[str] = None, timeout: float = 300.0):
+        self.bind_ip = bind_ip
+        self._store = dist.TCPStore(
+            bind_ip,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        self.address = f"{advertise_ip or bind_ip}:{self._store.port}"
+        self.errors: dict[str, str] = {}
+        self._cond = threading.Condition()
+        self._latest: Optional[tuple[int, SharedWeightBuffer]] = None
+        self._peers: dict[str, _Peer] = {}
+        self._closed = False
+
+    def publish(self, version: int, buffer: SharedWeightBuffer) -> None:
+        """Version ``version`` is complete in ``buffer``: every link sends it next."""
+        with self._cond:
+            self._latest = (int(version), buffer)
+            self._cond.notify_all()
+
+    def add_peer(self, worker: str, link: WeightLink) -> None:
+        """Start sending to ``worker`` over ``link`` (the newest published version first); a
+        link the worker had before is closed."""
+        peer = _Peer(worker, link)
+        with self._cond:
+            old = self._peers.get(worker)
+            if old is not None:
+                old.closed = True
+            self._peers[worker] = peer
+            self.errors.pop(worker, None)
+            self._cond.notify_all()
+        peer.thread = threading.Thread(
+            target=self._serve, args=(peer,), daemon=True, name=f"weights-{worker}"
+        )
+        peer.thread.start()
+
+    def sent(self, worker: str) -> list[SyncStats]:
+        """The updates sent to ``worker`` over its current link."""
+        peer = self._peers.get(worker)
+        return list(peer.sent) if peer else []
+
+    def _connect(self, peer: _Peer):
+        link = peer.link
+        if link.kind == "disk":
+            transport = DiskTransport(link.directory, 0, 2, _run_id(link.tag))
+            return transport, _Notice(directory=Path(link.directory) / _run_id(link.tag))
+        store = dist.PrefixStore(f"areal_fast/{link.tag}", self._store)
+        try:
+            group = _gloo_group(store, 0, self.bind_ip, link.timeout)
+        except RuntimeError as exc:
+            raise WeightSyncTimeout(
+                f"rollout worker {peer.worker!r} did not join its weight link within "
+                f"{link.timeout:g} s ({str(exc).splitlines()[0][:160]})"
+            ) from None
+        return TorchDistTransport(group, "gloo", group_timeout=link.timeout), _Notice(store)
+
+    def _next(self, peer: _Peer, sent: Optional[int]) -> Optional[tuple[int, SharedWeightBuffer]]:
+        with self._cond:
+            while not (self._closed or peer.closed):
+                if self._latest is not None and self._latest[0] != sent:
+                    return self._latest
+                self._cond.wait()
+        return None
+
+    def _serve(self, peer: _Peer) -> None:
+        transport, link = None, peer.link
+        try:
+            transport, notice = self._connect(peer)
+            if link.kind == "disk":
+                Path(notice.directory).mkdir(parents=True, exist_ok=True)
+            sender = WeightSender(transport, link.bucket_bytes, timeout=link.timeout)
+            sent, n = None, 0
+            while (item := self._next(peer, sent)) is not None:
+                version, buffer = item
+                notice.post(n, version)
+                peer.sent.append(sender.send(SlotSource(buffer), version))
+                sent, n = version, n + 1
+        except Exception as exc:  # noqa: BLE001 - this link only; the others go on
+            if not (peer.closed or self._closed):
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                self.errors[peer.worker] = (
+                    f"weight link to rollout worker {peer.worker!r} ({link.describe()}) "
+                    f"failed: {first}"
+                )
+                log.warning("%s", self.errors[peer.worker])
+        finally:
+            if transport is not None:
+                transport.close()
+
+    def close(self, wait: float = 5.0) -> None:
+        """Stop every link: each thread ends after its current update (waited for up to
+        ``wait`` seconds), closing its group."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            peers = list(self._peers.values())
+        deadline = time.monotonic() + wait
+        for peer in peers:
+            if peer.thread is not None:
+                peer.thread.join(max(0.0, deadline - time.monotonic()))
+
+
+class SlotSubscriber:
+    """A remote worker's side: receive each version into a node-local buffer.
+
+    Parameters
+    ----------
+    link : WeightLink
+    bind_ip : str
+        This node's address (the gloo socket binds it).
+    deliver : callable (version, buffer, receive_seconds) -> None
+        Called from the subscriber's thread with each complete version; the caller installs
+        from ``buffer`` and then calls :meth:`installed` (the next version is received into
+        the same buffer only after that).
+    fail : callable (Exception) -> None
+        Called once when the link fails, with a :class:`LinkError` naming the link.
+    """
+
+    def __init__(
+        self,
+        link: WeightLink,
+        bind_ip: str,
+        deliver: Callable[[int, SharedWeightBuffer, float], None],
+        fail: Callable[[Exception], None],
+    ):
+        self.link, self.bind_ip = link, bind_ip
+        self._deliver, self._fail = deliver, fail
+        self.buffer: Optional[SharedWeightBuffer] = None
+        self._installed = threading.Event()
+        self._closed = False
+        self._transport = None
+        self._thread = threading.Thread(target=self._run, daemon=True, name="weights-in")
+
+    def start(self) -> None:
+        """Join the link and start receiving (in a thread)."""
+        self._thread.start()
+
+    def installed(self) -> None:
+        """The version last delivered is installed; its buffer may be reused."""
+        self._installed.set()
+
+    def _connect(self):
+        link = self.link
+        if link.kind == "disk":
+            run_id = _run_id(link.tag)
+            return DiskTransport(link.directory, 1, 2, run_id), _Notice(
+                directory=Path(link.directory) / run_id
+            )
+        host, port = _host_port(link.address)
+        try:
+            store = dist.TCPStore(
+                host, port, is_master=False, timeout=datetime.timedelta(seconds=link.timeout)
+            )
+            store = dist.PrefixStore(f"areal_fast/{link.tag}", store)
+            group = _gloo_group(store, 1, self.bind_ip, link.timeout)
+        except RuntimeError as exc:
+            raise WeightSyncError(
+                f"cannot join the weight link at {link.address} within {link.timeout:g} s "
+                f"({str(exc).splitlines()[0][:160]})"
+            ) from None
+        return TorchDistTransport(group, "gloo", group_timeout=link.timeout), _Notice(store)
+
+    def _wait_notice(self, notice: _Notice, n: int) -> bool:
+        while not self._closed:
+            if notice.ready(n):
+                return True
+            time.sleep(POLL_SECONDS)
+        return False
+
+    def _accept(self, plan) -> str:
+        if self.buffer is not None and [(s.name, tuple(s.shape), s.dtype) for s in plan.specs] != [
+            (e.name, tuple(e.shape), e.dtype) for e in self.buffer.spec.entries
+        ]:
+            return "the update's tensors differ from the first update's"
+        if self.buffer is None:
+            self.buffer = SharedWeightBuffer.create(
+                (s.name, torch.empty(s.shape, dtype=s.torch_dtype, device="meta"))
+                for s in plan.specs
+            )
+        return check_against(plan, dict(self.buffer.named_tensors()))
+
+    def _run(self) -> None:
+        try:
+            transport, notice = self._connect()
+            self._transport = transport
+            receiver = WeightReceiver(transport, timeout=self.link.timeout)
+            n = 0
+            while self._wait_notice(notice, n):
+                start = time.perf_counter()
+                session = receiver.start(accept=self._accept)
+                views = dict(self.buffer.named_tensors())
+                try:
+                    session.unpack_into([views[s.name] for s in session.plan.specs])
+                except WeightSyncError as exc:
+                    session.finish(str(exc))  # raises at once when the transport broke
+                    raise
+                session.finish()
+                self._installed.clear()
+                self._deliver(session.version, self.buffer, time.perf_counter() - start)
+                while not (self._closed or self._installed.wait(1.0)):
+                    pass
+                n += 1
+        except Exception as exc:  # noqa: BLE001 - handed to the worker
+            if not self._closed:
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                self._fail(LinkError(f"weight link ({self.link.describe()}): {first}"))
+
+    def close(self, wait: float = 5.0) -> None:
+        """Stop receiving (the thread ends after the current update, waited for up to
+        ``wait`` seconds); close the group; delete the node-local buffer."""
+        self._closed = True
+        self._installed.set()
+        if self._thread.is_alive():
+            self._thread.join(wait)
+        if self._transport is not None:
+            self._transport.close()
+        if self.buffer is not None:
+            self.buffer.close()
