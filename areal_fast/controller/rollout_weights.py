@@ -12,7 +12,7 @@ way the engine pauses in its pause mode only for the install, and the worker ans
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from areal_fast.controller import messages as msg
 from areal_fast.controller.node import advertised_ip
@@ -46,6 +46,19 @@ class WorkerWeights:
         self.host, self.checksum = host, checksum
         self.slots: dict[str, SharedWeightBuffer] = {}  # the trainer's, mapped on first use
         self.link: Optional[SlotSubscriber] = None
+        self.served = 0  # the version installed last
+        self.announced = 0  # the newest version an UpdateWeights named
+        self._held: list[Callable[[], None]] = []  # work that waits for `announced`
+
+    def when_current(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (e.g. start submitted groups) once this worker serves the newest
+        version the controller announced: at once, or after the link delivered it. Work
+        sent after an :class:`UpdateWeights` then never runs on older weights, as with the
+        trainer's slots, whose update is done before the next message is read."""
+        if self.served >= self.announced:
+            work()
+        else:
+            self._held.append(work)
 
     @property
     def transport(self) -> str:
@@ -55,6 +68,7 @@ class WorkerWeights:
     def on_update(self, message: msg.UpdateWeights) -> None:
         """Install ``message.version`` from the trainer's slot (a linked worker gets it over
         its link instead and ignores this)."""
+        self.announced = max(self.announced, message.version)
         if self.link is not None:
             return
         spec, start = message.buffer, time.perf_counter()
@@ -98,7 +112,12 @@ class WorkerWeights:
 
     def _ack(self, version: int, seconds: float, buffer: Optional[SharedWeightBuffer]) -> None:
         checksum = buffer_checksum(buffer) if self.checksum and buffer is not None else ""
+        self.served = max(self.served, version)
         self.conn.send(msg.WeightsUpdated(version, seconds, checksum))
+        if self.served >= self.announced:
+            held, self._held = self._held, []
+            for work in held:
+                work()
 
     def close(self) -> None:
         """Close the link and unmap the trainer's slots."""

@@ -206,11 +206,9 @@ class RolloutWorker:
 
     def _handle_control(self, message) -> None:
         if isinstance(message, msg.SubmitGroups):
-            self._start_groups(message.groups, evaluation=False)
+            self.weights.when_current(lambda: self._start_groups(message.groups, False))
         elif isinstance(message, msg.Evaluate):
-            self.eval_records, self.eval_pending = [], len(message.groups)
-            self._start_groups(message.groups, evaluation=True)
-            self._maybe_finish_eval()
+            self.weights.when_current(lambda: self._start_eval(message.groups))
         elif isinstance(message, msg.UpdateWeights):
             self.weights.on_update(message)
         elif isinstance(message, msg.ConnectWeights):
@@ -224,6 +222,11 @@ class RolloutWorker:
             self.conn.send(msg.Cancelled(cancelled))
         elif isinstance(message, msg.Shutdown):
             self.stopped = True
+
+    def _start_eval(self, requests: list[msg.GroupRequest]) -> None:
+        self.eval_records, self.eval_pending = [], len(requests)
+        self._start_groups(requests, evaluation=True)
+        self._maybe_finish_eval()
 
     def _start_groups(self, requests: list[msg.GroupRequest], evaluation: bool) -> None:
         gen = []

@@ -80,7 +80,8 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
     links = None  # rank 0: sends the slots to rollout workers on other nodes
     if leader:
         links = SlotBroadcaster(spec.host, advertised_ip(spec.host))
-        links.publish(int(trainer.version), buffers[trainer.version % 2])
+        if trainer.version > 0:  # resumed: workers load the checkpoint's version (a fresh
+            links.publish(int(trainer.version), buffers[trainer.version % 2])  # run's: theirs)
     fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch")
     inbox: queue.Queue = queue.Queue()
     threading.Thread(
