@@ -84,3 +84,54 @@ def test_sync_config_errors_name_the_key():
         with pytest.raises(ConfigError) as info:
             load_config(str(REPO / "examples" / "arith.yaml"), [override])
         assert key in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_killed_linked_worker_gets_the_current_weights_over_its_new_link(
+    tiny_model_dir, tmp_path
+):
+    """η = 1, every worker on a link: rollout-1 is killed after step 2; its replacement
+    joins a new link, receives the current version over it, bit-exact, and every accepted
+    group is trained."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run_dir = tmp_path / "grpo-arith" / "kill"
+    args = _args(
+        tiny_model_dir,
+        tmp_path,
+        "kill",
+        "sync.transport=broadcast",
+        "rollout.max_head_offpolicyness=1",
+        "rollout.drop_stale=false",
+        "total_steps=5",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_fast.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
+    metrics, workers = run_dir / "metrics.jsonl", run_dir / "workers.json"
+    deadline = time.monotonic() + 240
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= 2 and workers.is_file()):
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        assert time.monotonic() < deadline, "the job did not reach step 2"
+        time.sleep(0.05)
+    os.kill(json.loads(workers.read_text())["rollout-1"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["rollout_worker_restarts"] == 1
+    assert summary["rollouts_trained"] == 5 * 4
+    assert set(summary["rollouts_dropped"]) <= {"unused_at_end", "in_flight_at_end"}
+    served = summary["weight_versions"]["rollout-1"]  # the old worker's, then the new one's
+    assert served[-1] == 5 and served == sorted(served), served
+    # recovery ends when the new worker serves the version current at its restart
+    assert 0 < summary["rollout_recovery_seconds"][0] < 60
+    for version, crcs in summary["weight_checksums"].items():
+        if "trainer" in crcs:
+            assert len(set(crcs.values())) == 1, (version, crcs)
