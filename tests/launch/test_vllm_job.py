@@ -92,14 +92,23 @@ def _check_job(run_dir: Path, steps: int) -> dict:
     return summary
 
 
-@pytest.mark.parametrize("pause_mode", ["abort", "keep"])
-def test_main_job_on_vllm(tmp_path, pause_mode):
+@pytest.mark.parametrize("pause_mode, transport", [("abort", "auto"), ("keep", "broadcast")])
+def test_main_job_on_vllm(tmp_path, pause_mode, transport):
     """3 steps in each pause mode, with weight updates landing mid-generation. Versions never
-    decrease within a sample: the rollout worker fails on one that does (the job would fail)."""
-    _run(_args(tmp_path, pause_mode, 3, f"rollout.pause_mode={pause_mode}"))
+    decrease within a sample: the rollout worker fails on one that does (the job would fail).
+    With ``sync.transport=broadcast`` the worker gets each version over its gloo link into a
+    buffer of its own, which vLLM's workers map (as on a node without the trainer's slots)."""
+    extra = [f"rollout.pause_mode={pause_mode}", f"sync.transport={transport}"]
+    _run(_args(tmp_path, pause_mode, 3, *extra, "sync.checksum=true"))
     run_dir = tmp_path / "grpo-gsm8k" / pause_mode
     summary = _check_job(run_dir, 3)
     assert summary["rollout_worker_restarts"] == 0
+    path = "shm" if transport == "auto" else transport
+    assert summary["weight_transports"] == {"rollout-0": path}
+    assert summary["weight_versions"]["rollout-0"] == [1, 2, 3]
+    for version in ("1", "2", "3"):
+        crcs = summary["weight_checksums"][version]
+        assert set(crcs) == {"trainer", "rollout-0"} and len(set(crcs.values())) == 1, crcs
     # an update met running samples: aborted and resumed as prompt + partial (abort), or a
     # version seam inside a sample (keep)
     assert summary["sample_interruptions"] > 0, summary
