@@ -425,6 +425,7 @@ def _run(
         **counts.as_dict(),
         **controller.weights.summary(),
         weight_transports=dict(cluster.transports),
+        worker_nodes=dict(cluster.nodes),
         torch=torch.__version__,
         trainer_threads=worker_threads(cfg)[0],
         rollout_threads=worker_threads(cfg)[1],
