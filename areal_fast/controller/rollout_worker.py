@@ -61,7 +61,8 @@ class RolloutWorkerSpec:
         trainer still gets it if this worker dies before the shard is fetched.
     host : str
         Address the shard server binds; a :class:`~areal_fast.launch.cluster.ClusterSpec`
-        starts every rollout worker with its ``scheduler.host`` here.
+        starts every rollout worker with its ``scheduler.bind_host`` here (on Ray: the
+        node's IP unless that is set).
     """
 
     engine_factory: Callable

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from areal_fast._nodes import reachable_host
 from areal_fast.controller import messages as msg
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec, rollout_worker_main
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec, trainer_worker_main
@@ -42,8 +43,9 @@ class ClusterSpec:
     Attributes
     ----------
     rollout : RolloutWorkerSpec
-        Every rollout worker starts with a copy whose ``host`` is ``scheduler.host``
-        (:meth:`rollout_spec`).
+        Every rollout worker starts with a copy whose ``host`` is :attr:`bind_host`
+        (:meth:`rollout_spec`; a Ray actor replaces it by its node's IP unless
+        ``scheduler.bind_host`` is set).
     trainer : TrainerWorkerSpec
         Rank 0's spec; the other ranks get copies with their rank (and the trainer
         factory's ``rank`` / ``world_size`` / ``dist_init_method`` / ``dist_timeout`` when it
@@ -52,12 +54,16 @@ class ClusterSpec:
         ``rollout.num_workers``.
     scheduler : SchedulerConfig
         ``train_world_size`` (trainer ranks, FSDP2 data parallel; 1: a single process),
-        ``host`` (address of torch.distributed's rendezvous, the shard servers and the Ray
-        workers' channels) and ``dist_timeout`` (seconds of the trainer group's collectives).
+        ``bind_host`` (address the job's servers bind) and ``dist_timeout`` (seconds of the
+        trainer group's collectives).
     launcher : LauncherConfig
         ``startup_timeout``: seconds for every worker to report ready.
     workers_file : str, optional
         JSON file that receives ``{worker name: pid}`` after every (re)start.
+    rendezvous : tuple[str, int], optional
+        ``(host, port)`` at which the trainer ranks meet (torch.distributed's TCP store,
+        served by rank 0); None: a free port of this machine at :attr:`bind_host` (a
+        wildcard: 127.0.0.1). The Ray launcher sets rank 0's node here.
     """
 
     rollout: RolloutWorkerSpec
@@ -66,6 +72,7 @@ class ClusterSpec:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     workers_file: Optional[str] = None
+    rendezvous: Optional[tuple[str, int]] = None
 
     def __post_init__(self):
         if self.num_rollout_workers < 1:
@@ -77,9 +84,10 @@ class ClusterSpec:
         return self.scheduler.train_world_size
 
     @property
-    def host(self) -> str:
-        """Address of the rendezvous, shard servers and channels (``scheduler.host``)."""
-        return self.scheduler.host
+    def bind_host(self) -> str:
+        """Address this machine's servers bind: ``scheduler.bind_host``, 127.0.0.1 when it is
+        None."""
+        return self.scheduler.bind_host or "127.0.0.1"
 
     @property
     def startup_timeout(self) -> float:
@@ -87,15 +95,40 @@ class ClusterSpec:
         return self.launcher.startup_timeout
 
     def rollout_spec(self) -> RolloutWorkerSpec:
-        """The spec every rollout worker starts with: ``rollout`` on ``scheduler.host``."""
-        return dataclasses.replace(self.rollout, host=self.host)
+        """The spec every rollout worker starts with: ``rollout`` on :attr:`bind_host`.
 
-    def trainer_specs(self) -> list[TrainerWorkerSpec]:
-        """One spec per trainer rank, with a fresh rendezvous address when there are several."""
+        Raises
+        ------
+        ValueError
+            ``scheduler.bind_host`` is not an address of this machine (named).
+        """
+        return dataclasses.replace(self.rollout, host=_bindable(self.bind_host))
+
+    def trainer_specs(
+        self, rendezvous: Optional[tuple[str, int]] = None
+    ) -> list[TrainerWorkerSpec]:
+        """One spec per trainer rank; with several, all meet at ``rendezvous``.
+
+        Parameters
+        ----------
+        rendezvous : (host, port), optional
+            Address of the group's rendezvous, which rank 0 serves; None:
+            :attr:`rendezvous`, else a free port of this machine at :attr:`bind_host`
+            (for a wildcard, 127.0.0.1).
+
+        Raises
+        ------
+        ValueError
+            ``scheduler.bind_host`` is not an address of this machine (named).
+        """
         n = self.train_world_size
         if n == 1:
             return [self.trainer]
-        init_method = f"tcp://{self.host}:{free_port(self.host)}"
+        host, port = rendezvous or self.rendezvous or (None, None)
+        if host is None:
+            bind = _bindable(self.bind_host)
+            host, port = reachable_host(bind), free_port(bind)
+        init_method = f"tcp://{host}:{port}"
         specs = []
         for rank in range(n):
             factory = self.trainer.trainer_factory
@@ -120,6 +153,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _bindable(host: str) -> str:
+    """``host`` if a socket of this machine can bind it.
+
+    Raises
+    ------
+    ValueError
+        Naming ``scheduler.bind_host`` and the system's reason.
+    """
+    try:
+        free_port(host)
+    except OSError as exc:
+        raise ValueError(
+            f"scheduler.bind_host = {host!r} cannot be bound on this machine: {exc.strerror or exc}"
+        ) from None
+    return host
 
 
 def trainer_name(rank: int) -> str:
