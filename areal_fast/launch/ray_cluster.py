@@ -16,8 +16,8 @@ driver's node, each rollout worker's shard server its node (a wildcard bind is a
 the node's IP). Trainer ranks meet at rank 0's node: a zero-CPU task on rank 0's bundle finds
 that node's IP and a free port there before the ranks start.
 
-The job's key never travels as a task argument (which Ray's dashboard and task table show):
-it is put in the object store once, and each actor receives a reference to it, nested in a
+The job's key never travels as a task argument (which Ray keeps with each task): it is put
+in the object store once, and each actor receives a reference to it, nested in a
 list so that Ray does not resolve it into the arguments, and reads it with ``ray.get``. See
 docs/scale-out.md for who on a Ray cluster can read what.
 
@@ -241,13 +241,16 @@ class RayCluster(Cluster):
     spec : ClusterSpec
     scheduler : SchedulerConfig
         ``ray_address`` (None starts a local Ray instance unless one is already
-        initialised in this process), resources per worker, placement strategy.
+        initialised in this process), resources per worker, placement strategy,
+        ``bind_host`` (None: each process binds its own node's IP).
 
     Raises
     ------
     WorkerError
         The placement group cannot be placed within ``startup_timeout`` (the resources are
-        named), or a worker did not connect or start in time.
+        named), the controller cannot listen on ``scheduler.bind_host``, no rendezvous
+        address was found on trainer rank 0's node, or a worker did not connect or start in
+        time.
     """
 
     def __init__(self, spec: ClusterSpec, scheduler):
@@ -326,7 +329,8 @@ class RayCluster(Cluster):
         Raises
         ------
         WorkerError
-            The task did not answer within ``startup_timeout``.
+            The task failed or did not answer within ``startup_timeout`` (trainer rank 0
+            named).
         """
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
