@@ -6,14 +6,15 @@ The head node is started as usual; the second node joins it with ``--node-ip-add
 shared memory, as on a separate machine. Both nodes share this machine's network and the rest
 of its file system.
 
-Use the module-scoped fixture :func:`two_node_ray` (import it into a test module, or list this
-module in ``pytest_plugins``). Drivers run as subprocesses with ``two_node_ray.env`` (token
-authentication, which Ray turns on at ``ray start``, and this cluster's token) and connect to
-``two_node_ray.address``.
+Use the module-scoped fixture :func:`two_node_ray` by importing it into a test module
+(``from two_node_ray import two_node_ray``; pytest puts this folder on the import path).
+Drivers run as subprocesses with ``two_node_ray.env`` (token authentication, which Ray turns
+on at ``ray start``, and this cluster's token) and connect to ``two_node_ray.address``.
 
-Each node has 2 CPUs: a job of 2 trainer ranks and 2 rollout workers of 0.5 CPU each, one of
-each per node (``scheduler.placement_strategy=SPREAD``), takes half, which leaves room for a
-restarted worker's probe tasks and the tests' own actors. Every port is chosen free, the
+Each node has 2 CPUs. A job of 2 trainer ranks and 2 rollout workers of 0.5 CPU each takes
+half of them; with ``scheduler.placement_strategy=SPREAD`` Ray puts the two trainer ranks on
+different nodes and the two rollout workers on different nodes (which node gets rank 0
+varies). The other half leaves room for the tests' own actors. Every port is chosen free, the
 cluster's files live in a fresh temporary directory (so ``ray.init()`` elsewhere on this
 machine never finds this cluster), and teardown stops both ``ray start --block`` processes
 and kills whatever of theirs is left (never another Ray instance of this machine).
