@@ -89,7 +89,7 @@ class WorkerReady:
     node_addr: str = ""
     weight_buffers: tuple = ()  # trainer: its two WeightBufferSpec slots
     version: int = 0  # trainer: the policy version it starts at (> 0 after a resume)
-    node_id: str = ""  # the node it runs on (areal_fast.controller.node)
+    node_id: str = ""  # the node it runs on (areal_fast._nodes)
     sync_address: str = ""  # trainer rank 0: ip:port of its weight-link rendezvous store
 
 

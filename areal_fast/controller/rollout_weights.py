@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
+from areal_fast._nodes import reachable_host
 from areal_fast.controller import messages as msg
-from areal_fast.controller.node import advertised_ip
 from areal_fast.sync.shared_memory import SharedWeightBuffer
 from areal_fast.sync.slot_broadcast import SlotSubscriber, buffer_checksum
 
@@ -85,7 +85,7 @@ class WorkerWeights:
             self.link.close()
         self.link = SlotSubscriber(
             message.link,
-            advertised_ip(self.host),
+            reachable_host(self.host),
             deliver=lambda version, buffer, seconds: self.post(
                 ("weights", (version, buffer, seconds))
             ),

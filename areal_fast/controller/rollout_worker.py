@@ -28,8 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
+from areal_fast._nodes import node_id
 from areal_fast.controller import messages as msg
-from areal_fast.controller.node import node_id
 from areal_fast.controller.rollout_weights import PAUSE_TIMEOUT_S, WorkerWeights
 from areal_fast.controller.shard_io import shard_tensors
 from areal_fast.controller.shards import ShardMetadata, ShardStore, tensor_metadata
@@ -60,7 +60,8 @@ class RolloutWorkerSpec:
         trainer still gets it if this worker dies before the shard is fetched.
     host : str
         Address the shard server binds; a :class:`~areal_fast.launch.cluster.ClusterSpec`
-        starts every rollout worker with its ``scheduler.host`` here.
+        starts every rollout worker with its ``scheduler.bind_host`` here (on Ray: the
+        node's IP unless that is set).
     checksum : bool
         Report a CRC-32 of every installed weights version (``sync.checksum``).
     """

@@ -20,6 +20,7 @@ from pathlib import Path
 import msgpack
 import torch
 
+from areal_fast._nodes import reachable_host
 from areal_fast.controller.shard_io import (
     read_shard_file,
     recv_shards,
@@ -156,7 +157,8 @@ def tensor_metadata(tensors: dict[str, torch.Tensor]) -> dict[str, TensorMetadat
 class ShardStore:
     """Shards of one rollout worker, served to trainers over ``multiprocessing.connection``.
 
-    The server binds ``host`` (127.0.0.1 unless a launcher configures another) on a free port
+    The server binds ``host`` (127.0.0.1 unless a launcher configures another; a wildcard
+    such as 0.0.0.0 is advertised as the node's IP) on a free port
     and requires ``authkey`` (an HMAC challenge before any data is read), so only processes
     of the same job can connect; requests are msgpack and tensors travel as raw bytes
     (:func:`~areal_fast.controller.shard_io.send_shards`), never pickled.
@@ -170,7 +172,8 @@ class ShardStore:
         self._lock = threading.Lock()
         self._listener = Listener((host, 0), authkey=authkey)
         self._closed = False
-        self.address = "%s:%d" % self._listener.address
+        bound, port = self._listener.address  # a wildcard bind is told as the node's IP
+        self.address = "%s:%d" % (reachable_host(bound), port)
         self._thread = threading.Thread(target=self._serve, daemon=True, name="shard-server")
 
     def start(self) -> None:

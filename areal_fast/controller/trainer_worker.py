@@ -16,8 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
+from areal_fast._nodes import node_id, reachable_host
 from areal_fast.controller import messages as msg
-from areal_fast.controller.node import advertised_ip, node_id
 from areal_fast.controller.shards import fetch_packed_batch
 from areal_fast.rl.decoupled import staleness_stats
 from areal_fast.sync.shared_memory import SharedWeightBuffer
@@ -79,7 +79,7 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
     leader = spec.rank == 0
     links = None  # rank 0: sends the slots to rollout workers on other nodes
     if leader:
-        links = SlotBroadcaster(spec.host, advertised_ip(spec.host))
+        links = SlotBroadcaster(spec.host, reachable_host(spec.host))
         if trainer.version > 0:  # resumed: workers load the checkpoint's version (a fresh
             links.publish(int(trainer.version), buffers[trainer.version % 2])  # run's: theirs)
     fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch")

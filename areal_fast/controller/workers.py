@@ -45,6 +45,7 @@ class WorkerHandle:
 
     name: str
     conn: MessageChannel
+    node: Optional[str] = None  # where it runs when that is not this machine (a node IP)
 
     @property
     def sentinel(self):
@@ -80,7 +81,10 @@ class WorkerHandle:
 
     def died_message(self, doing: str) -> str:
         """One line saying that this worker died and what it was doing."""
-        return f"worker {self.name!r} (pid {self.pid}) died with {self.exit_status()} {doing}"
+        where = f", node {self.node}" if self.node else ""
+        return (
+            f"worker {self.name!r} (pid {self.pid}{where}) died with {self.exit_status()} {doing}"
+        )
 
     def reap(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a dead worker's exit status."""
@@ -178,8 +182,9 @@ def _receive(handle: WorkerHandle, doing: str):
             f"worker {handle.name!r} sent an undecodable message {doing}: {exc}", handle.name
         ) from None
     if isinstance(message, WorkerFailed):
+        where = f" (node {handle.node})" if handle.node else ""
         raise WorkerError(
-            f"worker {message.name!r} failed {doing}: {message.message}",
+            f"worker {message.name!r}{where} failed {doing}: {message.message}",
             handle.name,
             died=message.restartable,
         )

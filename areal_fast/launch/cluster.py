@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from areal_fast._nodes import LOCAL_NODE, reachable_host
 from areal_fast.controller import messages as msg
-from areal_fast.controller.node import LOCAL_NODE
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec, rollout_worker_main
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec, trainer_worker_main
 from areal_fast.controller.workers import WorkerError, WorkerHandle, spawn_worker, wait_messages
@@ -45,8 +45,9 @@ class ClusterSpec:
     Attributes
     ----------
     rollout : RolloutWorkerSpec
-        Every rollout worker starts with a copy whose ``host`` is ``scheduler.host``
-        (:meth:`rollout_spec`).
+        Every rollout worker starts with a copy whose ``host`` is :attr:`bind_host`
+        (:meth:`rollout_spec`; a Ray actor replaces it by its node's IP unless
+        ``scheduler.bind_host`` is set).
     trainer : TrainerWorkerSpec
         Rank 0's spec; the other ranks get copies with their rank (and the trainer
         factory's ``rank`` / ``world_size`` / ``dist_init_method`` / ``dist_timeout`` when it
@@ -55,14 +56,18 @@ class ClusterSpec:
         ``rollout.num_workers``.
     scheduler : SchedulerConfig
         ``train_world_size`` (trainer ranks, FSDP2 data parallel; 1: a single process),
-        ``host`` (address of torch.distributed's rendezvous, the shard servers and the Ray
-        workers' channels) and ``dist_timeout`` (seconds of the trainer group's collectives).
+        ``bind_host`` (address the job's servers bind) and ``dist_timeout`` (seconds of the
+        trainer group's collectives).
     launcher : LauncherConfig
         ``startup_timeout``: seconds for every worker to report ready.
     workers_file : str, optional
         JSON file that receives ``{worker name: pid}`` after every (re)start.
     sync : SyncConfig
         The weight path of each rollout worker (:meth:`Cluster.link_weights`).
+    rendezvous : tuple[str, int], optional
+        ``(host, port)`` at which the trainer ranks meet (torch.distributed's TCP store,
+        served by rank 0); None: a free port of this machine at :attr:`bind_host` (a
+        wildcard: 127.0.0.1). The Ray launcher sets rank 0's node here.
     """
 
     rollout: RolloutWorkerSpec
@@ -72,6 +77,7 @@ class ClusterSpec:
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
     workers_file: Optional[str] = None
     sync: SyncConfig = field(default_factory=SyncConfig)
+    rendezvous: Optional[tuple[str, int]] = None
 
     def __post_init__(self):
         if self.num_rollout_workers < 1:
@@ -85,9 +91,10 @@ class ClusterSpec:
         return self.scheduler.train_world_size
 
     @property
-    def host(self) -> str:
-        """Address of the rendezvous, shard servers and channels (``scheduler.host``)."""
-        return self.scheduler.host
+    def bind_host(self) -> str:
+        """Address this machine's servers bind: ``scheduler.bind_host``, 127.0.0.1 when it is
+        None."""
+        return self.scheduler.bind_host or "127.0.0.1"
 
     @property
     def startup_timeout(self) -> float:
@@ -95,18 +102,46 @@ class ClusterSpec:
         return self.launcher.startup_timeout
 
     def rollout_spec(self) -> RolloutWorkerSpec:
-        """The spec every rollout worker starts with: ``rollout`` on ``scheduler.host``."""
-        return dataclasses.replace(self.rollout, host=self.host)
+        """The spec every rollout worker starts with: ``rollout`` on :attr:`bind_host`.
 
-    def trainer_specs(self) -> list[TrainerWorkerSpec]:
-        """One spec per trainer rank, with a fresh rendezvous address when there are several."""
+        Raises
+        ------
+        ValueError
+            ``scheduler.bind_host`` is not an address of this machine (named).
+        """
+        return dataclasses.replace(self.rollout, host=_bindable(self.bind_host))
+
+    def trainer_specs(
+        self, rendezvous: Optional[tuple[str, int]] = None
+    ) -> list[TrainerWorkerSpec]:
+        """One spec per trainer rank, each with ``host`` = :attr:`bind_host` (where rank 0's
+        weight links listen; a Ray actor puts its node's IP there unless
+        ``scheduler.bind_host`` is set); with several, all meet at ``rendezvous``.
+
+        Parameters
+        ----------
+        rendezvous : (host, port), optional
+            Address of the group's rendezvous, which rank 0 serves; None:
+            :attr:`rendezvous`, else a free port of this machine at :attr:`bind_host`
+            (for a wildcard, 127.0.0.1).
+
+        Raises
+        ------
+        ValueError
+            ``scheduler.bind_host`` is not an address of this machine (named).
+        """
         n = self.train_world_size
+        trainer = dataclasses.replace(self.trainer, host=_bindable(self.bind_host))  # its links
         if n == 1:
-            return [self.trainer]
-        init_method = f"tcp://{self.host}:{free_port(self.host)}"
+            return [trainer]
+        host, port = rendezvous or self.rendezvous or (None, None)
+        if host is None:
+            bind = _bindable(self.bind_host)
+            host, port = reachable_host(bind), free_port(bind)
+        init_method = f"tcp://{host}:{port}"
         specs = []
         for rank in range(n):
-            factory = self.trainer.trainer_factory
+            factory = trainer.trainer_factory
             if dataclasses.is_dataclass(factory) and hasattr(factory, "world_size"):
                 group = dict(
                     rank=rank,
@@ -118,7 +153,7 @@ class ClusterSpec:
                     factory, **{k: v for k, v in group.items() if hasattr(factory, k)}
                 )
             specs.append(
-                dataclasses.replace(self.trainer, trainer_factory=factory, rank=rank, world_size=n)
+                dataclasses.replace(trainer, trainer_factory=factory, rank=rank, world_size=n)
             )
         return specs
 
@@ -128,6 +163,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _bindable(host: str) -> str:
+    """``host`` if a socket of this machine can bind it.
+
+    Raises
+    ------
+    ValueError
+        Naming ``scheduler.bind_host`` and the system's reason.
+    """
+    try:
+        free_port(host)
+    except OSError as exc:
+        raise ValueError(
+            f"scheduler.bind_host = {host!r} cannot be bound on this machine: {exc.strerror or exc}"
+        ) from None
+    return host
 
 
 def trainer_name(rank: int) -> str:

@@ -79,14 +79,15 @@ class SchedulerConfig:
     """Where the workers run: ``local`` processes or ``ray`` actors; the same config for both.
 
     Resources apply to the Ray launcher's placement group (one bundle per worker); the local
-    launcher uses ``train_world_size`` and ``host`` only.
+    launcher uses ``train_world_size``, ``bind_host`` and ``dist_timeout`` only.
     """
 
     type: str = "local"  # "local" processes, or "ray" actors (python -m areal_fast.launch.ray)
     train_world_size: int = 1  # trainer ranks (FSDP2 data parallel: gloo on CPU, NCCL on GPU)
-    # address of the controller's channels, shard servers and the trainers' rendezvous;
-    # the loopback default keeps everything on this machine
-    host: str = "127.0.0.1"
+    # IPv4 address every server of the job binds (the controller's channels, the shard
+    # servers); None: 127.0.0.1 for local processes, each node's own IP on Ray; 0.0.0.0:
+    # every interface, peers are told the node's IP
+    bind_host: Optional[str] = None
     ray_address: Optional[str] = None  # None: start a local Ray instance; "auto": join one
     ray_num_cpus: Optional[int] = None  # CPUs of a local Ray instance (None: all cores)
     cpus_per_rollout_worker: float = 1.0  # CPUs of each rollout worker's Ray bundle
@@ -99,6 +100,8 @@ class SchedulerConfig:
     def __post_init__(self):
         if self.type not in ("local", "ray"):
             raise ValueError(f"type = {self.type!r} is not 'local' or 'ray'")
+        if self.bind_host is not None:
+            _check_ipv4("bind_host", self.bind_host)
         at_least("train_world_size", self.train_world_size, 1)
         for name in ("cpus_per_rollout_worker", "cpus_per_trainer_rank"):
             positive_finite(name, getattr(self, name))
@@ -113,6 +116,21 @@ class SchedulerConfig:
         positive_finite("dist_timeout", self.dist_timeout)
         if self.ray_num_cpus is not None:
             at_least("ray_num_cpus", self.ray_num_cpus, 1)
+
+
+def _check_ipv4(name: str, value: str) -> None:
+    """Raise ``ValueError`` naming ``name`` unless ``value`` is an IPv4 address (the job's
+    sockets are IPv4: ``multiprocessing.connection``, torch's TCP store)."""
+    import ipaddress
+
+    try:
+        ipaddress.IPv4Address(value)
+    except ValueError:
+        ipv6 = " (IPv6 is not supported: 0.0.0.0 binds every interface)" if ":" in value else ""
+        raise ValueError(
+            f"{name} = {value!r} is not an IPv4 address such as 10.0.0.5, or 0.0.0.0 for "
+            f"every interface{ipv6}"
+        ) from None
 
 
 @dataclass

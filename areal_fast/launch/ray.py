@@ -6,7 +6,8 @@ placement group (:mod:`areal_fast.launch.ray_cluster`). ``scheduler.ray_address`
 existing cluster (``auto`` for the one ``ray start`` made); by default a local Ray instance
 is started. Resources per worker: ``scheduler.cpus_per_rollout_worker``,
 ``gpus_per_rollout_worker``, ``cpus_per_trainer_rank``, ``gpus_per_trainer_rank``; trainer
-ranks: ``scheduler.train_world_size``.
+ranks: ``scheduler.train_world_size``. Every server binds ``scheduler.bind_host``, by default
+its own node's IP; which workers may run on other nodes: docs/scale-out.md.
 """
 
 from __future__ import annotations

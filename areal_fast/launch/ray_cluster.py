@@ -2,13 +2,24 @@
 
 Ray does placement and process management: one placement group with a bundle per worker
 (``scheduler.cpus_per_*`` / ``gpus_per_*``, strategy ``scheduler.placement_strategy``), each
-actor pinned to its bundle. The controller stays the driver. Each actor connects back to the
-controller over an authenticated socket (``multiprocessing.connection`` with the job's random
-key: an HMAC challenge before any data) and then runs the same worker entry point as a local
-process, speaking the same msgpack messages (:mod:`areal_fast.controller.codec`). Rollout
-data still moves worker to worker (shard servers), weights through the trainer's
-shared-memory slots, so every actor must run on the controller's node for now (a multi-node
-run needs a network weight transport; see docs/scale-out.md).
+actor pinned to its bundle, on any node of the cluster. The controller stays the driver. Each
+actor connects back to the controller over an authenticated socket (``multiprocessing.
+connection`` with the job's random key: an HMAC challenge before any data) and then runs the
+same worker entry point as a local process, speaking the same msgpack messages
+(:mod:`areal_fast.controller.codec`).
+
+Node identity: before the worker starts, each actor sets ``AREAL_FAST_NODE_ID`` (its Ray node
+id) and ``AREAL_FAST_NODE_IP`` (its node's IP) in its environment (:mod:`areal_fast._nodes`)
+and tells the controller its node IP, which error messages about the worker name. Every server
+binds ``scheduler.bind_host``, by default its own node's IP: the controller's listener the
+driver's node, each rollout worker's shard server its node (a wildcard bind is advertised as
+the node's IP). Trainer ranks meet at rank 0's node: a zero-CPU task on rank 0's bundle finds
+that node's IP and a free port there before the ranks start.
+
+The job's key never travels as a task argument (which Ray keeps with each task): it is put
+in the object store once, and each actor receives a reference to it, nested in a
+list so that Ray does not resolve it into the arguments, and reads it with ``ray.get``. See
+docs/scale-out.md for who on a Ray cluster can read what.
 
 A dead actor shows as the end of its socket, so the controller notices a death at once,
 exactly as with a local process.
@@ -28,6 +39,7 @@ extension's warning names that folder and the installed package it shadows.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import queue
 import signal
@@ -39,26 +51,59 @@ from typing import Optional
 
 import msgpack
 
+from areal_fast._nodes import NODE_ID_ENV, NODE_IP_ENV, reachable_host
 from areal_fast.controller.codec import MessageChannel
 from areal_fast.controller.workers import WorkerError, WorkerHandle, _worker_entry
-from areal_fast.launch.cluster import Cluster, ClusterSpec, trainer_name
+from areal_fast.launch.cluster import Cluster, ClusterSpec, free_port, trainer_name
 
 
 class _WorkerActor:
     """Body of every worker actor: connect to the controller, then serve like a process."""
 
-    def run(self, name: str, target, spec, address, authkey: bytes, cwd: str) -> None:
+    def run(
+        self,
+        name: str,
+        target,
+        spec,
+        address,
+        secret: list,
+        cwd: str,
+        bind_host: Optional[str] = None,
+    ) -> None:
         """Work in the driver's directory ``cwd``, connect to the controller at ``address``,
-        say who this is, serve until shutdown (Ctrl-C is for the driver: it stops the
-        workers)."""
+        say who this is and where, serve until shutdown (Ctrl-C is for the driver: it stops
+        the workers).
+
+        ``secret`` is ``[ObjectRef]`` of the job's key (a reference, never the key itself,
+        is in the task's arguments). ``AREAL_FAST_NODE_ID`` / ``AREAL_FAST_NODE_IP`` name
+        this node; a spec with a ``host`` (the shard server's address) gets this node's IP
+        there unless ``bind_host`` (``scheduler.bind_host``) is set."""
+        import ray
+
         with contextlib.suppress(ValueError):  # not the main thread: nothing to do
             signal.signal(signal.SIGINT, signal.SIG_IGN)
         os.chdir(cwd)
         if cwd not in sys.path:  # modules beside the config (agents) import, after the package
             sys.path.append(cwd)
+        ip = ray.util.get_node_ip_address()
+        os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()
+        os.environ[NODE_IP_ENV] = ip
+        authkey = ray.get(secret[0])
+        if bind_host is None and dataclasses.is_dataclass(spec) and hasattr(spec, "host"):
+            spec = dataclasses.replace(spec, host=ip)
         conn = Client(tuple(address), authkey=authkey)
-        conn.send_bytes(msgpack.packb({"name": name, "pid": os.getpid()}))
+        conn.send_bytes(msgpack.packb({"name": name, "pid": os.getpid(), "node_ip": ip}))
         _worker_entry(target, conn, name, spec, authkey)
+
+
+def _rendezvous_here(bind_host: Optional[str]) -> tuple[str, int]:
+    """``(address, free port)`` on the node this runs on, for the trainer group's rendezvous:
+    ``bind_host`` when it names one address, else the node's IP."""
+    import ray
+
+    ip = ray.util.get_node_ip_address()
+    bind = bind_host or ip
+    return reachable_host(bind, ip), free_port(bind)
 
 
 _REMOTE_ACTOR = None
@@ -100,11 +145,39 @@ def _remote_actor():
     return _REMOTE_ACTOR
 
 
-class RayHandle(WorkerHandle):
-    """A worker running in a Ray actor (its ``run`` call lasts as long as the worker)."""
+_REMOTE_RENDEZVOUS = None
 
-    def __init__(self, name: str, conn: MessageChannel, actor, run_ref, pid: int):
+
+def _remote_rendezvous():
+    global _REMOTE_RENDEZVOUS
+    if _REMOTE_RENDEZVOUS is None:
+        import ray
+
+        _REMOTE_RENDEZVOUS = ray.remote(num_cpus=0, max_retries=0)(_rendezvous_here)
+    return _REMOTE_RENDEZVOUS
+
+
+class RayHandle(WorkerHandle):
+    """A worker running in a Ray actor (its ``run`` call lasts as long as the worker).
+
+    Attributes
+    ----------
+    node_ip : str or None
+        IP of the node the actor runs on, as the actor reported it (also ``node``, which
+        messages about the worker name).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        conn: MessageChannel,
+        actor,
+        run_ref,
+        pid: int,
+        node_ip: Optional[str] = None,
+    ):
         self.name, self.conn, self.actor, self.run_ref, self._pid = name, conn, actor, run_ref, pid
+        self.node_ip = self.node = node_ip
 
     @property
     def pid(self) -> Optional[int]:
@@ -168,13 +241,16 @@ class RayCluster(Cluster):
     spec : ClusterSpec
     scheduler : SchedulerConfig
         ``ray_address`` (None starts a local Ray instance unless one is already
-        initialised in this process), resources per worker, placement strategy.
+        initialised in this process), resources per worker, placement strategy,
+        ``bind_host`` (None: each process binds its own node's IP).
 
     Raises
     ------
     WorkerError
         The placement group cannot be placed within ``startup_timeout`` (the resources are
-        named), or a worker did not connect or start in time.
+        named), the controller cannot listen on ``scheduler.bind_host``, no rendezvous
+        address was found on trainer rank 0's node, or a worker did not connect or start in
+        time.
     """
 
     def __init__(self, spec: ClusterSpec, scheduler):
@@ -184,9 +260,12 @@ class RayCluster(Cluster):
         self.listener: Optional[Listener] = None
         self._started_ray = False
         self._bundles: dict[str, int] = {}
-        self._pending: dict[str, tuple] = {}  # connected, not yet claimed: name -> (conn, pid)
+        # connected, not yet claimed: name -> (conn, pid, node IP)
+        self._pending: dict[str, tuple] = {}
         self._arrivals: queue.Queue = queue.Queue()
         self._closing = False
+        self._secret: Optional[list] = None  # [ObjectRef of the job's key], kept for restarts
+        self._address: Optional[tuple[str, int]] = None  # the listener, as actors reach it
 
     def __enter__(self) -> "RayCluster":
         import ray
@@ -195,8 +274,8 @@ class RayCluster(Cluster):
         if not ray.is_initialized():
             local = self.scheduler.ray_address is None
             with _in_package_parent(), _sigterm_kept():
-                ray.init(
-                    address=self.scheduler.ray_address,
+                ray.init(  # "local": never join another instance `ray start` left running
+                    address="local" if local else self.scheduler.ray_address,
                     include_dashboard=False,
                     log_to_driver=True,
                     num_cpus=self.scheduler.ray_num_cpus if local else None,
@@ -214,12 +293,73 @@ class RayCluster(Cluster):
                     f"startup_timeout = {self.spec.startup_timeout:g} s; cluster "
                     f"resources: {ray.cluster_resources()}"
                 )
-            self.listener = Listener((self.spec.host, 0), authkey=self.authkey)
+            self._secret = [ray.put(self.authkey)]
+            self._listen(ray.util.get_node_ip_address())
             threading.Thread(target=self._accept_loop, daemon=True, name="ray-accept").start()
+            if self.spec.train_world_size > 1:
+                self.spec = dataclasses.replace(self.spec, rendezvous=self._rendezvous())
         except BaseException:
             self.close()
             raise
         return super().__enter__()
+
+    def _listen(self, driver_ip: str) -> None:
+        """Open the listener the actors connect to: ``scheduler.bind_host``, by default the
+        driver node's IP.
+
+        Raises
+        ------
+        WorkerError
+            The address cannot be bound here (naming ``scheduler.bind_host``).
+        """
+        bind = self.scheduler.bind_host or driver_ip
+        try:
+            self.listener = Listener((bind, 0), authkey=self.authkey)
+        except OSError as exc:
+            key = "scheduler.bind_host" if self.scheduler.bind_host else "the driver's node IP"
+            raise WorkerError(
+                f"the controller cannot listen on {bind!r} ({key}): {exc.strerror or exc}"
+            ) from None
+        self._address = (reachable_host(bind, driver_ip), self.listener.address[1])
+
+    def _rendezvous(self) -> tuple[str, int]:
+        """``(address, port)`` for the trainer group, on trainer rank 0's node: found by a
+        zero-CPU task pinned to rank 0's bundle.
+
+        Raises
+        ------
+        WorkerError
+            The task failed or did not answer within ``startup_timeout`` (trainer rank 0
+            named).
+        """
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(
+            self.pg, placement_group_bundle_index=self._bundles[trainer_name(0)]
+        )
+        ref = (
+            _remote_rendezvous()
+            .options(scheduling_strategy=strategy)
+            .remote(self.scheduler.bind_host)
+        )
+        ready, _ = ray.wait([ref], timeout=self.spec.startup_timeout)
+        if not ready:
+            ray.cancel(ref, force=True)
+            raise WorkerError(
+                f"no address for the trainer group's rendezvous on trainer rank 0's node "
+                f"within startup_timeout = {self.spec.startup_timeout:g} s",
+                trainer_name(0),
+            )
+        try:
+            host, port = ray.get(ref)
+        except Exception as exc:  # noqa: BLE001 - named in the message
+            raise WorkerError(
+                f"no address for the trainer group's rendezvous on trainer rank 0's node: "
+                f"{str(exc).splitlines()[0]}",
+                trainer_name(0),
+            ) from None
+        return str(host), int(port)
 
     def _bundle_specs(self) -> list[dict]:
         s, n = self.scheduler, self.spec.train_world_size
@@ -251,13 +391,14 @@ class RayCluster(Cluster):
             .remote()
         )
         run_ref = actor.run.remote(
-            name, target, spec, self.listener.address, self.authkey, os.getcwd()
+            name, target, spec, self._address, self._secret, os.getcwd(), self.scheduler.bind_host
         )
-        conn, pid = self._accept(name, run_ref)
-        return RayHandle(name, MessageChannel(conn), actor, run_ref, pid)
+        conn, pid, node_ip = self._accept(name, run_ref)
+        return RayHandle(name, MessageChannel(conn), actor, run_ref, pid, node_ip)
 
     def _accept(self, name: str, run_ref) -> tuple:
-        """The connection of worker ``name`` (others that arrive first are kept)."""
+        """``(connection, pid, node IP)`` of worker ``name`` (others that arrive first are
+        kept)."""
         import ray
 
         deadline = time.monotonic() + self.spec.startup_timeout
@@ -280,10 +421,10 @@ class RayCluster(Cluster):
                     name,
                 )
             try:
-                peer, conn, pid = self._arrivals.get(timeout=min(left, 1.0))
+                peer, *arrival = self._arrivals.get(timeout=min(left, 1.0))
             except queue.Empty:
                 continue
-            self._pending[peer] = (conn, pid)
+            self._pending[peer] = tuple(arrival)
         return self._pending.pop(name)
 
     def _accept_loop(self) -> None:
@@ -299,7 +440,10 @@ class RayCluster(Cluster):
                 if not conn.poll(30.0):
                     raise TimeoutError("no hello")
                 hello = msgpack.unpackb(conn.recv_bytes(), raw=False)
-                self._arrivals.put((str(hello["name"]), conn, int(hello["pid"])))
+                ip = hello.get("node_ip")
+                self._arrivals.put(
+                    (str(hello["name"]), conn, int(hello["pid"]), str(ip) if ip else None)
+                )
             except Exception:  # noqa: BLE001 - not a worker of this job: drop it
                 conn.close()
 
@@ -318,5 +462,6 @@ class RayCluster(Cluster):
                 from ray.util.placement_group import remove_placement_group
 
                 remove_placement_group(self.pg)
+            self._secret = None
             if self._started_ray:
                 ray.shutdown()

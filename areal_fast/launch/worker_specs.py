@@ -73,7 +73,6 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
             cfg.actor,
             threads=trainer_threads,
             resume_from=resume_from,
-            host=cfg.scheduler.host,
             checksum=sync.checksum,
         ),
         num_rollout_workers=cfg.rollout.num_workers,

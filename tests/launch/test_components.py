@@ -51,7 +51,7 @@ CHANGED = [
     "model.dtype=bfloat16",
     "scheduler.train_world_size=2",
     "scheduler.dist_timeout=30",
-    "scheduler.host=127.0.0.2",
+    "scheduler.bind_host=127.0.0.2",
     "launcher.startup_timeout=77",
     "total_steps=7",
     "seed=5",
@@ -80,11 +80,12 @@ def test_changed_config_changes_every_value():
 
 def test_cluster_spec_carries_the_config(cfg):
     spec = cluster_spec(cfg)
+    bind_host = cfg.scheduler.bind_host or "127.0.0.1"  # None: loopback for local processes
     assert spec.num_rollout_workers == cfg.rollout.num_workers
     assert spec.train_world_size == cfg.scheduler.train_world_size
-    assert spec.host == cfg.scheduler.host
+    assert spec.bind_host == bind_host
     assert spec.startup_timeout == cfg.launcher.startup_timeout
-    assert spec.rollout_spec().host == cfg.scheduler.host
+    assert spec.rollout_spec().host == bind_host
     engine_factory = spec.rollout.engine_factory
     assert isinstance(engine_factory, HFEngineFactory)
     assert engine_factory.model == cfg.model and engine_factory.rollout == cfg.rollout
@@ -105,7 +106,7 @@ def test_cluster_spec_carries_the_config(cfg):
             factory = rank_spec.trainer_factory
             assert (factory.rank, factory.world_size) == (rank, cfg.scheduler.train_world_size)
             assert factory.dist_timeout == cfg.scheduler.dist_timeout
-            assert factory.dist_init_method.startswith(f"tcp://{cfg.scheduler.host}:")
+            assert factory.dist_init_method.startswith(f"tcp://{bind_host}:")
 
 
 def test_hf_engine_uses_the_config(cfg):

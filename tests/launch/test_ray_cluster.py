@@ -1,7 +1,8 @@
 """Ray actors import the same ``areal_fast`` as the driver, even when the driver runs in a
 source checkout that would shadow it (Ray puts the driver's directory on their path); they
-work in the driver's directory and can still import modules from it; the launcher keeps its
-SIGTERM handler across ``ray.init``."""
+work in the driver's directory and can still import modules from it, read the job's key from
+the object store and name their node; the launcher keeps its SIGTERM handler across
+``ray.init``."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 DRIVER = """
 import json, os, secrets, signal, sys, threading
 from multiprocessing.connection import Listener
-import areal_fast, ray
+import areal_fast, msgpack, ray
 from areal_fast.launch.ray_cluster import _in_package_parent, _remote_actor, _sigterm_kept
 sys.path.append(os.getcwd())
 import probe
@@ -33,15 +34,21 @@ def on_sigterm(signum, frame):
 signal.signal(signal.SIGTERM, on_sigterm)
 here = os.getcwd()
 with _in_package_parent(), _sigterm_kept():
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
 assert os.getcwd() == here
 assert signal.getsignal(signal.SIGTERM) is on_sigterm  # ray.init sets its own
 key = secrets.token_bytes(16)
 listener = Listener(("127.0.0.1", 0), authkey=key)
-threading.Thread(target=lambda: listener.accept().recv_bytes(), daemon=True).start()
+hello = []
+threading.Thread(
+    target=lambda: hello.append(msgpack.unpackb(listener.accept().recv_bytes())), daemon=True
+).start()
 actor = _remote_actor().remote()
-ray.get(actor.run.remote("w", probe.target, "seen.json", listener.address, key, here))
-print(json.dumps({"driver": areal_fast.__file__, **json.loads(open("seen.json").read())}))
+ray.get(actor.run.remote("w", probe.target, "seen.json", listener.address, [ray.put(key)], here))
+node = {"id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
+print(json.dumps({"driver": areal_fast.__file__, "hello": hello[0], "node": node,
+                  "driver_key": key.hex(),
+                  **json.loads(open("seen.json").read())}))
 ray.shutdown()
 """
 
@@ -53,7 +60,9 @@ def target(conn, name, spec, authkey):
     import beside  # a module in the driver's directory
     with open(spec, "w") as fh:
         json.dump({"actor": areal_fast.__file__, "cwd": os.getcwd(), "beside": beside.VALUE,
-                   "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN}, fh)
+                   "sigint_ignored": signal.getsignal(signal.SIGINT) == signal.SIG_IGN,
+                   "key": authkey.hex(), "env_node": [os.environ.get("AREAL_FAST_NODE_ID"),
+                                                      os.environ.get("AREAL_FAST_NODE_IP")]}, fh)
 """
 
 
@@ -81,10 +90,14 @@ def test_actors_import_the_drivers_package_not_the_cwd(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     installed = str(REPO / "areal_fast" / "__init__.py")
+    node, hello = seen.pop("node"), seen.pop("hello")
+    assert seen.pop("key") == seen.pop("driver_key")  # put by the driver, read from the store
     assert seen == {
         "driver": installed,
         "actor": installed,
         "cwd": str(checkout),
         "beside": 7,
         "sigint_ignored": True,
+        "env_node": [node["id"], node["ip"]],  # the actor's node: the driver's here
     }
+    assert hello["name"] == "w" and hello["node_ip"] == node["ip"] and hello["pid"] > 0

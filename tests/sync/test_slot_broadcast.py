@@ -204,8 +204,9 @@ def test_a_link_nobody_joins_fails_within_its_timeout():
         broadcaster.add_peer("rollout-7", link)
         while "rollout-7" not in broadcaster.errors and time.monotonic() - start < 20:
             time.sleep(0.05)
-        assert "rollout worker 'rollout-7' did not join its weight link within 1 s" in (
-            broadcaster.errors["rollout-7"]
+        assert (
+            "rollout worker 'rollout-7' did not join its weight link within 1 s"
+            in (broadcaster.errors["rollout-7"])
         )
         assert time.monotonic() - start < 10
     finally:
