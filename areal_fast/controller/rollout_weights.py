@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 from areal_fast._nodes import reachable_host
 from areal_fast.controller import messages as msg
+from areal_fast.sync.config import SyncConfig
 from areal_fast.sync.shared_memory import SharedWeightBuffer
 from areal_fast.sync.slot_broadcast import SlotSubscriber, buffer_checksum
 
@@ -37,13 +38,13 @@ class WorkerWeights:
         from the weight link, ``("error", exc)`` when the link fails.
     host : str
         The worker's bind host (its weight link binds the node's address).
-    checksum : bool
-        Send a CRC-32 of every installed version.
+    sync : SyncConfig, optional
+        ``sync.checksum``: send a CRC-32 of every installed version.
     """
 
-    def __init__(self, engine, conn, post, host: str, checksum: bool = False):
+    def __init__(self, engine, conn, post, host: str, sync: Optional[SyncConfig] = None):
         self.engine, self.conn, self.post = engine, conn, post
-        self.host, self.checksum = host, checksum
+        self.host, self.checksum = host, bool(sync and sync.checksum)
         self.slots: dict[str, SharedWeightBuffer] = {}  # the trainer's, mapped on first use
         self.link: Optional[SlotSubscriber] = None
         self.served = 0  # the version installed last

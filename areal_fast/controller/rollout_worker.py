@@ -35,6 +35,7 @@ from areal_fast.controller.shard_io import shard_tensors
 from areal_fast.controller.shards import ShardMetadata, ShardStore, tensor_metadata
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
+from areal_fast.sync.config import SyncConfig
 
 FLUSH_TIMEOUT_S = 300.0  # trajectory store: writing out what is queued when training ends
 log = logging.getLogger("areal_fast.rollout_worker")
@@ -62,8 +63,8 @@ class RolloutWorkerSpec:
         Address the shard server binds; a :class:`~areal_fast.launch.cluster.ClusterSpec`
         starts every rollout worker with its ``scheduler.bind_host`` here (on Ray: the
         node's IP unless that is set).
-    checksum : bool
-        Report a CRC-32 of every installed weights version (``sync.checksum``).
+    sync : SyncConfig
+        ``sync.checksum``: report a CRC-32 of every installed weights version.
     """
 
     engine_factory: Callable
@@ -72,7 +73,7 @@ class RolloutWorkerSpec:
     agent: Optional[object] = None
     spool_dir: Optional[str] = None
     host: str = "127.0.0.1"
-    checksum: bool = False
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
 
 @dataclass
@@ -111,7 +112,7 @@ class RolloutWorker:
         self.running: dict[int, _Sample] = {}
         self.eval_records: Optional[list[dict]] = None
         self.eval_pending = 0
-        self.weights = WorkerWeights(self.engine, conn, self.inbox.put, spec.host, spec.checksum)
+        self.weights = WorkerWeights(self.engine, conn, self.inbox.put, spec.host, spec.sync)
         self.rids = itertools.count()
         self.stopped = False
         self.agent = None

@@ -20,6 +20,7 @@ from areal_fast._nodes import node_id, reachable_host
 from areal_fast.controller import messages as msg
 from areal_fast.controller.shards import fetch_packed_batch
 from areal_fast.rl.decoupled import staleness_stats
+from areal_fast.sync.config import SyncConfig
 from areal_fast.sync.shared_memory import SharedWeightBuffer
 from areal_fast.sync.slot_broadcast import SlotBroadcaster, buffer_checksum
 from areal_fast.train.config import ActorConfig
@@ -47,8 +48,8 @@ class TrainerWorkerSpec:
     host : str
         Address rank 0's weight-link rendezvous store binds (rollout workers on other nodes
         connect to it, see :mod:`areal_fast.sync.slot_broadcast`).
-    checksum : bool
-        Report a CRC-32 of every published version (``sync.checksum``).
+    sync : SyncConfig
+        ``sync.checksum``: report a CRC-32 of every published version.
     """
 
     trainer_factory: Callable
@@ -59,7 +60,7 @@ class TrainerWorkerSpec:
     world_size: int = 1
     resume_from: str = ""
     host: str = "127.0.0.1"
-    checksum: bool = False
+    sync: SyncConfig = field(default_factory=SyncConfig)
 
 
 def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes) -> None:
@@ -134,7 +135,7 @@ def _handle(trainer, message, fetched, buffers, spec: TrainerWorkerSpec, links):
         done = _train_step(trainer, message, fetched, buffers)
         if links is not None:  # rank 0: remote workers get it while the next step trains
             links.publish(done.version, buffers[message.slot])
-            if spec.checksum:
+            if spec.sync.checksum:
                 done.weights_checksum = buffer_checksum(buffers[message.slot])
         return done
     if isinstance(message, msg.SaveCheckpoint):

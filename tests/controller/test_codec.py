@@ -27,6 +27,7 @@ from areal_fast.controller.shards import (
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry
+from areal_fast.sync.slot_broadcast import WeightLink
 
 
 def _shard(rng: random.Random, node: str = "rollout-0") -> ShardMetadata:
@@ -100,6 +101,9 @@ def _examples(rng: random.Random) -> list:
         msg.Saved("/tmp/ckpt"),
         msg.SaveState("/tmp/state"),
         msg.StateSaved("/tmp/state", 4),
+        msg.ConnectWeights(
+            "rollout-1", WeightLink("broadcast", "rollout-1-ab12-3", "10.0.0.7:4711", "", 30.5)
+        ),
     ]
 
 

@@ -154,6 +154,7 @@ def test_trainer_uses_the_config(cfg):
 ALLOWED = {
     (TorchTrainerFactory, "dist_timeout"),
     (RolloutWorkerSpec, "host"),
+    (TrainerWorkerSpec, "host"),
     (RolloutWorkerSpec, "threads"),
     (TrainerWorkerSpec, "threads"),
 }
