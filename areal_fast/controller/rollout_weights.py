@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from areal_fast._nodes import reachable_host
 from areal_fast.controller import messages as msg
 from areal_fast.sync.config import SyncConfig
-from areal_fast.sync.shared_memory import SharedWeightBuffer
+from areal_fast.sync.shared_memory import SharedWeightBuffer, remove_orphaned_buffers
 from areal_fast.sync.slot_broadcast import SlotSubscriber, buffer_checksum
 
 PAUSE_TIMEOUT_S = 300.0
@@ -84,6 +84,8 @@ class WorkerWeights:
         """Receive every version over ``message.link`` from now on (a previous link closes)."""
         if self.link is not None:
             self.link.close()
+        else:  # this node may not be the controller's: clear what killed processes left
+            remove_orphaned_buffers()
         self.link = SlotSubscriber(
             message.link,
             reachable_host(self.host),

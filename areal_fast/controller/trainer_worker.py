@@ -21,7 +21,7 @@ from areal_fast.controller import messages as msg
 from areal_fast.controller.shards import fetch_packed_batch
 from areal_fast.rl.decoupled import staleness_stats
 from areal_fast.sync.config import SyncConfig
-from areal_fast.sync.shared_memory import SharedWeightBuffer
+from areal_fast.sync.shared_memory import SharedWeightBuffer, remove_orphaned_buffers
 from areal_fast.sync.slot_broadcast import SlotBroadcaster, buffer_checksum
 from areal_fast.train.config import ActorConfig
 
@@ -117,12 +117,14 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
 
 def _start_buffers(trainer, leader: bool) -> list:
     """Rank 0: the two shared-memory weight slots, the start weights (resumed or not) in
-    slot ``version % 2``. Gathering is a collective, so the other ranks take part in it
-    (one pass, nothing kept) and get no slots."""
+    slot ``version % 2`` (first deleting the slots that killed processes left on this node,
+    which may not be the controller's). Gathering is a collective, so the other ranks take
+    part in it (one pass, nothing kept) and get no slots."""
     if not leader:
         for _ in trainer.named_weights():
             pass
         return []
+    remove_orphaned_buffers()
     weights = list(trainer.named_weights())
     buffers = [SharedWeightBuffer.create(iter(weights)) for _ in range(2)]
     buffers[trainer.version % 2].write(iter(weights))
