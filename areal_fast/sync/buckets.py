@@ -15,6 +15,11 @@ a bucket is split into whole-bucket element ranges over consecutive buckets (sta
 fresh bucket), and a tensor without elements gets a 0-element chunk so receivers still learn
 about it.
 
+In place: offsets inside a bucket are aligned running sums, like those of
+:func:`areal_fast.sync.shared_memory.plan_layout`, so every bucket of tensors that are views of
+one such buffer is a contiguous byte range of it (:func:`bucket_view`), which a transport that
+sends from and receives into any memory moves with no pack or unpack copy.
+
 Implementations: the planner is C++ (``csrc/buckets.cpp``) with a pure-Python twin that
 gives the identical plan. Copies on the CPU run in C++ threads with the GIL released; on
 CUDA tensors one kernel launch (``csrc/cuda/bucket_pack.cu``) copies every chunk of a bucket
@@ -53,6 +58,7 @@ __all__ = [
     "plan_buckets",
     "pack_bucket",
     "unpack_bucket",
+    "bucket_view",
 ]
 
 ALIGNMENT = 256
@@ -701,3 +707,74 @@ def unpack_bucket(
             )
         )
     _run_copies(copies, bucket.device, threads)
+
+
+def bucket_view(
+    plan: BucketPlan,
+    k: int,
+    tensors: Sequence[torch.Tensor | None],
+    device: torch.device,
+) -> torch.Tensor | None:
+    """Bucket ``k`` as a byte range of the memory that already holds its tensors, or None.
+
+    When tensors sit in one buffer laid out like the bucket — e.g. views of one buffer laid
+    out by :func:`areal_fast.sync.shared_memory.plan_layout`, whose byte offsets are the
+    aligned running sums that every bucket plan over the same specs shares — bucket ``k`` is
+    one contiguous range of that buffer, and a transport can send it from there (or receive
+    it there) with no pack or unpack copy. The bytes between two chunks are the buffer's own
+    padding: sent as they are, or overwritten on receive.
+
+    Parameters
+    ----------
+    plan : BucketPlan
+    k : int
+        Bucket index in ``[0, plan.num_buckets)``.
+    tensors : sequence of torch.Tensor or None, length ``len(plan.specs)``
+        ``tensors[i]`` holds ``plan.specs[i]``; entries of tensors without elements in bucket
+        ``k`` are not looked at.
+    device : torch.device
+        Where the range must be (the transport's device).
+
+    Returns
+    -------
+    torch.Tensor or None
+        uint8 ``[plan.bucket_sizes[k]]``, a view (no copy) that starts at byte ``base`` of
+        the tensors' storage, where for every chunk ``c`` of the bucket with elements,
+        ``tensors[c.tensor]`` holds element ``c.start`` at byte ``base + c.offset``. None
+        when a chunk's tensor is missing, not contiguous, not of the spec's dtype, not on
+        ``device``, in another storage than the others, or elsewhere than that, or when the
+        range does not lie inside the storage.
+
+    Raises
+    ------
+    ValueError
+        ``k`` out of range, or ``len(tensors)`` differing from the plan.
+    """
+    chunks = [c for c in plan.bucket_chunks(k) if c.numel > 0]
+    if len(tensors) != len(plan.specs):
+        raise ValueError(f"tensors has {len(tensors)} entries, the plan has {len(plan.specs)}")
+    if not chunks:
+        return None
+    base, storage, first = None, None, None
+    for c in chunks:
+        spec, tensor = plan.specs[c.tensor], tensors[c.tensor]
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.dtype != spec.torch_dtype
+            or tensor.device != device
+            or tuple(tensor.shape) != spec.shape
+            or not tensor.is_contiguous()
+        ):
+            return None
+        here = tensor.data_ptr() + c.start * spec.itemsize - c.offset
+        ptr = tensor.untyped_storage().data_ptr()
+        if base is None:
+            base, storage, first = here, ptr, tensor
+        elif here != base or ptr != storage:
+            return None
+    size = plan.bucket_sizes[k]
+    start = base - storage
+    if start < 0 or start + size > first.untyped_storage().nbytes():
+        return None
+    raw = first.detach().reshape(-1).view(torch.uint8)
+    return raw.as_strided((size,), (1,), start)

@@ -17,7 +17,7 @@ from typing import Callable, Iterator, Optional, Sequence
 
 import torch
 
-from areal_fast.sync.buckets import BucketPlan, castable, unpack_bucket
+from areal_fast.sync.buckets import BucketPlan, bucket_view, castable, unpack_bucket
 from areal_fast.sync.sender import HEADER_FORMAT, engine_failures
 from areal_fast.sync.transports import Pending, Transport, WeightSyncError
 
@@ -86,6 +86,10 @@ class ReceiveSession:
     plan : BucketPlan
     aliases : dict[str, str]
         Tied names the sender did not send → the name sent with their data.
+    in_place_buckets : int
+        Buckets :meth:`unpack_into` received straight into the targets' memory (no unpack).
+    unpacked_buckets : int
+        Buckets :meth:`unpack_into` received into a transport buffer and unpacked from it.
     """
 
     def __init__(
@@ -104,6 +108,8 @@ class ReceiveSession:
         self._pending: Optional[Pending] = None  # receive posted for bucket self._next
         self._held: Optional[int] = None  # handed out, not yet released
         self._finished = False
+        self.in_place_buckets = 0
+        self.unpacked_buckets = 0
 
     def _start(self, k: int, direct: dict[int, torch.Tensor]) -> Pending:
         if k in direct:
@@ -142,13 +148,34 @@ class ReceiveSession:
             yield k, (None if k in direct else bucket)
         self._release_held()
 
-    def unpack_into(self, targets: Sequence[Optional[torch.Tensor]]) -> None:
+    def unpack_into(
+        self, targets: Sequence[Optional[torch.Tensor]], *, layout_buffer: bool = False
+    ) -> None:
         """Unpack every bucket into ``targets[i]`` (for ``plan.specs[i]``; ``None`` skips),
         casting the wire dtype to each target's dtype. Targets on another device than the
         transport's get each bucket copied there first.
 
+        Over a transport that receives into any memory (``supports_direct``), a bucket that
+        is one chunk of one target in the wire dtype, contiguous and on the transport's
+        device arrives straight in that target (no unpack copy).
+
+        Parameters
+        ----------
+        targets : sequence of torch.Tensor or None, length ``len(plan.specs)``
+        layout_buffer : bool
+            The caller declares that the targets are views of one buffer it owns, laid out
+            by :func:`~areal_fast.sync.shared_memory.plan_layout` for the plan's specs in
+            order, and that the padding bytes between them may be overwritten. Then every
+            bucket whose targets lie in that buffer as the bucket lays them out (in the wire
+            dtype, on the transport's device) arrives straight in its byte range of the
+            buffer, padding included, with no unpack; the others are unpacked as usual.
+            Without it, bytes between targets are never written (they may belong to other
+            data).
+
         Raises
         ------
+        ValueError
+            Targets on several devices, or not one per spec of the plan (nothing received).
         WeightSyncError, WeightSyncTimeout
             A bucket did not arrive or is damaged (the message names the bucket and its
             tensors); some targets may hold new values (the caller marks its weights
@@ -158,38 +185,41 @@ class ReceiveSession:
         device = devices.pop() if len(devices) == 1 else None
         if devices:
             raise ValueError("unpack_into: targets are on several devices")
-        buckets = self._buckets(self._direct_targets(targets))
+        direct = self._direct_targets(targets, layout_buffer)
+        buckets = self._buckets(direct)
         try:
             for k, bucket in buckets:
                 if bucket is None:
+                    self.in_place_buckets += 1
                     continue
                 if device is not None and bucket.device != device:
                     bucket = bucket.to(device)
                 unpack_bucket(self.plan, k, bucket, targets, num_threads=self.num_threads)
+                self.unpacked_buckets += 1
         finally:
             buckets.close()
 
-    def _direct_targets(self, targets: Sequence[Optional[torch.Tensor]]) -> dict[int, torch.Tensor]:
-        """Buckets that are one chunk of one target already in the wire dtype, contiguous
-        and on the transport's device → that chunk's bytes (received in place, no unpack)."""
+    def _direct_targets(
+        self, targets: Sequence[Optional[torch.Tensor]], layout_buffer: bool = False
+    ) -> dict[int, torch.Tensor]:
+        """Buckets to receive in place → the bytes they arrive in: those that are one chunk
+        of one target, and with ``layout_buffer`` also those whose targets lie in one
+        storage as the bucket lays them out (:func:`bucket_view`)."""
+        if len(targets) != len(self.plan.specs):
+            raise ValueError(
+                f"unpack_into: {len(targets)} targets, the plan has {len(self.plan.specs)}"
+            )
         if not self.transport.supports_direct:
             return {}
         direct = {}
         for k in range(self.plan.num_buckets):
-            chunks = [c for c in self.plan.bucket_chunks(k) if c.numel > 0]
-            if len(chunks) != 1 or chunks[0].offset or targets[chunks[0].tensor] is None:
-                continue
-            chunk, spec = chunks[0], self.plan.specs[chunks[0].tensor]
-            target = targets[chunk.tensor]
-            if (
-                target.dtype == spec.torch_dtype
-                and target.is_contiguous()
-                and target.device == self.transport.device
-            ):
-                raw = target.detach().reshape(-1).view(torch.uint8)
-                direct[k] = raw[
-                    chunk.start * spec.itemsize : (chunk.start + chunk.numel) * spec.itemsize
-                ]
+            if not layout_buffer:
+                chunks = [c for c in self.plan.bucket_chunks(k) if c.numel > 0]
+                if len(chunks) != 1:
+                    continue
+            view = bucket_view(self.plan, k, targets, self.transport.device)
+            if view is not None:
+                direct[k] = view
         return direct
 
     def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -15,7 +15,7 @@ from typing import Optional
 
 import torch
 
-from areal_fast.sync.buckets import BucketPlan, TensorSpec, pack_bucket, plan_buckets
+from areal_fast.sync.buckets import BucketPlan, TensorSpec, bucket_view, pack_bucket, plan_buckets
 from areal_fast.sync.sources import ModuleSource
 from areal_fast.sync.transports import Transport, WeightSyncError
 
@@ -38,6 +38,9 @@ class SyncStats:
     num_buckets : int
     seconds : float
         Wall time of :meth:`WeightSender.send`, header to final acknowledgement.
+    direct_buckets : int
+        Buckets sent straight from the source's memory, without a pack copy (the others
+        were packed into a send buffer first).
     """
 
     version: int
@@ -45,6 +48,7 @@ class SyncStats:
     wire_bytes: int
     num_buckets: int
     seconds: float
+    direct_buckets: int = 0
 
     @property
     def gbytes_per_s(self) -> float:
@@ -89,7 +93,11 @@ class WeightSender:
         Over a transport that sends from any memory (``supports_direct``: gloo, NCCL),
         tensors of at least this many bytes get buckets of their own and travel straight
         from the parameter into the engine's parameter, without pack or unpack copies
-        (default 4 MiB; 0 packs everything). Ignored by the other transports.
+        (default 4 MiB; 0 turns the rule off). Ignored by the other transports. Over such
+        a transport, any bucket whose tensors already lie in one storage as the bucket lays
+        them out (views of one :func:`~areal_fast.sync.shared_memory.plan_layout` buffer)
+        is sent from there without a pack copy, whatever the plan; for such a source 0
+        gives fewer, larger buckets.
 
     Raises
     ------
@@ -119,6 +127,7 @@ class WeightSender:
         self.solo_bytes = int(solo_bytes) if direct else 0
         self._plan: Optional[BucketPlan] = None
         self._gathered: Optional[tuple[int, torch.Tensor]] = None  # last tensor, for splits
+        self._direct_buckets = 0  # of the update in progress
 
     def plan_for(self, source: ModuleSource) -> BucketPlan:
         """The bucket plan of ``source`` (cached while names, shapes and dtypes stay)."""
@@ -152,7 +161,7 @@ class WeightSender:
         """
         start = time.perf_counter()
         plan = self.plan_for(source)
-        self._gathered = None
+        self._gathered, self._direct_buckets = None, 0
         if not source.sending:
             return self._follow(source, plan, version, start)
         if self.transport is None:
@@ -197,6 +206,7 @@ class WeightSender:
             plan.total_bytes,
             plan.num_buckets,
             time.perf_counter() - start,
+            self._direct_buckets,
         )
 
     def _send_buckets(self, source: ModuleSource, plan: BucketPlan, slots) -> None:
@@ -259,21 +269,20 @@ class WeightSender:
     def _pack(
         self, source: ModuleSource, plan: BucketPlan, k: int, slot: torch.Tensor, direct_ok: bool
     ) -> Optional[torch.Tensor]:
-        """Pack bucket ``k`` into ``slot``; or, when the bucket is one chunk of one tensor
-        already in the wire dtype on the transport's device (and the transport can send from
-        any memory), return that chunk's bytes to send without a copy."""
+        """Pack bucket ``k`` into ``slot``; or, when the transport can send from any memory and
+        the bucket's tensors already lie in one storage exactly as the bucket lays them out, in
+        the wire dtype on the transport's device (:func:`bucket_view`: a bucket that is one
+        chunk of one tensor, or any bucket of tensors that are views of one
+        :func:`~areal_fast.sync.shared_memory.plan_layout` buffer), return those bytes to
+        send without a copy."""
         indices = self._bucket_tensors(plan, k)
         sources: list[Optional[torch.Tensor]] = [None] * len(plan.specs)
         for index, tensor in zip(indices, self._gather(source, indices)):
             sources[index] = tensor.to(slot.device)  # blocking: a host copy must be complete
-        chunks = [c for c in plan.bucket_chunks(k) if c.numel > 0]
-        if direct_ok and len(chunks) == 1 and chunks[0].offset == 0:
-            chunk, spec = chunks[0], plan.specs[chunks[0].tensor]
-            tensor = sources[chunk.tensor]
-            if tensor.dtype == spec.torch_dtype and tensor.is_contiguous():
-                raw = tensor.reshape(-1).view(torch.uint8)
-                return raw[
-                    chunk.start * spec.itemsize : (chunk.start + chunk.numel) * spec.itemsize
-                ]
+        if direct_ok:
+            view = bucket_view(plan, k, sources, slot.device)
+            if view is not None:
+                self._direct_buckets += 1
+                return view
         pack_bucket(plan, k, sources, slot, num_threads=self.num_threads)
         return None

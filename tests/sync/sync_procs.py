@@ -7,6 +7,7 @@ only a small report crosses back to the test.
 
 from __future__ import annotations
 
+import math
 import multiprocessing as mp
 import os
 import socket
@@ -459,3 +460,138 @@ def sync_partial_failure(rank: int, port: int, kind: str, directory: str, seed: 
         return report
     finally:
         transport.close()
+
+
+# ------------------------------------------------------------------ layout buffers, in place
+
+LAYOUT_SPECS = (
+    ("a", (5, 123), BF16),
+    ("b", (1003,), FP32),
+    ("big", (3001,), FP32),  # split over buckets of 8192 and 4096 bytes
+    ("c", (7, 13), FP16),
+    ("empty", (0, 4), FP32),
+    ("one", (1,), FP32),
+    ("d", (257,), BF16),
+    ("e", (33, 5), FP16),
+)
+
+
+def layout_values(seed: int) -> dict[str, torch.Tensor]:
+    """Random bit patterns for every tensor of :data:`LAYOUT_SPECS` (the same for a seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, shape, dtype in LAYOUT_SPECS:
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen)
+        out[name] = raw.view(dtype).view(shape)
+    return out
+
+
+def layout_tensors(kind: str, seed: int) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
+    """Tensors for :data:`LAYOUT_SPECS`, every byte random (padding too).
+
+    ``kind``: ``"flat"`` — views of one buffer laid out by ``plan_layout``; ``"dense"`` — views
+    of one buffer at other offsets (16-byte aligned, no 256-byte padding); ``"separate"`` —
+    tensors of their own (buffer None)."""
+    from areal_fast.sync.shared_memory import plan_layout
+
+    gen = torch.Generator().manual_seed(seed)
+    if kind == "separate":
+        return None, {
+            name: torch.randint(0, 256, (math.prod(shape) * dtype.itemsize,), generator=gen)
+            .to(torch.uint8)
+            .view(dtype)
+            .view(shape)
+            for name, shape, dtype in LAYOUT_SPECS
+        }
+    if kind == "flat":
+        entries, total = plan_layout((n, torch.empty(s, dtype=d)) for n, s, d in LAYOUT_SPECS)
+        offsets = [e.offset for e in entries]
+    elif kind == "dense":
+        offsets, total = [], 0
+        for _, shape, dtype in LAYOUT_SPECS:
+            offsets.append(total)
+            total += -(-math.prod(shape) * dtype.itemsize // 16) * 16
+    else:
+        raise ValueError(kind)
+    buffer = torch.randint(0, 256, (total,), dtype=torch.uint8, generator=gen)
+    views = {}
+    for (name, shape, dtype), offset in zip(LAYOUT_SPECS, offsets):
+        nbytes = math.prod(shape) * dtype.itemsize
+        views[name] = buffer[offset : offset + nbytes].view(dtype).view(shape)
+    return buffer, views
+
+
+def covered_bytes(buffer: torch.Tensor, views: dict[str, torch.Tensor]) -> torch.Tensor:
+    """bool [buffer bytes]: True where some view of ``views`` lies."""
+    mask = torch.zeros(buffer.numel(), dtype=torch.bool)
+    for view in views.values():
+        start = view.data_ptr() - buffer.data_ptr()
+        mask[start : start + view.numel() * view.element_size()] = True
+    return mask
+
+
+def sync_layout(
+    rank: int,
+    port: int,
+    seed: int,
+    sender_kind: str,
+    engines: dict,
+    bucket_bytes: int,
+    solo_bytes: int,
+    updates: int = 2,
+) -> dict:
+    """The trainer sends :data:`LAYOUT_SPECS` from ``sender_kind`` tensors over gloo; engine
+    rank r receives into ``engines[r] = (kind, layout_buffer)`` tensors. Fresh values each
+    update; engines compare bytes and check that padding stayed as it was where it had to."""
+    from areal_fast.sync.receiver import WeightReceiver, check_against
+    from areal_fast.sync.sender import WeightSender
+    from areal_fast.sync.sources import ModuleSource
+
+    transport = make_transport("gloo", rank, 1 + len(engines), port, "")
+    try:
+        if rank == 0:
+            sender = WeightSender(
+                transport, bucket_bytes=bucket_bytes, timeout=30, solo_bytes=solo_bytes
+            )
+            stats = []
+            for version in range(1, updates + 1):
+                _, tensors = layout_tensors(sender_kind, seed + 7 * version)
+                for name, value in layout_values(seed + version).items():
+                    tensors[name].copy_(value)
+                s = sender.send(ModuleSource(_Holder(tensors)), version)
+                stats.append({"buckets": s.num_buckets, "direct": s.direct_buckets})
+            return {"stats": stats}
+        kind, flag = engines[rank]
+        buffer, tensors = layout_tensors(kind, seed + 1000 * rank)
+        before = None if buffer is None else buffer.clone()
+        receiver = WeightReceiver(transport, timeout=30)
+        report: dict = {"mismatch": [], "in_place": [], "unpacked": [], "padding_kept": None}
+        for version in range(1, updates + 1):
+            params = dict(tensors)
+            session = receiver.start(accept=lambda plan: check_against(plan, params))
+            session.unpack_into(
+                [params.get(s.name) for s in session.plan.specs], layout_buffer=flag
+            )
+            session.finish()
+            report["in_place"].append(session.in_place_buckets)
+            report["unpacked"].append(session.unpacked_buckets)
+            for name, want in layout_values(seed + version).items():
+                if not exact_equal(tensors[name], want):
+                    report["mismatch"].append((version, name))
+        if buffer is not None:
+            padding = ~covered_bytes(buffer, tensors)
+            report["padding_bytes"] = int(padding.sum())
+            report["padding_kept"] = bool(torch.equal(buffer[padding], before[padding]))
+        return report
+    finally:
+        transport.close()
+
+
+class _Holder(nn.Module):
+    """A module whose parameters are the given tensors, as they are (no copy)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        super().__init__()
+        for name, tensor in tensors.items():
+            self.register_parameter(name, nn.Parameter(tensor, requires_grad=False))

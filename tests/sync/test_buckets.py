@@ -26,6 +26,7 @@ from areal_fast.sync.buckets import (
     BucketPlan,
     Chunk,
     TensorSpec,
+    bucket_view,
     pack_bucket,
     plan_buckets,
     unpack_bucket,
@@ -628,6 +629,91 @@ def test_pack_ignores_sources_outside_the_bucket(impl):
     assert torch.equal(buf[:400].view(torch.float32), a)
     with pytest.raises(ValueError, match="source for tensor 'b'"):
         pack_bucket(plan, 1, [a, None], buf)
+
+
+# ---------------------------------------------------------------------------
+# bucket_view: buckets of one plan_layout buffer are byte ranges of it
+# ---------------------------------------------------------------------------
+
+
+def _layout_views(specs, offsets, total):
+    buf = torch.randint(0, 256, (total,), dtype=torch.uint8)
+    views = [
+        buf[o : o + s.nbytes].view(s.torch_dtype).view(s.shape) for s, o in zip(specs, offsets)
+    ]
+    return buf, views
+
+
+def test_every_bucket_of_a_layout_buffer_is_a_view_of_it(fresh_seed):
+    from areal_fast.sync.shared_memory import plan_layout
+
+    rng = np.random.default_rng(fresh_seed)
+    specs = random_specs(rng, 40, max_dim=60) + [TensorSpec("odd", (5, 123), "bfloat16")]
+    specs += [TensorSpec("split", (1003,), "float32")]
+    entries, total = plan_layout((s.name, torch.empty(s.shape, dtype=s.torch_dtype)) for s in specs)
+    buf, views = _layout_views(specs, [e.offset for e in entries], total)
+    for bucket_bytes, solo in [(1024, 0), (2048, 0), (4096, 700), (1 << 20, 0)]:
+        plan = plan_buckets(specs, bucket_bytes, solo)
+        for k in range(plan.num_buckets):
+            view = bucket_view(plan, k, views, torch.device("cpu"))
+            if all(c.numel == 0 for c in plan.bucket_chunks(k)):
+                assert view is None
+                continue
+            assert view is not None, f"seed {fresh_seed}: bucket {k} of {bucket_bytes}"
+            assert view.numel() == plan.bucket_sizes[k] and view.untyped_storage().data_ptr() == (
+                buf.data_ptr()
+            )
+            packed = torch.zeros(plan.bucket_sizes[k], dtype=torch.uint8)
+            pack_bucket(plan, k, views, packed)
+            for c in plan.bucket_chunks(k):
+                end = c.offset + c.numel * plan.specs[c.tensor].itemsize
+                assert torch.equal(view[c.offset : end], packed[c.offset : end])
+
+
+def test_bucket_view_refuses_other_layouts(fresh_seed):
+    specs = [
+        TensorSpec("a", (5, 123), "bfloat16"),
+        TensorSpec("b", (1003,), "float32"),
+        TensorSpec("c", (7, 13), "float16"),
+    ]
+    plan = plan_buckets(specs, 8192)
+    assert plan.num_buckets == 1 and plan.bucket_chunks(0)[1].offset == 1280
+    cpu = torch.device("cpu")
+    _, views = _layout_views(specs, [0, 1280, 5376], 5376 + 182)
+    assert bucket_view(plan, 0, views, cpu) is not None
+    _, dense = _layout_views(specs, [0, 1232, 5248], 5248 + 182)  # 16-byte aligned offsets
+    assert bucket_view(plan, 0, dense, cpu) is None
+    separate = [torch.empty(s.shape, dtype=s.torch_dtype) for s in specs]
+    assert bucket_view(plan, 0, separate, cpu) is None
+    cast = list(views)
+    cast[1] = torch.empty(1003, dtype=torch.bfloat16)
+    assert bucket_view(plan, 0, cast, cpu) is None
+    assert bucket_view(plan, 0, [views[0], None, views[2]], cpu) is None
+    assert bucket_view(plan, 0, views, torch.device("meta")) is None
+    strided = _layout_views([TensorSpec("t", (26, 7), "float16")], [5376], 5376 + 364)[1][0]
+    assert bucket_view(plan, 0, [views[0], views[1], strided[::2]], cpu) is None
+    # a bucket said to reach past the end of the storage is refused
+    longer = BucketPlan(plan.specs, 8192, plan.chunks, (plan.bucket_sizes[0] + 256,))
+    assert bucket_view(longer, 0, views, cpu) is None
+    with pytest.raises(ValueError, match="tensors has 2 entries"):
+        bucket_view(plan, 0, views[:2], cpu)
+    with pytest.raises(ValueError, match="out of range"):
+        bucket_view(plan, 1, views, cpu)
+
+
+def test_one_tensor_bucket_is_a_view_of_any_tensor(fresh_seed):
+    specs = [TensorSpec("w", (3001,), "float32"), TensorSpec("n", (3,), "float32")]
+    plan = plan_buckets(specs, 4096)
+    assert plan.num_buckets == 3  # w over three buckets, n after w's tail in the third
+    weight = torch.nn.Parameter(torch.randn(3001))
+    tensors = [weight, torch.randn(3)]
+    for k in range(2):
+        chunk = plan.bucket_chunks(k)[0]
+        view = bucket_view(plan, k, tensors, torch.device("cpu"))
+        assert not view.requires_grad
+        expected = weight.detach()[chunk.start : chunk.start + chunk.numel].view(torch.uint8)
+        assert torch.equal(view, expected) and view.data_ptr() == expected.data_ptr()
+    assert bucket_view(plan, 2, tensors, torch.device("cpu")) is None  # two storages
 
 
 def _error_setup():
