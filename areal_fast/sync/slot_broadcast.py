@@ -23,9 +23,9 @@ of both buffers and moves without pack or unpack copies.
 - Each link sends the newest version only: a worker still taking version v when v + 1 is
   published gets v + 1 next, never a mix (the controller rewrites a slot only after every
   worker serves the version it held, so a slot being sent is never overwritten).
-- Before each update the sender posts ``update-<n>`` in the link's store (a file for disk),
-  so the worker waits for the next version without a timeout and without holding a
-  collective open between steps.
+- The worker posts ``ready-<n>`` in the link's store (a file for disk) once it can take
+  update n; only then does the sender pick the newest version and post ``update-<n>``. No
+  collective is held open between steps and no wait for the next version times out.
 
 Source
 ------
@@ -151,24 +151,35 @@ def _run_id(tag: str) -> str:
 
 
 class _Notice:
-    """Sender posts ``update-<n>`` before update n; the receiver polls for it (no timeout:
-    the next version may be a long training step away)."""
+    """Flags between the two ends of a link: the worker posts ``ready-<n>`` once it can take
+    update n (after installing n - 1), the sender then picks the newest version and posts
+    ``update-<n>`` before sending it. Neither end holds a collective open while waiting,
+    and no wait times out: the next version may be a long training step away."""
 
     def __init__(self, store=None, directory: Optional[Path] = None):
         self.store, self.directory = store, directory
 
-    def post(self, n: int, version: int) -> None:
+    def post(self, key: str, value: str = "") -> None:
         if self.store is not None:
-            self.store.set(f"update-{n}", str(version))
+            self.store.set(key, value)
         else:
-            tmp = self.directory / f".update-{n}.tmp"
-            tmp.write_text(str(version))
-            tmp.rename(self.directory / f"update-{n}")
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tmp = self.directory / f".{key}.tmp"
+            tmp.write_text(value)
+            tmp.rename(self.directory / key)
 
-    def ready(self, n: int) -> bool:
+    def ready(self, key: str) -> bool:
         if self.store is not None:
-            return self.store.check([f"update-{n}"])
-        return (self.directory / f"update-{n}").is_file()
+            return self.store.check([key])
+        return (self.directory / key).is_file()
+
+    def wait(self, key: str, stopped: Callable[[], bool]) -> bool:
+        """Wait until ``key`` is posted (True) or ``stopped()`` (False)."""
+        while not stopped():
+            if self.ready(key):
+                return True
+            time.sleep(POLL_SECONDS)
+        return False
 
 
 class _Peer:
@@ -270,13 +281,15 @@ class SlotBroadcaster:
         transport, link = None, peer.link
         try:
             transport, notice = self._connect(peer)
-            if link.kind == "disk":
-                Path(notice.directory).mkdir(parents=True, exist_ok=True)
-            sender = WeightSender(transport, link.bucket_bytes, timeout=link.timeout)
+            # one layout at both ends: every bucket moves in place (no solo buckets needed)
+            sender = WeightSender(transport, link.bucket_bytes, timeout=link.timeout, solo_bytes=0)
             sent, n = None, 0
-            while (item := self._next(peer, sent)) is not None:
+            stopped = lambda: peer.closed or self._closed  # noqa: E731
+            # the newest version once the worker can take it (a dead worker never is: its
+            # replacement's link closes this one)
+            while notice.wait(f"ready-{n}", stopped) and (item := self._next(peer, sent)):
                 version, buffer = item
-                notice.post(n, version)
+                notice.post(f"update-{n}", str(version))
                 peer.sent.append(sender.send(SlotSource(buffer), version))
                 sent, n = version, n + 1
         except Exception as exc:  # noqa: BLE001 - this link only; the others go on
@@ -364,13 +377,6 @@ class SlotSubscriber:
             ) from None
         return TorchDistTransport(group, "gloo", group_timeout=link.timeout), _Notice(store)
 
-    def _wait_notice(self, notice: _Notice, n: int) -> bool:
-        while not self._closed:
-            if notice.ready(n):
-                return True
-            time.sleep(POLL_SECONDS)
-        return False
-
     def _accept(self, plan) -> str:
         if self.buffer is not None and [(s.name, tuple(s.shape), s.dtype) for s in plan.specs] != [
             (e.name, tuple(e.shape), e.dtype) for e in self.buffer.spec.entries
@@ -388,13 +394,17 @@ class SlotSubscriber:
             transport, notice = self._connect()
             self._transport = transport
             receiver = WeightReceiver(transport, timeout=self.link.timeout)
-            n = 0
-            while self._wait_notice(notice, n):
+            n, stopped = 0, lambda: self._closed
+            while True:
+                notice.post(f"ready-{n}")
+                if not notice.wait(f"update-{n}", stopped):
+                    break
                 start = time.perf_counter()
                 session = receiver.start(accept=self._accept)
                 views = dict(self.buffer.named_tensors())
                 try:
-                    session.unpack_into([views[s.name] for s in session.plan.specs])
+                    targets = [views[s.name] for s in session.plan.specs]
+                    session.unpack_into(targets, layout_buffer=True)  # the buffer is ours
                 except WeightSyncError as exc:
                     session.finish(str(exc))  # raises at once when the transport broke
                     raise

@@ -84,8 +84,14 @@ def test_two_links_get_each_version_bit_exact(kind, tmp_path):
                 assert buffer_checksum(subs[name].buffer) == buffer_checksum(slots[version % 2])
                 subs[name].installed()
         assert broadcaster.errors == {}
+        deadline = time.monotonic() + 10  # the sender records an update after its last round
+        while len(broadcaster.sent("w1")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert [s.version for s in broadcaster.sent("w1")] == [1, 2]
-        assert broadcaster.sent("w1")[0].num_buckets >= 6  # "big" alone spans 3
+        sent = broadcaster.sent("w1")[0]
+        assert sent.num_buckets >= 6  # "big" alone spans 3
+        if kind == "broadcast":  # the slot's bytes go out as they are, bucket by bucket
+            assert sent.direct_buckets == sent.num_buckets
     finally:
         for sub in subs.values():
             sub.close()
@@ -118,6 +124,9 @@ def test_a_busy_worker_gets_the_newest_version_next(tmp_path):
         assert version == 3
         for key, expected in _weights(seed + 3):
             assert torch.equal(tensors[key].view(torch.uint8), expected.view(torch.uint8))
+        deadline = time.monotonic() + 10
+        while len(broadcaster.sent("w")) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert [s.version for s in broadcaster.sent("w")] == [1, 3]
     finally:
         sub.close()
