@@ -95,7 +95,9 @@ class CopyingEngineFactory:
 
 def run_case(shapes, transport: str, workers: int, steps: int, step_seconds: float) -> dict:
     """One loop run; returns the per-version latencies and update times."""
-    engine = SimulatedEngineConfig(token_seconds=1e-3, max_running=8, median_length=8, max_length=16)
+    engine = SimulatedEngineConfig(
+        token_seconds=1e-3, max_running=8, median_length=8, max_length=16
+    )
     spec = ClusterSpec(
         rollout=RolloutWorkerSpec(CopyingEngineFactory(engine), sim_reward, threads=1),
         trainer=TrainerWorkerSpec(ShapedTrainerFactory(shapes, step_seconds), threads=1),

@@ -34,6 +34,13 @@ layouts differ).
     python benches/bench_weight_sync.py --transport gloo --json benches/results/weight_sync_gloo.json
     python benches/bench_weight_sync.py --transport gloo --separate --models 135m
     python benches/bench_weight_sync.py --transport gloo --models 135m --repeats 1   # quick
+
+``--controller`` measures instead the weight-update latency inside the running loop (the
+trainer's StepDone → every rollout worker serving the version): workers that map the
+trainer's slots (``shm``) against workers that get every version over their gloo link
+(``broadcast``, as on another node), 1 and 2 workers, per model (:mod:`_weight_sync_loop`):
+
+    python benches/bench_weight_sync.py --controller --json benches/results/weight_sync_loop_cpu.json
 """
 
 from __future__ import annotations
@@ -415,8 +422,19 @@ def main(argv=None) -> int:
         default=1,
         help="torch/packing threads per process (3 processes share the cores)",
     )
+    parser.add_argument(
+        "--controller",
+        action="store_true",
+        help="latency inside the running loop: shm vs network links, 1 and 2 workers",
+    )
+    parser.add_argument("--steps", type=int, default=4, help="--controller: training steps")
+    parser.add_argument(
+        "--step-seconds", type=float, default=3.0, help="--controller: seconds per train step"
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.controller:
+        return controller_main(args)
     rows = []
     for model in args.models:
         eprint(f"bench_weight_sync: {model} over {args.transport} ...")
@@ -438,6 +456,56 @@ def main(argv=None) -> int:
             "meta": base_metadata(args.threads),
             "args": {k: str(v) for k, v in vars(args).items()},
             "models": {r["model"]: r for r in rows},
+        },
+        indent=2,
+    )
+    return 0
+
+
+def controller_main(args) -> int:
+    """``--controller``: every case of :mod:`_weight_sync_loop` for ``--models``."""
+    from _weight_sync_loop import controller_bench
+
+    rows = controller_bench(args.models, model_shapes, args.steps, args.step_seconds)
+    by = {(r["model"], r["transport"], r["workers"]): r for r in rows}
+    body = []
+    for r in rows:
+        shm = by[(r["model"], "shm", r["workers"])]["latency_median_s"]
+        body.append(
+            [
+                r["model"],
+                fmt(r["gbytes"], ".2f"),
+                r["transport"],
+                r["workers"],
+                fmt(r["latency_median_s"], ".3f"),
+                fmt(min(r["latency_seconds"]), ".3f"),
+                fmt(max(r["latency_seconds"]), ".3f"),
+                fmt(statistics.median(r["worker_update_seconds"]), ".3f"),
+                fmt(r["latency_median_s"] / shm, ".2f"),
+            ]
+        )
+    print(
+        markdown_table(
+            [
+                "model",
+                "GB (bf16)",
+                "path",
+                "workers",
+                "latency median s",
+                "min s",
+                "max s",
+                "worker update median s",
+                "vs shm",
+            ],
+            body,
+        )
+    )
+    write_json(
+        args.json,
+        {
+            "meta": base_metadata(1),
+            "args": {k: str(v) for k, v in vars(args).items()},
+            "cases": rows,
         },
         indent=2,
     )

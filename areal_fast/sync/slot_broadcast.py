@@ -284,7 +284,10 @@ class SlotBroadcaster:
             # one layout at both ends: every bucket moves in place (no solo buckets needed)
             sender = WeightSender(transport, link.bucket_bytes, timeout=link.timeout, solo_bytes=0)
             sent, n = None, 0
-            stopped = lambda: peer.closed or self._closed  # noqa: E731
+
+            def stopped() -> bool:
+                return peer.closed or self._closed
+
             # the newest version once the worker can take it (a dead worker never is: its
             # replacement's link closes this one)
             while notice.wait(f"ready-{n}", stopped) and (item := self._next(peer, sent)):
@@ -394,10 +397,10 @@ class SlotSubscriber:
             transport, notice = self._connect()
             self._transport = transport
             receiver = WeightReceiver(transport, timeout=self.link.timeout)
-            n, stopped = 0, lambda: self._closed
+            n = 0
             while True:
                 notice.post(f"ready-{n}")
-                if not notice.wait(f"update-{n}", stopped):
+                if not notice.wait(f"update-{n}", lambda: self._closed):
                     break
                 start = time.perf_counter()
                 session = receiver.start(accept=self._accept)
