@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from areal_fast._nodes import node_id, reachable_host
+from areal_fast._nodes import LOCAL_NODE, node_id, reachable_host
 from areal_fast.controller import messages as msg
 from areal_fast.controller.shards import fetch_packed_batch
 from areal_fast.rl.decoupled import staleness_stats
@@ -79,8 +79,11 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
     buffers = _start_buffers(trainer, leader=spec.rank == 0)
     leader = spec.rank == 0
     links = None  # rank 0: sends the slots to rollout workers on other nodes
-    if leader:
-        links = SlotBroadcaster(spec.host, reachable_host(spec.host))
+    transport = spec.sync.transport  # auto needs links only on a cluster of several nodes
+    remote = transport == "auto" and node_id() != LOCAL_NODE
+    if leader and (transport in ("broadcast", "disk") or remote):
+        listen = transport != "disk"
+        links = SlotBroadcaster(spec.host, reachable_host(spec.host), listen=listen)
         if trainer.version > 0:  # resumed: workers load the checkpoint's version (a fresh
             links.publish(int(trainer.version), buffers[trainer.version % 2])  # run's: theirs)
     fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch")
@@ -134,11 +137,11 @@ def _start_buffers(trainer, leader: bool) -> list:
 def _handle(trainer, message, fetched, buffers, spec: TrainerWorkerSpec, links):
     """Carry out one controller message on this rank; returns rank 0's reply (or None)."""
     if isinstance(message, msg.TrainStep):
-        done = _train_step(trainer, message, fetched, buffers)
+        done = _train_step(trainer, message, fetched, buffers, links)
         if links is not None:  # rank 0: remote workers get it while the next step trains
             links.publish(done.version, buffers[message.slot])
-            if spec.sync.checksum:
-                done.weights_checksum = buffer_checksum(buffers[message.slot])
+        if spec.sync.checksum and buffers:  # rank 0
+            done.weights_checksum = buffer_checksum(buffers[message.slot])
         return done
     if isinstance(message, msg.SaveCheckpoint):
         trainer.save(message.path)
@@ -192,7 +195,9 @@ def _fetch(batch, authkey: bytes, spec: TrainerWorkerSpec):
     return packed, time.perf_counter() - start
 
 
-def _train_step(trainer, message: msg.TrainStep, fetched: Future, buffers) -> msg.StepDone:
+def _train_step(
+    trainer, message: msg.TrainStep, fetched: Future, buffers, links=None
+) -> msg.StepDone:
     start = time.perf_counter()
     batch, fetch_seconds = fetched.result()
     waited = time.perf_counter()
@@ -219,6 +224,8 @@ def _train_step(trainer, message: msg.TrainStep, fetched: Future, buffers) -> ms
         for key, value in staleness_stats(batch.versions, batch.loss_mask, version).items():
             stats.setdefault(key, value)
     trained = time.perf_counter()
+    if links is not None:  # a link still sending this slot's old version will not install it
+        links.rewriting(buffers[message.slot])
     _publish(trainer, buffers, message.slot)
     published = time.perf_counter()
     stats["fetch_wait_seconds"] = waited - start

@@ -84,9 +84,10 @@ class SchedulerConfig:
 
     type: str = "local"  # "local" processes, or "ray" actors (python -m areal_fast.launch.ray)
     train_world_size: int = 1  # trainer ranks (FSDP2 data parallel: gloo on CPU, NCCL on GPU)
-    # IPv4 address every server of the job binds (the controller's channels, the shard
-    # servers); None: 127.0.0.1 for local processes, each node's own IP on Ray; 0.0.0.0:
-    # every interface, peers are told the node's IP
+    # IPv4 address the job's servers bind (the controller's channels, the shard servers);
+    # None: 127.0.0.1 for local processes, each node's own IP on Ray; 0.0.0.0: every
+    # interface, peers are told 127.0.0.1 locally, the node's IP on Ray (torch's TCP stores
+    # of the trainer group and of weight links listen on every interface regardless)
     bind_host: Optional[str] = None
     ray_address: Optional[str] = None  # None: start a local Ray instance; "auto": join one
     ray_num_cpus: Optional[int] = None  # CPUs of a local Ray instance (None: all cores)
@@ -178,7 +179,7 @@ class ExperimentConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
-    sync: SyncConfig = field(default_factory=SyncConfig)  # weight path to the rollout workers
+    sync: SyncConfig = field(default_factory=SyncConfig)
     tags: List[str] = field(default_factory=list)  # free labels, kept in the run's config.yaml
 
     def __post_init__(self):

@@ -45,6 +45,7 @@ from areal_fast.launch.run_dir import (
 from areal_fast.launch.worker_specs import (
     check_engine,
     check_resources,
+    check_sync,
     cluster_spec,
     make_cluster,
     worker_threads,
@@ -115,6 +116,7 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
     seed_everything(cfg.seed)
     check_run_dir(cfg)  # raises the one-line error before any slow work
     check_engine(cfg)
+    check_sync(cfg)
     check_resources(cfg)
     if cfg.agent.path:
         from areal_fast.agent.runner import load_agent

@@ -109,6 +109,32 @@ def check_engine(cfg: ExperimentConfig) -> None:
         )
 
 
+def check_sync(cfg: ExperimentConfig) -> None:
+    """Fail before any worker starts when ``sync.transport=disk`` cannot write the folder
+    ``sync.disk_dir`` (a link would fail only in the workers, one restart after another).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``sync.disk_dir`` and the system's reason.
+    """
+    import tempfile
+    from pathlib import Path
+
+    if cfg.sync.transport != "disk" or not cfg.sync.disk_dir:  # <run dir>/weights: the run's
+        return
+    folder = Path(cfg.sync.disk_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        raise ConfigError(
+            f"sync.disk_dir = {str(folder)!r} is not a folder this job can write "
+            f"({exc.strerror or exc})"
+        ) from None
+
+
 def check_resources(cfg: ExperimentConfig) -> None:
     """Fail before anything is written when a local Ray instance cannot hold the workers.
 

@@ -12,7 +12,7 @@ TRANSPORTS = ("auto", "shm", "broadcast", "disk")
 
 @dataclass
 class SyncConfig:
-    """The weight path from trainer rank 0 to the rollout workers.
+    """How each rollout worker gets new weights from trainer rank 0.
 
     ``auto`` picks per worker from node identity: a worker on trainer rank 0's node maps the
     trainer's shared-memory slots, a worker on any other node receives each version over a
@@ -26,7 +26,8 @@ class SyncConfig:
     timeout: float = 300.0  # seconds each step of an update (connect, header, bucket) may take
     # shared folder of the disk transport (None: <run dir>/weights; must be on every node)
     disk_dir: Optional[str] = None
-    # CRC-32 of the weights after every update, trainer and workers (summary.json)
+    # CRC-32 of the weights after every update, trainer and workers (summary.json); costs a
+    # read of the whole slot per version on each side (the trainer's before it reports)
     checksum: bool = False
 
     def __post_init__(self):

@@ -34,8 +34,11 @@ torch.distributed ``TCPStore``, ``PrefixStore``, ``ProcessGroupGloo`` (c10d).
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
+import math
+import shutil
 import threading
 import time
 import zlib
@@ -173,20 +176,40 @@ class _Notice:
             return self.store.check([key])
         return (self.directory / key).is_file()
 
-    def wait(self, key: str, stopped: Callable[[], bool]) -> bool:
-        """Wait until ``key`` is posted (True) or ``stopped()`` (False)."""
+    def take(self, key: str) -> str:
+        """The value of a posted ``key``, which is then deleted (each is read once)."""
+        if self.store is not None:
+            value = self.store.get(key).decode()
+            self.store.delete_key(key)
+            return value
+        path = self.directory / key
+        value = path.read_text()
+        path.unlink(missing_ok=True)
+        return value
+
+    def wait(self, key: str, stopped: Callable[[], bool], timeout: float = math.inf) -> str:
+        """Wait until ``key`` is posted and take its value; None when ``stopped()`` first.
+
+        Raises
+        ------
+        WeightSyncTimeout
+            Not posted within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
         while not stopped():
             if self.ready(key):
-                return True
+                return self.take(key)
+            if time.monotonic() > deadline:
+                raise WeightSyncTimeout(f"no {key!r} from the other end within {timeout:g} s")
             time.sleep(POLL_SECONDS)
-        return False
+        return None
 
 
 class _Peer:
     def __init__(self, worker: str, link: WeightLink):
         self.worker, self.link = worker, link
         self.closed = False
-        self.sent: list[SyncStats] = []
+        self.sent: collections.deque = collections.deque(maxlen=256)  # newest SyncStats
         self.thread: Optional[threading.Thread] = None
 
 
@@ -202,30 +225,51 @@ class SlotBroadcaster:
         wildcard).
     timeout : float
         Seconds a worker may take to join the store.
+    listen : bool
+        Serve the rendezvous store (broadcast links); False for disk links only.
 
     Attributes
     ----------
     address : str
-        ``ip:port`` of the rendezvous store, for :class:`WeightLink`.
+        ``ip:port`` of the rendezvous store, for :class:`WeightLink` ("" without one).
     errors : dict[str, str]
-        Worker → why its link failed (one line naming the worker and the link).
+        Worker → why its link failed (one line naming the worker and the link; the same
+        line is logged as a warning, and the worker's own side fails and is restarted).
     """
 
-    def __init__(self, bind_ip: str, advertise_ip: Optional[str] = None, timeout: float = 300.0):
-        self.bind_ip = bind_ip
-        self._store = dist.TCPStore(
-            bind_ip,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        self.address = f"{advertise_ip or bind_ip}:{self._store.port}"
+    def __init__(
+        self,
+        bind_ip: str,
+        advertise_ip: Optional[str] = None,
+        timeout: float = 300.0,
+        listen: bool = True,
+    ):
+        self.bind_ip = advertise_ip or bind_ip  # gloo needs an interface's address
+        self._store = None
+        self.address = ""
+        if listen:  # c10d's TCPStore server listens on every interface, whatever bind_ip
+            self._store = dist.TCPStore(
+                bind_ip,
+                0,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            self.address = f"{self.bind_ip}:{self._store.port}"
         self.errors: dict[str, str] = {}
         self._cond = threading.Condition()
         self._latest: Optional[tuple[int, SharedWeightBuffer]] = None
         self._peers: dict[str, _Peer] = {}
         self._closed = False
+        self._rewrites: collections.Counter = collections.Counter()  # id(buffer) → rewrites
+
+    def rewriting(self, buffer: SharedWeightBuffer) -> None:
+        """``buffer`` is about to be overwritten: no send starts from it until the next
+        :meth:`publish`, and a send from it in flight is not installed by its worker."""
+        with self._cond:
+            self._rewrites[id(buffer)] += 1
+            if self._latest is not None and self._latest[1] is buffer:
+                self._latest = None
 
     def publish(self, version: int, buffer: SharedWeightBuffer) -> None:
         """Version ``version`` is complete in ``buffer``: every link sends it next."""
@@ -256,16 +300,23 @@ class SlotBroadcaster:
 
     def _connect(self, peer: _Peer):
         link = peer.link
-        if link.kind == "disk":
-            transport = DiskTransport(link.directory, 0, 2, _run_id(link.tag))
-            return transport, _Notice(directory=Path(link.directory) / _run_id(link.tag))
+        if link.kind == "disk":  # the link's folder holds its updates and its notices
+            folder = Path(link.directory) / _run_id(link.tag)
+            return DiskTransport(str(folder), 0, 2, _run_id(link.tag)), _Notice(directory=folder)
+        if self._store is None:
+            raise WeightSyncError(f"rollout worker {peer.worker!r}: no rendezvous store here")
         store = dist.PrefixStore(f"areal_fast/{link.tag}", self._store)
         try:
             group = _gloo_group(store, 0, self.bind_ip, link.timeout)
         except RuntimeError as exc:
-            raise WeightSyncTimeout(
-                f"rollout worker {peer.worker!r} did not join its weight link within "
-                f"{link.timeout:g} s ({str(exc).splitlines()[0][:160]})"
+            reason = str(exc).splitlines()[0][:160]
+            if "timeout" in reason.lower() or "timed out" in reason.lower():
+                raise WeightSyncTimeout(
+                    f"rollout worker {peer.worker!r} did not join its weight link within "
+                    f"{link.timeout:g} s ({reason})"
+                ) from None
+            raise WeightSyncError(
+                f"rollout worker {peer.worker!r}: its weight link cannot start ({reason})"
             ) from None
         return TorchDistTransport(group, "gloo", group_timeout=link.timeout), _Notice(store)
 
@@ -290,11 +341,19 @@ class SlotBroadcaster:
 
             # the newest version once the worker can take it (a dead worker never is: its
             # replacement's link closes this one)
-            while notice.wait(f"ready-{n}", stopped) and (item := self._next(peer, sent)):
+            while notice.wait(f"ready-{n}", stopped) is not None:
+                item = self._next(peer, sent)
+                if item is None:
+                    break
                 version, buffer = item
+                rewrites = self._rewrites[id(buffer)]
                 notice.post(f"update-{n}", str(version))
                 peer.sent.append(sender.send(SlotSource(buffer), version))
-                sent, n = version, n + 1
+                # the worker installs only what stayed intact while it was sent (a slot is
+                # rewritten under a send only when a restarted worker joined mid-pipeline)
+                intact = self._rewrites[id(buffer)] == rewrites
+                notice.post(f"commit-{n}", "ok" if intact else "rewritten")
+                sent, n = (version if intact else sent), n + 1
         except Exception as exc:  # noqa: BLE001 - this link only; the others go on
             if not (peer.closed or self._closed):
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -306,6 +365,8 @@ class SlotBroadcaster:
         finally:
             if transport is not None:
                 transport.close()
+            if link.kind == "disk":  # the link's notices and last bucket files
+                shutil.rmtree(Path(link.directory) / _run_id(link.tag), ignore_errors=True)
 
     def close(self, wait: float = 5.0) -> None:
         """Stop every link: each thread ends after its current update (waited for up to
@@ -362,10 +423,8 @@ class SlotSubscriber:
     def _connect(self):
         link = self.link
         if link.kind == "disk":
-            run_id = _run_id(link.tag)
-            return DiskTransport(link.directory, 1, 2, run_id), _Notice(
-                directory=Path(link.directory) / run_id
-            )
+            folder = Path(link.directory) / _run_id(link.tag)
+            return DiskTransport(str(folder), 1, 2, _run_id(link.tag)), _Notice(directory=folder)
         host, port = _host_port(link.address)
         try:
             store = dist.TCPStore(
@@ -375,8 +434,8 @@ class SlotSubscriber:
             group = _gloo_group(store, 1, self.bind_ip, link.timeout)
         except RuntimeError as exc:
             raise WeightSyncError(
-                f"cannot join the weight link at {link.address} within {link.timeout:g} s "
-                f"({str(exc).splitlines()[0][:160]})"
+                f"cannot join the weight link at {link.address} (timeout {link.timeout:g} s): "
+                f"{str(exc).splitlines()[0][:160]}"
             ) from None
         return TorchDistTransport(group, "gloo", group_timeout=link.timeout), _Notice(store)
 
@@ -400,7 +459,7 @@ class SlotSubscriber:
             n = 0
             while True:
                 notice.post(f"ready-{n}")
-                if not notice.wait(f"update-{n}", lambda: self._closed):
+                if notice.wait(f"update-{n}", lambda: self._closed) is None:
                     break
                 start = time.perf_counter()
                 session = receiver.start(accept=self._accept)
@@ -412,11 +471,14 @@ class SlotSubscriber:
                     session.finish(str(exc))  # raises at once when the transport broke
                     raise
                 session.finish()
+                verdict = notice.wait(f"commit-{n}", lambda: self._closed, self.link.timeout)
+                n += 1
+                if verdict != "ok":  # closed, or the slot changed under the send: not installed
+                    continue
                 self._installed.clear()
                 self._deliver(session.version, self.buffer, time.perf_counter() - start)
                 while not (self._closed or self._installed.wait(1.0)):
                     pass
-                n += 1
         except Exception as exc:  # noqa: BLE001 - handed to the worker
             if not self._closed:
                 first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -429,6 +491,8 @@ class SlotSubscriber:
         self._installed.set()
         if self._thread.is_alive():
             self._thread.join(wait)
+        if self._thread.is_alive():  # still inside a transfer into the buffer: leave both
+            return
         if self._transport is not None:
             self._transport.close()
         if self.buffer is not None:

@@ -135,3 +135,11 @@ def test_a_killed_linked_worker_gets_the_current_weights_over_its_new_link(
     for version, crcs in summary["weight_checksums"].items():
         if "trainer" in crcs:
             assert len(set(crcs.values())) == 1, (version, crcs)
+
+
+def test_an_unwritable_disk_dir_is_one_line_before_anything_starts(tmp_path, capsys):
+    args = _args(tmp_path / "model", tmp_path, "disk", "sync.transport=disk")
+    assert main([*args, "sync.disk_dir=/proc/no-such-folder"]) == 2
+    err = capsys.readouterr().err
+    assert "sync.disk_dir = '/proc/no-such-folder' is not a folder this job can write" in err
+    assert not (tmp_path / "grpo-arith").exists()

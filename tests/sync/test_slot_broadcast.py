@@ -98,6 +98,8 @@ def test_two_links_get_each_version_bit_exact(kind, tmp_path):
         broadcaster.close()
         for slot in slots:
             slot.close()
+    if kind == "disk":  # each link's folder (updates and notices) goes with it
+        assert list((tmp_path / "links").iterdir()) == []
 
 
 def test_a_busy_worker_gets_the_newest_version_next(tmp_path):
@@ -220,3 +222,43 @@ def test_a_link_nobody_joins_fails_within_its_timeout():
         assert time.monotonic() - start < 10
     finally:
         broadcaster.close()
+
+
+def test_a_slot_rewritten_under_its_send_is_not_installed(tmp_path, monkeypatch):
+    """The trainer starts rewriting the slot a link is sending (a worker that joined while two
+    steps were in training): the worker drops that update and installs the next one."""
+    import areal_fast.sync.slot_broadcast as sb
+
+    seed = int(torch.randint(0, 2**31, (1,)))
+    _, slots = _slots(seed)
+    broadcaster = SlotBroadcaster("127.0.0.1")
+    original = sb.WeightSender.send
+
+    def send(self, source, version):
+        if version == 1:  # the trainer begins to overwrite the slot mid-send
+            broadcaster.rewriting(slots[1])
+        return original(self, source, version)
+
+    monkeypatch.setattr(sb.WeightSender, "send", send)
+    out: queue.Queue = queue.Queue()
+    link = _link("broadcast", "torn", broadcaster, tmp_path)
+    sub = _subscribe(link, out, "w")
+    try:
+        broadcaster.add_peer("w", link)
+        slots[1].write(_weights(seed + 1))
+        broadcaster.publish(1, slots[1])
+        with pytest.raises(queue.Empty):
+            out.get(timeout=2)  # v1 went out but was not delivered
+        weights = _weights(seed + 2)
+        slots[0].write(weights)
+        broadcaster.publish(2, slots[0])
+        _, version, tensors = out.get(timeout=60)
+        assert version == 2
+        for key, expected in weights:
+            assert torch.equal(tensors[key].view(torch.uint8), expected.view(torch.uint8))
+        assert [s.version for s in broadcaster.sent("w")] == [1, 2]
+    finally:
+        sub.close()
+        broadcaster.close()
+        for slot in slots:
+            slot.close()
