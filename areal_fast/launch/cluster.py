@@ -131,7 +131,7 @@ class ClusterSpec:
             ``scheduler.bind_host`` is not an address of this machine (named).
         """
         n = self.train_world_size
-        trainer = dataclasses.replace(self.trainer, host=_bindable(self.bind_host))  # its links
+        trainer = dataclasses.replace(self.trainer, host=self.bind_host)  # rank 0's links
         if n == 1:
             return [trainer]
         host, port = rendezvous or self.rendezvous or (None, None)

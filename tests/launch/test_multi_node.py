@@ -150,8 +150,12 @@ def test_two_nodes_eta1_remote_worker_served_over_the_network(
     _finish(_start([*args, *_ray_args(two_node_ray)], two_node_ray.env))
     summary = _summary(tmp_path / "grpo-arith" / "eta1")
     _, remote = _check_layout(summary, two_node_ray)
+    # every accepted group trained once; the others dropped for a counted reason (too stale
+    # at η = 1, or not needed at the end), none lost
+    dropped = summary["rollouts_dropped"]
     assert summary["rollouts_trained"] == STEPS * 4
-    assert set(summary["rollouts_dropped"]) <= {"unused_at_end", "in_flight_at_end"}
+    assert set(dropped) <= {"stale", "unused_at_end", "in_flight_at_end"}, dropped
+    assert summary["rollouts_submitted"] == STEPS * 4 + sum(dropped.values())
     # the remote worker serves every new version, in order, each bit-exact with the trainer's
     assert summary["weight_versions"][remote] == list(range(1, STEPS + 1))
     _check_weights(summary)
