@@ -55,9 +55,16 @@ def shm_run(tiny_model_dir, tmp_path_factory):
     return _run(tiny_model_dir, tmp_path_factory.mktemp("shm"), "shm", "sync.transport=shm")
 
 
-@pytest.mark.parametrize("transport", ["broadcast", "disk"])
-def test_linked_workers_train_like_slot_workers(transport, tiny_model_dir, tmp_path, shm_run):
-    summary, losses = _run(tiny_model_dir, tmp_path, transport, f"sync.transport={transport}")
+@pytest.mark.parametrize(
+    "transport, bind_host", [("broadcast", None), ("disk", None), ("broadcast", "0.0.0.0")]
+)
+def test_linked_workers_train_like_slot_workers(
+    transport, bind_host, tiny_model_dir, tmp_path, shm_run
+):
+    extra = [f"sync.transport={transport}"]
+    if bind_host:  # a wildcard bind: the links still use an interface's address
+        extra.append(f"scheduler.bind_host={bind_host}")
+    summary, losses = _run(tiny_model_dir, tmp_path, transport, *extra)
     ref_summary, ref_losses = shm_run
     assert ref_summary["weight_transports"] == {"rollout-0": "shm", "rollout-1": "shm"}
     assert summary["weight_transports"] == {"rollout-0": transport, "rollout-1": transport}
