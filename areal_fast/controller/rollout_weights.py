@@ -61,10 +61,9 @@ class WorkerWeights:
         else:
             self._held.append(work)
 
-    @property
-    def transport(self) -> str:
-        """``shm`` (the trainer's slots) or the weight link's kind."""
-        return self.link.link.kind if self.link is not None else "shm"
+    def drop_held(self) -> None:
+        """Forget the work still waiting for a version (the end of training cancels it)."""
+        self._held.clear()
 
     def on_update(self, message: msg.UpdateWeights) -> None:
         """Install ``message.version`` from the trainer's slot (a linked worker gets it over

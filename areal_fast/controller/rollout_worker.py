@@ -379,6 +379,7 @@ class RolloutWorker:
         if self.agent is not None:
             self.agent.cancel_all()
         self.engine.drop_queued()
+        self.weights.drop_held()  # submitted groups still waiting for the link's version
         cancelled += sum(not g.evaluation for g in self.groups.values())
         self.groups = {k: g for k, g in self.groups.items() if g.evaluation}
         self.running = {rid: s for rid, s in self.running.items() if s.group_id in self.groups}
