@@ -102,21 +102,23 @@ class ClusterSpec:
         return self.launcher.startup_timeout
 
     def rollout_spec(self) -> RolloutWorkerSpec:
-        """The spec every rollout worker starts with: ``rollout`` on :attr:`bind_host`.
+        """The spec every rollout worker starts with: ``rollout`` on :attr:`bind_host`, with
+        this spec's ``sync``.
 
         Raises
         ------
         ValueError
             ``scheduler.bind_host`` is not an address of this machine (named).
         """
-        return dataclasses.replace(self.rollout, host=_bindable(self.bind_host))
+        return dataclasses.replace(self.rollout, host=_bindable(self.bind_host), sync=self.sync)
 
     def trainer_specs(
         self, rendezvous: Optional[tuple[str, int]] = None
     ) -> list[TrainerWorkerSpec]:
         """One spec per trainer rank, each with ``host`` = :attr:`bind_host` (where rank 0's
         weight links listen; a Ray actor puts its node's IP there unless
-        ``scheduler.bind_host`` is set); with several, all meet at ``rendezvous``.
+        ``scheduler.bind_host`` is set) and this spec's ``sync``; with several, all meet at
+        ``rendezvous``.
 
         Parameters
         ----------
@@ -131,7 +133,7 @@ class ClusterSpec:
             ``scheduler.bind_host`` is not an address of this machine (named).
         """
         n = self.train_world_size
-        trainer = dataclasses.replace(self.trainer, host=self.bind_host)  # rank 0's links
+        trainer = dataclasses.replace(self.trainer, host=self.bind_host, sync=self.sync)
         if n == 1:
             return [trainer]
         host, port = rendezvous or self.rendezvous or (None, None)
@@ -295,6 +297,12 @@ class Cluster:
         self.transports[worker.name] = kind
         if kind == "shm":
             return
+        if kind == "broadcast" and not self._sync_address:
+            raise WorkerError(
+                f"trainer {self.trainer.name!r} serves no weight-link store, so rollout worker "
+                f"{worker.name!r} cannot get weights over the network",
+                self.trainer.name,
+            )
         self._links += 1
         link = WeightLink(
             kind,
