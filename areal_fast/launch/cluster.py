@@ -110,7 +110,7 @@ class ClusterSpec:
         ValueError
             ``scheduler.bind_host`` is not an address of this machine (named).
         """
-        return dataclasses.replace(self.rollout, host=_bindable(self.bind_host), sync=self.sync)
+        return _replaced(self.rollout, host=_bindable(self.bind_host), sync=self.sync)
 
     def trainer_specs(
         self, rendezvous: Optional[tuple[str, int]] = None
@@ -133,7 +133,7 @@ class ClusterSpec:
             ``scheduler.bind_host`` is not an address of this machine (named).
         """
         n = self.train_world_size
-        trainer = dataclasses.replace(self.trainer, host=self.bind_host, sync=self.sync)
+        trainer = _replaced(self.trainer, host=self.bind_host, sync=self.sync)
         if n == 1:
             return [trainer]
         host, port = rendezvous or self.rendezvous or (None, None)
@@ -165,6 +165,13 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]
+
+
+def _replaced(spec, **values):
+    """``spec`` with those of ``values`` that are its fields replaced (a worker spec of
+    another kind, e.g. a test's stand-in, may lack some)."""
+    names = {f.name for f in dataclasses.fields(spec)}
+    return dataclasses.replace(spec, **{k: v for k, v in values.items() if k in names})
 
 
 def _bindable(host: str) -> str:
