@@ -205,6 +205,12 @@ class _Notice:
         return None
 
 
+def _disk_link(link: WeightLink, rank: int) -> tuple[DiskTransport, "_Notice"]:
+    """Rank ``rank``'s end of a disk link: one folder holds its updates and its notices."""
+    folder = Path(link.directory) / _run_id(link.tag)
+    return DiskTransport(str(folder), rank, 2, _run_id(link.tag)), _Notice(directory=folder)
+
+
 class _Peer:
     def __init__(self, worker: str, link: WeightLink):
         self.worker, self.link = worker, link
@@ -300,9 +306,8 @@ class SlotBroadcaster:
 
     def _connect(self, peer: _Peer):
         link = peer.link
-        if link.kind == "disk":  # the link's folder holds its updates and its notices
-            folder = Path(link.directory) / _run_id(link.tag)
-            return DiskTransport(str(folder), 0, 2, _run_id(link.tag)), _Notice(directory=folder)
+        if link.kind == "disk":
+            return _disk_link(link, 0)
         if self._store is None:
             raise WeightSyncError(f"rollout worker {peer.worker!r}: no rendezvous store here")
         store = dist.PrefixStore(f"areal_fast/{link.tag}", self._store)
@@ -423,8 +428,7 @@ class SlotSubscriber:
     def _connect(self):
         link = self.link
         if link.kind == "disk":
-            folder = Path(link.directory) / _run_id(link.tag)
-            return DiskTransport(str(folder), 1, 2, _run_id(link.tag)), _Notice(directory=folder)
+            return _disk_link(link, 1)
         host, port = _host_port(link.address)
         try:
             store = dist.TCPStore(

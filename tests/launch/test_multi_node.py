@@ -21,41 +21,23 @@ import time
 from pathlib import Path
 
 import pytest
+from linked_job import REPO, STEPS, job_args  # noqa: E402 - beside this file
 from two_node_ray import two_node_ray  # noqa: F401, F811 - the fixture
 
 from areal_fast.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
-STEPS = 4
 WORKERS = ("trainer", "trainer-1", "rollout-0", "rollout-1")
 
 
 def _args(model_dir, root, trial, *extra):
-    return [
-        "train",
-        "--config",
-        str(REPO / "examples" / "arith.yaml"),
-        "--no-progress",
-        f"model.path={model_dir}",
-        f"fileroot={root}",
-        f"trial_name={trial}",
-        f"total_steps={STEPS}",
-        "batch_size=4",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
-        "eval.max_new_tokens=6",
-        "data.eval_size=4",
-        "data.train_size=60",
-        "rollout.num_workers=2",
-        "threads=1",
-        "actor.loss.entropy_coef=0.5",
-        "actor.optim.lr=1e-2",
-        "sync.checksum=true",
-        "checkpoint.final_model=false",
+    return job_args(
+        model_dir,
+        root,
+        trial,
         "launcher.startup_timeout=180",
         "launcher.timeouts.train_step=180",
         *extra,
-    ]
+    )
 
 
 def _ray_args(cluster, *extra):

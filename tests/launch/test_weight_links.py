@@ -5,41 +5,15 @@ map the trainer's slots, and every installed version is bit-exact with the train
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
+from linked_job import REPO, STEPS, job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
 
-REPO = Path(__file__).resolve().parents[2]
-STEPS = 4
-
 
 def _args(model_dir, root, trial, *extra):
-    return [
-        "train",
-        "--config",
-        str(REPO / "examples" / "arith.yaml"),
-        "--no-progress",
-        f"model.path={model_dir}",
-        f"fileroot={root}",
-        f"trial_name={trial}",
-        f"total_steps={STEPS}",
-        "batch_size=4",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
-        "eval.max_new_tokens=6",
-        "data.eval_size=4",
-        "data.train_size=60",
-        "rollout.num_workers=2",
-        "rollout.max_head_offpolicyness=0",
-        "threads=1",
-        "actor.loss.entropy_coef=0.5",
-        "actor.optim.lr=1e-2",
-        "sync.checksum=true",
-        "checkpoint.final_model=false",
-        *extra,
-    ]
+    return job_args(model_dir, root, trial, "rollout.max_head_offpolicyness=0", *extra)
 
 
 def _run(model_dir, root, trial, *extra) -> tuple[dict, list[float]]:
