@@ -282,7 +282,8 @@ def run(args) -> dict:
         hx.eprint(
             f"step {i} ({'warm-up' if i < args.warmup else 'timed'}): "
             f"{(warmup_s + step_s)[-1]:.3f} s, loss {stats['loss']:.5f}, "
-            f"grad_norm {stats['grad_norm']:.4g}, micro-batches {stats['num_micro_batches']:.0f}"
+            f"grad_norm {stats['grad_norm']:.4g}, "
+            f"micro-batches {stats.get('num_micro_batches', float('nan')):.0f}"
         )
     median = statistics.median(step_s) if step_s else None
     zero = zero_grad_params(model)
@@ -328,7 +329,7 @@ def run(args) -> dict:
         "matmul_tflops_measured": matmul_tflops,
         "losses": losses,
         "grad_norms": grad_norms,
-        "num_micro_batches": float(stats_seen[-1]["num_micro_batches"]) if stats_seen else None,
+        "num_micro_batches": stats_seen[-1].get("num_micro_batches") if stats_seen else None,
         "zero_grad_params": zero,
         "checks": {
             "finite_loss": all(math.isfinite(v) for v in losses),
