@@ -10,6 +10,10 @@ rewards) goes through :class:`areal_fast.train.torch_engine.TorchTrainEngine.tra
 ``--steps`` timed ones. The behaviour log-probs are the model's own (one no-grad pass before
 the first step), so every ratio starts at 1 and every trained token carries a gradient.
 
+On CUDA the trainer trains as a CUDA job's does (``--precision mixed``, the default where
+:mod:`areal_fast.train.precision` exists: float32 master weights, gradients and AdamW state, the
+decoder computing in bfloat16), or with bfloat16 parameters and state (``--precision bf16``).
+
 Reported: seconds per step, tokens/s (all packed tokens, forward + backward + optimizer step),
 peak memory, and the model FLOP utilisation::
 
@@ -31,7 +35,7 @@ in float32, for a check without a GPU.
 
 Usage::
 
-    python benches/bench_train_step.py --device cuda --json OUT.json      # 1.5B shape, bf16
+    python benches/bench_train_step.py --device cuda --json OUT.json      # 1.5B shape
     python benches/bench_train_step.py --device cuda --fsdp-nccl --json OUT.json
     python benches/bench_train_step.py --device cpu --tiny --steps 1 --warmup 0
 """
@@ -106,14 +110,40 @@ def tiny_config(config, factor: int = TINY_FACTOR):
     return Qwen2Config(**data)
 
 
-def build_model(config, device: str, dtype):
-    """A randomly initialised causal LM of ``config``, created directly on ``device``."""
+PRECISIONS = ("auto", "bf16", "mixed", "fp32")
+
+
+def build_model(config, device: str, precision: str = "fp32"):
+    """A randomly initialised causal LM of ``config``, created directly on ``device``.
+
+    ``precision``: "fp32" (float32 parameters and compute), "bf16" (bfloat16 parameters,
+    gradients, AdamW state and compute) or "mixed" (float32 master weights, the decoder
+    computing in bfloat16 through :func:`areal_fast.train.precision.compute_in_dtype`, as the
+    trainer of a CUDA job with ``model.dtype=bfloat16`` does).
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    if precision == "mixed":
+        from areal_fast.train.precision import compute_in_dtype
+
+        compute_in_dtype(model, torch.bfloat16)
     return model
+
+
+def resolve_precision(precision: str, device: str) -> str:
+    """ "auto": "mixed" on CUDA where areal_fast.train.precision exists (else "bf16"), "fp32"
+    on the CPU; anything else as given."""
+    import importlib.util
+
+    if precision != "auto":
+        return precision
+    if not device.startswith("cuda"):
+        return "fp32"
+    return "mixed" if importlib.util.find_spec("areal_fast.train.precision") else "bf16"
 
 
 def matmul_params(model) -> int:
@@ -249,15 +279,15 @@ def run(args) -> dict:
     config = load_config(args.config)
     if args.tiny:
         config = tiny_config(config)
-    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    precision = resolve_precision(args.precision, args.device)
     meta = hx.base_metadata(torch.get_num_threads())
-    meta.update(device=args.device, dtype=str(dtype).removeprefix("torch."))
+    meta.update(device=args.device, precision=precision)
     if args.device.startswith("cuda"):
         meta.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
     matmul_tflops = measure_matmul_tflops() if args.device.startswith("cuda") else None
 
     start = time.perf_counter()
-    model = build_model(config, args.device, dtype)
+    model = build_model(config, args.device, precision)
     engine = make_engine(model, args)
     build_s = time.perf_counter() - start
     n_matmul = matmul_params(model)
@@ -292,6 +322,7 @@ def run(args) -> dict:
     record = {
         "metadata": meta,
         "mode": "fsdp_nccl_1rank" if args.fsdp_nccl else "plain",
+        "precision": precision,
         "engine": type(engine).__name__,
         "config_file": str(args.config),
         "tiny": bool(args.tiny),
@@ -366,7 +397,7 @@ def render(record: dict) -> str:
         "losses",
     ]
     row = [
-        record["mode"] + (" (tiny)" if record["tiny"] else ""),
+        f"{record['mode']}, {record['precision']}" + (" (tiny)" if record["tiny"] else ""),
         f"{record['n_params'] / 1e9:.3f} B",
         record["batch"]["tokens"],
         hx.fmt(record["num_micro_batches"], ".0f"),
@@ -392,6 +423,14 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="cuda", help="cuda (bf16) or cpu (float32)")
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--tiny", action="store_true", help="1/16 of the width, same layers")
+    parser.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="auto",
+        help="bf16: bfloat16 parameters and optimizer state; mixed: float32 master weights, "
+        "bfloat16 compute (the CUDA job's trainer); auto: mixed on CUDA where available, "
+        "else bf16; fp32 on the CPU",
+    )
     parser.add_argument("--steps", type=int, default=2, help="timed train steps")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     parser.add_argument("--seqs", type=int, default=None, help="sequences per batch")
@@ -408,6 +447,8 @@ def parse_args(argv=None):
         parser.error(f"--device {args.device!r}: use cuda or cpu")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    if not on_cuda and args.precision in ("bf16", "mixed"):
+        parser.error(f"--precision {args.precision} needs --device cuda")
     if args.fsdp_nccl and not on_cuda:
         parser.error("--fsdp-nccl needs --device cuda (NCCL)")
     if args.seqs is None:

@@ -66,7 +66,6 @@ build_ext() {
   # kernels link the wheel lays out) so that tests and benches import the working tree.
   command -v nvcc > /dev/null || export PATH="/usr/local/cuda/bin:$PATH"
   nvcc --version | tail -n 2
-  [ -e areal_fast/kernels ] || ln -s ../kernels areal_fast/kernels
   local rc=0
   if ! AREAL_FAST_CUDA=1 PYTHONPATH='' python3 -m pip install -q --no-deps \
       --no-build-isolation .; then
@@ -79,6 +78,9 @@ build_ext() {
   so="$(cd /tmp && PYTHONPATH='' python3 -c 'import areal_fast._C as c; print(c.__file__)')" \
     || return 1
   cp "$so" areal_fast/ || return 1
+  # after the build: the wheel maps kernels/ itself, a link inside areal_fast/ would be packed
+  # a second time
+  [ -e areal_fast/kernels ] || ln -s ../kernels areal_fast/kernels
   python3 -c 'import json, areal_fast._C as c; print(json.dumps(c.build_info()))' \
     > "$work/build_info.json" || return 1
   cat "$work/build_info.json"

@@ -219,7 +219,8 @@ def train_rows(plain: dict | None, fsdp: dict | None, sections: dict) -> list[li
         mfu = plain["mfu_vs_peak"]
         ok = mfu >= TRAIN_MFU and all(plain.get("checks", {}).values())
         measured = (
-            f"{mfu:.3f} ({plain['model_tflops_per_s']:.0f} of {plain['peak_tflops']} TFLOP/s; "
+            f"{mfu:.3f} ({plain['model_tflops_per_s']:.0f} of {plain['peak_tflops']} TFLOP/s, "
+            f"{plain.get('precision', '?')}; "
             f"{plain['tokens_per_s']:.0f} tokens/s, {plain['median_step_s']:.3f} s/step)"
         )
         rows.append([label, goal, measured, PASS if ok else FAIL])

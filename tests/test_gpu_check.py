@@ -131,6 +131,7 @@ def test_tiny_train_step_on_cpu(tmp_path):
     )
     assert json.loads(out.read_text())["losses"] == record["losses"]
     assert record["engine"] == "TorchTrainEngine" and record["tiny"]
+    assert record["precision"] == "fp32"
     assert record["config"]["num_hidden_layers"] == 28
     assert all(math.isfinite(v) for v in record["losses"])
     assert record["grad_norms"][0] > 0 and math.isfinite(record["grad_norms"][0])
@@ -140,9 +141,18 @@ def test_tiny_train_step_on_cpu(tmp_path):
     assert record["tokens_per_s"] > 0 and record["mfu_vs_peak"] > 0
 
 
-def test_fsdp_mode_needs_cuda():
+@pytest.mark.parametrize(
+    "argv", [["--fsdp-nccl"], ["--precision", "bf16"], ["--precision", "mixed"]]
+)
+def test_cuda_only_options_refused_on_cpu(argv):
     with pytest.raises(SystemExit):
-        bench_train_step.parse_args(["--device", "cpu", "--fsdp-nccl"])
+        bench_train_step.parse_args(["--device", "cpu", *argv])
+
+
+def test_precision_choice():
+    assert bench_train_step.resolve_precision("auto", "cpu") == "fp32"
+    assert bench_train_step.resolve_precision("auto", "cuda") in ("mixed", "bf16")
+    assert bench_train_step.resolve_precision("bf16", "cuda") == "bf16"
 
 
 # --------------------------------------------------------------------- the demo stub
@@ -382,3 +392,13 @@ def test_script_sections_deadline_and_outputs(tmp_path):
         line.startswith("|") or not line or "sections" in line for line in lines[header + 1 :]
     )
     assert "k1_logprobs" in lines[-1] and "(exit 124)" in lines[-1]
+
+
+def test_mixed_precision_model_has_float32_master_weights():
+    pytest.importorskip("areal_fast.train.precision")
+    config = bench_train_step.tiny_config(
+        bench_train_step.load_config(bench_train_step.DEFAULT_CONFIG)
+    )
+    model = bench_train_step.build_model(config, "cpu", "mixed")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model.areal_compute_dtype == torch.bfloat16
