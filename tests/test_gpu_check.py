@@ -204,8 +204,8 @@ def test_bench_logprobs_fused_forward_op():
 # --------------------------------------------------------------------- the summary
 
 
-def _k1_results(fused_s, liger_s, lce_s, mm_s, fused_mb, liger_mb):
-    T, H, V = summary.K1_SHAPE
+def _lm_head_results(fused_s, liger_s, lce_s, mm_s, fused_mb, liger_mb):
+    T, H, V = summary.LM_HEAD_SHAPE
     rec = lambda s, mb=100.0: {"median_s": s, "extra_peak_mb": mb}  # noqa: E731
     return {
         "results": [
@@ -226,7 +226,7 @@ def _k1_results(fused_s, liger_s, lce_s, mm_s, fused_mb, liger_mb):
     }
 
 
-def _write_outputs(out: Path, k1: dict, mfu: float):
+def _write_outputs(out: Path, lm_head: dict, mfu: float):
     out.mkdir()
     (out / "sections.tsv").write_text(
         "".join(
@@ -236,7 +236,7 @@ def _write_outputs(out: Path, k1: dict, mfu: float):
                 "tests_ops_rl",
                 "tests_sync",
                 "tests_train",
-                "k1_logprobs",
+                "lm_head",
                 "attention",
                 "train_1p5b",
                 "fsdp_nccl",
@@ -250,7 +250,7 @@ def _write_outputs(out: Path, k1: dict, mfu: float):
         (out / f"{name}.xml").write_text(
             '<testsuites><testsuite tests="10" failures="0" errors="0" skipped="2"/></testsuites>'
         )
-    (out / "bench_logprobs_cuda.json").write_text(json.dumps(k1))
+    (out / "bench_logprobs_cuda.json").write_text(json.dumps(lm_head))
     train = {
         "mfu_vs_peak": mfu,
         "mfu_vs_measured_matmul": mfu * 1.25,
@@ -280,11 +280,11 @@ def _verdicts(table: str) -> dict[str, str]:
 
 def test_summary_all_goals_met(tmp_path):
     # fused 0.1 s against mm 0.04 s: 3·0.04/0.1 = 1.2 ≥ 0.6
-    _write_outputs(tmp_path / "o", _k1_results(0.1, 0.2, 0.15, 0.04, 500.0, 900.0), 0.45)
+    _write_outputs(tmp_path / "o", _lm_head_results(0.1, 0.2, 0.15, 0.04, 500.0, 900.0), 0.45)
     table, ok = summary.summarize(tmp_path / "o")
     verdicts = _verdicts(table)
     assert ok, table
-    assert verdicts["K1 fused fwd+bwd: model FLOP rate / measured bf16 mm rate"] == "PASS"
+    assert verdicts["fused loss fwd+bwd: model FLOP rate / measured bf16 mm rate"] == "PASS"
     assert verdicts["1.5B Qwen2 train step: MFU vs bf16 dense peak"] == "PASS"
     assert verdicts["demo main job, 3 steps on CUDA"] == "PASS"
     assert "median 0.0500 s over 3 updates" in table
@@ -293,15 +293,15 @@ def test_summary_all_goals_met(tmp_path):
 
 def test_summary_failed_goals(tmp_path):
     # fused slower than Liger and torch, more memory, under 60 % of mm, MFU under 40 %
-    _write_outputs(tmp_path / "o", _k1_results(0.3, 0.2, 0.25, 0.04, 950.0, 900.0), 0.3)
+    _write_outputs(tmp_path / "o", _lm_head_results(0.3, 0.2, 0.25, 0.04, 950.0, 900.0), 0.3)
     table, ok = summary.summarize(tmp_path / "o")
     verdicts = _verdicts(table)
     assert not ok
     for label in (
-        "K1 fused fwd+bwd: model FLOP rate / measured bf16 mm rate",
-        "K1 fused fwd+bwd time / Liger LigerFusedLinearGRPOLoss",
-        "K1 fused fwd+bwd time / torch linear_cross_entropy fwd+bwd",
-        "K1 fused fwd+bwd extra peak memory / Liger",
+        "fused loss fwd+bwd: model FLOP rate / measured bf16 mm rate",
+        "fused loss fwd+bwd time / Liger LigerFusedLinearGRPOLoss",
+        "fused loss fwd+bwd time / torch linear_cross_entropy fwd+bwd",
+        "fused loss fwd+bwd extra peak memory / Liger",
         "1.5B Qwen2 train step: MFU vs bf16 dense peak",
     ):
         assert verdicts[label] == "FAIL", label
@@ -332,7 +332,7 @@ def test_summary_missing_results(tmp_path):
 
 
 def test_script_sections_deadline_and_outputs(tmp_path):
-    """gpu_check.sh with stand-in tools (python3, nvcc, nvidia-smi that do nothing; the K1
+    """gpu_check.sh with stand-in tools (python3, nvcc, nvidia-smi that do nothing; the LM-head
     benchmark hangs): every section is recorded, the hung one times out at the deadline, the
     later ones are skipped, the files come back under $OUT and the summary table comes last."""
     stubs = tmp_path / "bin"
@@ -370,7 +370,7 @@ def test_script_sections_deadline_and_outputs(tmp_path):
         "tests_ops_rl",
         "tests_sync",
         "tests_train",
-        "k1_logprobs",
+        "lm_head",
         "attention",
         "train_1p5b",
         "fsdp_nccl",
@@ -379,7 +379,7 @@ def test_script_sections_deadline_and_outputs(tmp_path):
     ]
     assert rc["build"] == 1  # the stand-in python3 names no built module
     assert rc["tests_ops_rl"] == 0
-    assert rc["k1_logprobs"] == 124  # cut at the deadline
+    assert rc["lm_head"] == 124  # cut at the deadline
     assert rc["demo_job"] == 125  # skipped: no time left
     assert {"gpu_check.log", "summary.md", "gpu_check_results.tar.gz"} <= {
         p.name for p in out.iterdir()
@@ -391,7 +391,7 @@ def test_script_sections_deadline_and_outputs(tmp_path):
     assert all(
         line.startswith("|") or not line or "sections" in line for line in lines[header + 1 :]
     )
-    assert "k1_logprobs" in lines[-1] and "(exit 124)" in lines[-1]
+    assert "lm_head" in lines[-1] and "(exit 124)" in lines[-1]
 
 
 def test_mixed_precision_model_has_float32_master_weights():
