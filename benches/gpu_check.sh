@@ -23,7 +23,8 @@
 #   summary                                                      ~2
 # Each section's output goes to the log and to <work>/<section>.log; a failed or timed-out
 # section is recorded (sections.tsv) and the script goes on. Knobs: GPU_CHECK_DEADLINE (s),
-# GPU_CHECK_DIR (work folder, default /tmp/gpu_check).
+# GPU_CHECK_DIR (work folder, default /tmp/gpu_check), GPU_CHECK_ONLY (the sections to run,
+# e.g. "build lm_head" for a second, shorter run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export REPO="$PWD"
@@ -42,6 +43,11 @@ section() {
   shift 2
   local left=$((deadline - SECONDS))
   echo
+  if [ -n "${GPU_CHECK_ONLY:-}" ] && [[ " $GPU_CHECK_ONLY " != *" $name "* ]]; then
+    echo "=== $name: not selected (GPU_CHECK_ONLY=$GPU_CHECK_ONLY) ==="
+    printf '%s\t%s\t%s\t%s\n' "$name" 126 0 "$budget" >> "$sections"
+    return 0
+  fi
   if [ "$left" -lt 5 ]; then
     echo "=== $name: skipped, the ${deadline} s deadline is reached (${SECONDS} s elapsed) ==="
     printf '%s\t%s\t%s\t%s\n' "$name" 125 0 "$budget" >> "$sections"

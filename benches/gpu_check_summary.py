@@ -85,6 +85,8 @@ def _section_note(sections: dict, name: str) -> str:
         return f"timed out after {sec['budget']} s"
     if sec["rc"] == 125:
         return "skipped at the deadline"
+    if sec["rc"] == 126:
+        return "not selected (GPU_CHECK_ONLY)"
     if sec["rc"] == 3:
         return "an input is absent (see its log)"
     return f"exit {sec['rc']} in {sec['seconds']} s"
@@ -92,10 +94,10 @@ def _section_note(sections: dict, name: str) -> str:
 
 def _absent(sections: dict, name: str) -> str:
     """Verdict of a check whose result is absent: FAIL when its section ran and failed (or
-    timed out), MISSING when it did not run, was skipped at the deadline (exit 125) or lacked
-    an input that not every checkout has (exit 3)."""
+    timed out), MISSING when it did not run, was skipped at the deadline (exit 125) or not
+    selected (126), or lacked an input that not every checkout has (exit 3)."""
     sec = sections.get(name)
-    return FAIL if sec is not None and sec["rc"] not in (0, 3, 125) else MISSING
+    return FAIL if sec is not None and sec["rc"] not in (0, 3, 125, 126) else MISSING
 
 
 def suite_rows(out: Path, sections: dict) -> list[list[str]]:

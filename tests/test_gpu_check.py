@@ -311,7 +311,8 @@ def test_summary_missing_results(tmp_path):
     out = tmp_path / "o"
     out.mkdir()
     (out / "sections.tsv").write_text(
-        "build\t1\t30\t95\ntests_ops_rl\t124\t75\t75\ndemo_job\t3\t1\t45\nfsdp_nccl\t125\t0\t35\n"
+        "build\t1\t30\t95\ntests_ops_rl\t124\t75\t75\ndemo_job\t3\t1\t45\n"
+        "fsdp_nccl\t125\t0\t35\nipc_sync\t126\t0\t20\n"
     )
     table, ok = summary.summarize(out)
     assert not ok
@@ -323,6 +324,7 @@ def test_summary_missing_results(tmp_path):
     assert verdicts["demo main job, 3 steps on CUDA"] == "MISSING"
     assert verdicts["FSDP2, one NCCL rank: finite loss, step-0 loss = plain engine's"] == "MISSING"
     assert "skipped at the deadline" in table
+    assert "not selected (GPU_CHECK_ONLY)" in table
     assert verdicts["1.5B Qwen2 train step: MFU vs bf16 dense peak"] == "MISSING"
     assert set(verdicts.values()) <= {"MISSING", "FAIL", "–"}
     assert summary.main(["--out", str(out)]) == 1
