@@ -17,7 +17,8 @@ Implementations compared in one run (time and extra peak memory side by side):
   (``liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss``, token-mean "dapo" loss, no KL).
 
 Modes: ``fwd`` (under ``torch.no_grad``) and ``fwd_bwd`` (backward of a random per-token
-upstream gradient for the log-prob rows; of the scalar loss for the loss rows). Every
+upstream gradient for the log-prob rows; of the scalar loss for the loss rows, which run
+fwd_bwd only, except ``fused_loss`` on CUDA, also timed ``fwd``: the loss value). Every
 backward produces ``hidden.grad`` and ``weight.grad``; they are dropped between repeats.
 
 CPU (``--device cpu``): each (impl, shape, mode) runs in a fresh child process. The child
@@ -117,8 +118,11 @@ def valid_impl(impl: str, device: str) -> bool:
     return impl in ("matmul",) + LOGPROB_IMPLS + LOSS_IMPLS
 
 
-def modes_of(impl: str) -> tuple[str, ...]:
+def modes_of(impl: str, device: str = "cpu") -> tuple[str, ...]:
     if is_loss(impl):
+        # on CUDA the fused loss is also timed forward only (no_grad: the loss value)
+        if device == "cuda" and parse_impl(impl)[0] == "fused_loss":
+            return MODES
         return ("fwd_bwd",)
     if impl == "matmul":
         return ("fwd",)
@@ -252,7 +256,7 @@ def build_op(impl: str, mode: str, inputs: dict):
 
         return fn, reset
     elif base in LOSS_IMPLS:
-        return _build_loss_op(base, variant, inputs, reset)
+        return _build_loss_op(base, variant, inputs, reset, mode)
     else:
         raise ValueError(f"unknown implementation {impl!r}")
 
@@ -272,7 +276,8 @@ def build_op(impl: str, mode: str, inputs: dict):
     return fn, reset
 
 
-def _build_loss_op(base: str, variant: str | None, inputs: dict, reset):
+def _build_loss_op(base: str, variant: str | None, inputs: dict, reset, mode: str = "fwd_bwd"):
+    import torch
 
     import areal_fast as af
 
@@ -305,10 +310,18 @@ def _build_loss_op(base: str, variant: str | None, inputs: dict, reset):
     if variant is not None and base != "fused_loss":
         raise ValueError(f"{base} takes no [impl] variant")
 
-    def fn():
-        loss = loss_fn()
-        loss.backward()
-        return {"loss": float(loss.detach())}
+    if mode == "fwd":
+
+        def fn():
+            with torch.no_grad():
+                loss = loss_fn()
+            return {"loss": float(loss)}
+    else:
+
+        def fn():
+            loss = loss_fn()
+            loss.backward()
+            return {"loss": float(loss.detach())}
 
     fn.info = getattr(loss_fn, "state", None)
     return fn, reset
@@ -727,7 +740,7 @@ def run_cuda(args) -> dict:
             cases = {}
             entry["modes"][mode] = cases
             for impl in args.impls:
-                if mode not in modes_of(impl):
+                if mode not in modes_of(impl, "cuda"):
                     continue
                 hx.eprint(f"[{shape_name(shape)} {mode}] {impl} ...")
                 rec = {"impl": impl, "mode": mode}
