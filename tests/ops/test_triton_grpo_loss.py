@@ -8,10 +8,8 @@ unless the kernel module was already compiled for a GPU in this process.
 from __future__ import annotations
 
 import importlib
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
+# tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU; on a GPU the kernels compile
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -7,10 +7,8 @@ was already compiled for a GPU in this process, in which case it runs on CUDA.
 from __future__ import annotations
 
 import importlib
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
+# tests/conftest.py sets TRITON_INTERPRET=1 where there is no GPU; on a GPU the kernels compile
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
