@@ -7,15 +7,18 @@ ratio every per-token loss ℓ_t depends on token t alone, and the aggregation i
 weighted sum Σ c_t ℓ_t (:func:`areal_fast.rl.objectives.aggregation_weights`), so each
 chunk's dℓ/dlogp and dℓ/dentropy are known as soon as its log-probs are. The chunk's logits
 are then overwritten with their gradient (the row epilogue's backward) and pushed through the
-two gradient matmuls at once; the autograd backward only scales the stored gradients by the
-upstream scalar. Three [chunk, V]-sized matmuls per chunk instead of four, no [T, V] tensor.
+two gradient matmuls at once; the autograd backward only hands the stored gradients over
+(scaled in place by the upstream scalar, on the device). Three [chunk, V]-sized matmuls per
+chunk instead of four, no [T, V] tensor.
 Sequence-level ratios (GSPO) couple the tokens of a sequence and take the composed path.
 
 What a trainer logs comes out of the same pass: the entropy (``with_entropy``, also when
 it is not in the loss), the per-token log-probs, entropy and proximal log-probs
 (``return_per_token``), and decoupled-PPO proximal log-probs formed from each chunk's own
 log-probs (``prox_fn``). A caller that knows the upstream gradient on the host
-(``upstream_grad``) gets the gradients pre-scaled, so the backward reads nothing back.
+(``upstream_grad``) gets the gradients pre-scaled (the backward then touches nothing), and
+one that knows the trained positions (``trained_positions``) spares the pass its only
+device→host synchronisation.
 """
 
 from __future__ import annotations
