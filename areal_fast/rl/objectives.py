@@ -10,6 +10,12 @@ from areal_fast.ops.segment import segment_sum
 from areal_fast.rl.config import LossConfig
 
 
+def _segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """:func:`areal_fast.ops.segment.segment_sum`, its offset checks on CPU tensors only
+    (on GPUs they are a device→host synchronisation; offsets are checked on entry)."""
+    return segment_sum(values, cu_seqlens, check_offsets=cu_seqlens.device.type == "cpu")
+
+
 def _check_packed(name: str, tensor: torch.Tensor | None, num_tokens: int) -> None:
     if tensor is not None and tensor.shape != (num_tokens,):
         raise ValueError(f"{name} must be [T={num_tokens}], got {tuple(tensor.shape)}")
@@ -21,6 +27,8 @@ def _check_cu_seqlens(cu_seqlens: torch.Tensor, num_tokens: int) -> None:
             f"cu_seqlens must be a 1-D int32 [B+1] tensor, got "
             f"{cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
         )
+    if cu_seqlens.device.type != "cpu":
+        return  # the value checks would be a device→host synchronisation
     if int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != num_tokens:
         raise ValueError(
             f"cu_seqlens must start at 0 and end at T={num_tokens}, got "
@@ -113,7 +121,8 @@ def grpo_loss(
     loss_mask : Tensor [T], bool
         True on tokens that are trained on.
     cu_seqlens : Tensor [B+1], int32
-        Sequence boundaries, starting at 0 and ending at T.
+        Sequence boundaries, starting at 0 and ending at T (values checked for CPU tensors
+        only: on GPUs the check would be a device→host synchronisation).
     config : LossConfig
     prox_logprobs, ref_logprobs, entropy, engine_logprobs : Tensor [T], optional
         Proximal-policy log-probs (decoupled PPO), reference-policy log-probs (KL), entropy
@@ -238,8 +247,8 @@ def token_terms(
     if config.ratio_level == "sequence":
         mask = loss_mask.to(logprobs.dtype)
         seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-        seq_tokens = segment_sum(mask, cu_seqlens).clamp(min=1)
-        seq_log_ratio = segment_sum(log_ratio, cu_seqlens) / seq_tokens
+        seq_tokens = _segment_sum(mask, cu_seqlens).clamp(min=1)
+        seq_log_ratio = _segment_sum(log_ratio, cu_seqlens) / seq_tokens
         log_ratio = torch.repeat_interleave(seq_log_ratio, seqlens, output_size=logprobs.shape[0])
     ratio = torch.exp(log_ratio)
     clipped = ratio.clamp(1 - config.eps_clip, 1 + config.clip_high)
@@ -289,7 +298,7 @@ def aggregation_weights(
     if config.aggregation == "seq_mean_token_sum":
         return mask / (max(num_seqs, 1) * config.seq_len_norm)
     seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    seq_tokens = segment_sum(mask, cu_seqlens)
+    seq_tokens = _segment_sum(mask, cu_seqlens)
     seqs_with_tokens = (seq_tokens > 0).sum().clamp(min=1)
     per_seq = 1.0 / (seq_tokens.clamp(min=1) * seqs_with_tokens)
     return mask * torch.repeat_interleave(per_seq, seqlens, output_size=mask.shape[0])
@@ -306,11 +315,11 @@ def _aggregate(per_token, mask, cu_seqlens, config: LossConfig) -> torch.Tensor:
         return masked.sum() / mask.sum().clamp(min=1)
     if config.aggregation == "token_sum":
         return masked.sum()
-    seq_loss = segment_sum(masked, cu_seqlens)
+    seq_loss = _segment_sum(masked, cu_seqlens)
     num_seqs = cu_seqlens.numel() - 1
     if config.aggregation == "seq_mean_token_sum":
         return seq_loss.sum() / (max(num_seqs, 1) * config.seq_len_norm)
-    seq_tokens = segment_sum(mask, cu_seqlens)
+    seq_tokens = _segment_sum(mask, cu_seqlens)
     has_tokens = seq_tokens > 0
     per_seq = torch.where(has_tokens, seq_loss / seq_tokens.clamp(min=1), 0.0)
     return per_seq.sum() / has_tokens.sum().clamp(min=1)

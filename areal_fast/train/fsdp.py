@@ -35,10 +35,12 @@ from areal_fast.rl.batch import PackedBatch
 from areal_fast.train.config import ActorConfig
 from areal_fast.train.torch_engine import (
     SHARDED_FORWARD,
+    SHARDED_LOSS,
     BatchTotals,
     TorchTrainEngine,
     _num_trained_seqs,
     unsharded_forward_logprobs,
+    unsharded_forward_loss,
 )
 
 BACKENDS = ("gloo", "nccl")
@@ -119,9 +121,12 @@ def shard_model(model, mesh: DeviceMesh):
     One ``fully_shard`` unit per decoder layer, then the root (embeddings, final norm, LM
     head; a tied LM head shares the embedding's parameter and stays tied). Gradients are
     summed over ranks, not averaged (the engine's loss weights already divide by global
-    counts). The packed log-prob computation is registered as an FSDP forward method
-    (``SHARDED_FORWARD``), so :func:`~areal_fast.train.torch_engine.packed_forward_logprobs`
-    gathers the root parameters around it.
+    counts). The packed log-prob computation and the packed forward into a loss on the LM
+    head are registered as FSDP forward methods (``SHARDED_FORWARD``, ``SHARDED_LOSS``), so
+    :func:`~areal_fast.train.torch_engine.packed_forward_logprobs` and
+    :func:`~areal_fast.train.torch_engine.packed_forward_loss` gather the root parameters
+    around them (the fused loss hands its precomputed LM-head weight gradient to the
+    gathered weight, and FSDP reduce-scatters it).
 
     Parameters
     ----------
@@ -150,6 +155,8 @@ def shard_model(model, mesh: DeviceMesh):
             module.set_force_sum_reduction_for_comms(True)
     setattr(model, SHARDED_FORWARD, functools.partial(unsharded_forward_logprobs, model))
     register_fsdp_forward_method(model, SHARDED_FORWARD)
+    setattr(model, SHARDED_LOSS, functools.partial(unsharded_forward_loss, model))
+    register_fsdp_forward_method(model, SHARDED_LOSS)
     return model
 
 
@@ -271,10 +278,12 @@ class FSDPTrainEngine(TorchTrainEngine):
         )
         return parts + [[] for _ in range(count - len(parts))]
 
-    def _reduce_stats(self, sums: dict[str, float]) -> dict[str, float]:
-        """Sum the micro-batch shares (weighted by global counts) over the ranks."""
+    def _reduce_stats(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Sum the micro-batch shares (weighted by global counts) over the ranks; one
+        all-reduce and one read-back."""
         keys = sorted(sums)
-        values = self._all_reduce([sums[k] for k in keys], torch.float64)
+        values = torch.stack([sums[k] for k in keys]).to(self.comm_device)
+        dist.all_reduce(values, op=dist.ReduceOp.SUM, group=self.group)
         return dict(zip(keys, values.tolist()))
 
     def _staleness_stats(self, batch: PackedBatch) -> dict[str, float]:

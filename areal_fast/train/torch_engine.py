@@ -1,4 +1,4 @@
-"""Single-process trainer: packed forward, chunked log-probs, GRPO loss, AdamW."""
+"""Single-process trainer: packed forward, fused LM-head GRPO loss, AdamW."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from areal_fast._checks import positive_finite
 from areal_fast.models.packed_attention import register_packed_attention
 from areal_fast.ops.logprobs import linear_logprobs
+from areal_fast.ops.loss import fused_linear_grpo_loss, fused_pass_logprobs
 from areal_fast.ops.packing import partition_balanced
 from areal_fast.ops.segment import segment_sum
 from areal_fast.rl.batch import PackedBatch, select_sequences
@@ -23,6 +24,7 @@ from areal_fast.rl.objectives import grpo_loss
 from areal_fast.train.config import LR_SCHEDULES, PROX_LOGP_METHODS, ActorConfig, OptimizerConfig  # noqa: F401
 
 SHARDED_FORWARD = "fsdp_packed_forward_logprobs"
+SHARDED_LOSS = "fsdp_packed_forward_loss"
 
 
 def lr_factor(update: int, schedule: str, warmup_steps: int, total_updates: Optional[int]) -> float:
@@ -94,6 +96,46 @@ def unsharded_forward_logprobs(
     model, batch: PackedBatch, temperature: float, with_entropy: bool = True
 ):
     """:func:`packed_forward_logprobs` on a model whose parameters are all present."""
+    hidden = _decoder_hidden_states(model, batch)
+    head = model.get_output_embeddings()
+    result = linear_logprobs(
+        hidden,
+        head.weight,
+        batch.labels.to(hidden.device),
+        temperature=temperature,
+        return_entropy=with_entropy,
+        bias=getattr(head, "bias", None),
+    )
+    return result if with_entropy else (result, None)
+
+
+def packed_forward_loss(model, batch: PackedBatch, head_loss):
+    """``head_loss(hidden, weight, bias)`` on the final hidden states of a packed batch.
+
+    The decoder pass is that of :func:`packed_forward_logprobs`; ``head_loss`` gets the
+    final hidden states [T, H] (model dtype, on the model's device), the LM-head weight
+    [V, H] and its bias [V] (or None), and its result is returned. A model sharded by
+    :func:`areal_fast.train.fsdp.shard_model` carries this as the FSDP2 forward method
+    ``SHARDED_LOSS``, so the root parameters (embeddings, final norm, LM head) are gathered
+    while ``head_loss`` runs: a loss that hands back an LM-head weight gradient computed in
+    its forward (:func:`~areal_fast.ops.loss.fused_linear_grpo_loss`) gives it to the
+    gathered weight, whose gradient FSDP reduce-scatters after the backward.
+    """
+    sharded_forward = getattr(model, SHARDED_LOSS, None)
+    if sharded_forward is not None:
+        return sharded_forward(batch, head_loss)
+    return unsharded_forward_loss(model, batch, head_loss)
+
+
+def unsharded_forward_loss(model, batch: PackedBatch, head_loss):
+    """:func:`packed_forward_loss` on a model whose parameters are all present."""
+    hidden = _decoder_hidden_states(model, batch)
+    head = model.get_output_embeddings()
+    return head_loss(hidden, head.weight, getattr(head, "bias", None))
+
+
+def _decoder_hidden_states(model, batch: PackedBatch) -> torch.Tensor:
+    """Final hidden states [T, H] of the packed batch (see :func:`packed_forward_logprobs`)."""
     _check_supported(model.config)
     device = next(model.parameters()).device
     cu_seqlens = batch.cu_seqlens.to(device)
@@ -107,17 +149,7 @@ def unsharded_forward_logprobs(
         max_length_q=batch.max_seqlen,
         max_length_k=batch.max_seqlen,
     )
-    hidden = out.last_hidden_state[0]
-    head = model.get_output_embeddings()
-    result = linear_logprobs(
-        hidden,
-        head.weight,
-        batch.labels.to(device),
-        temperature=temperature,
-        return_entropy=with_entropy,
-        bias=getattr(head, "bias", None),
-    )
-    return result if with_entropy else (result, None)
+    return out.last_hidden_state[0]
 
 
 def _check_supported(config) -> None:
@@ -138,7 +170,10 @@ class TorchTrainEngine:
     Each step splits the packed batch into micro-batches with the native balanced
     partitioner (``max_tokens_per_mb`` tokens at most each), accumulates gradients so that
     the result equals one pass over the whole batch for the configured aggregation, clips the
-    global gradient norm and takes one AdamW step.
+    global gradient norm and takes one AdamW step. Each micro-batch's loss comes from
+    :func:`~areal_fast.ops.loss.fused_linear_grpo_loss` on the final hidden states (one pass
+    over the vocabulary that also yields the logged entropy, log-probs and proximal
+    log-probs), run through :func:`packed_forward_loss`.
 
     Parameters
     ----------
@@ -179,6 +214,11 @@ class TorchTrainEngine:
         :meth:`train_step` calls the run will make: the learning-rate schedule decays over
         ``total_steps · ppo_n_minibatches`` optimizer updates (:func:`lr_factor`). None: no
         decay (constant after warmup).
+    fused_loss : bool
+        True (default): the fused loss above. False: the composed reference,
+        :func:`~areal_fast.ops.logprobs.linear_logprobs` then
+        :func:`~areal_fast.rl.objectives.grpo_loss` (one more LM-head matmul per micro-batch;
+        the same losses, gradients and statistics to rounding).
 
     Attributes
     ----------
@@ -195,7 +235,20 @@ class TorchTrainEngine:
     ------
     ValueError
         ``actor.loss.kl_coef > 0`` without ``ref_model``; ``temperature`` not a finite
-        number > 0; ``initial_version`` or ``total_steps`` out of range.
+        number > 0; ``initial_version`` or ``total_steps`` out of range; ``fused_loss`` not
+        a bool.
+
+    Notes
+    -----
+    On a GPU the micro-batch loop of :meth:`accumulate_gradients` makes no device→host
+    synchronisation: micro-batches are copied to the device from pinned memory without
+    blocking, the trained positions and loglinear interpolation weights are formed on the
+    host, the loss's backward reads nothing back (its upstream gradient is passed on the
+    host) and the statistics are summed on the device. What remains, once per optimizer
+    update: reading the summed statistics back (after their all-reduce on FSDP ranks) and the
+    pre-clip gradient norm. Elsewhere: the packed attention's per-sequence fallback (without a
+    varlen kernel) reads ``cu_seqlens`` per layer; the composed reference with "loglinear"
+    checks token versions on the device.
     """
 
     def __init__(
@@ -208,6 +261,7 @@ class TorchTrainEngine:
         packed_attention: bool = True,
         initial_version: int = 0,
         total_steps: Optional[int] = None,
+        fused_loss: bool = True,
     ):
         if not isinstance(actor, ActorConfig):
             raise TypeError(f"actor must be an ActorConfig, got {type(actor).__name__}")
@@ -219,6 +273,8 @@ class TorchTrainEngine:
             isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
         ):
             raise ValueError(f"total_steps = {total_steps!r} must be an int >= 1 or None")
+        if not isinstance(fused_loss, bool):
+            raise ValueError(f"fused_loss = {fused_loss!r} must be a bool")
         if packed_attention:
             name = register_packed_attention()
             for m in (model, ref_model):
@@ -241,6 +297,7 @@ class TorchTrainEngine:
         self.total_steps = total_steps
         self.scheduler = self._make_scheduler(optim, total_steps, actor.ppo_n_minibatches)
         self.version = initial_version
+        self.fused_loss = fused_loss
         # Run the separate no-grad proximal pass even when one minibatch makes it redundant.
         self._explicit_prox_pass = False
 
@@ -402,20 +459,44 @@ class TorchTrainEngine:
     def recompute_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         """The current weights' log-probs of ``batch``, micro-batch by micro-batch, no grad.
 
+        Computed as the loss computes them (with the fused loss:
+        :func:`~areal_fast.ops.loss.fused_pass_logprobs`), so that they equal the gradient
+        pass's log-probs of the same micro-batch bitwise.
+
         Returns
         -------
         Tensor [T] float32 on the model's device (0 where ``labels == -100``)
         """
-        device = next(self.model.parameters()).device
+        device = self._device()
         out = torch.zeros(batch.num_tokens, dtype=torch.float32, device=device)
         for part in self._micro_batch_parts(batch):
             mb = select_sequences(batch, part or [0])  # [] pads: see _padding_pass
-            logprobs, _ = packed_forward_logprobs(
-                self.model, mb, self.temperature, with_entropy=False
-            )
+            logprobs = self._no_grad_logprobs(mb, _to_device(mb, device))
             if part:
-                out[_token_index(batch.cu_seqlens, part).to(device)] = logprobs.float()
+                out[_copy_to(_token_index(batch.cu_seqlens, part), device)] = logprobs.float()
         return out
+
+    def _no_grad_logprobs(self, mb: PackedBatch, dev: PackedBatch) -> torch.Tensor:
+        if not self.fused_loss:
+            return packed_forward_logprobs(self.model, dev, self.temperature, False)[0]
+        trained = _copy_to(mb.loss_mask.nonzero().squeeze(1), dev.loss_mask.device)
+        temperature = self.temperature
+
+        def head_logprobs(hidden, head_weight, bias):
+            return fused_pass_logprobs(
+                hidden,
+                head_weight,
+                dev.labels,
+                dev.loss_mask,
+                temperature=temperature,
+                bias=bias,
+                trained_positions=trained,
+            )
+
+        return packed_forward_loss(self.model, dev, head_logprobs)
+
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
 
     def accumulate_gradients(
         self, batch: PackedBatch, prox_logprobs: torch.Tensor | None = None
@@ -427,6 +508,10 @@ class TorchTrainEngine:
         explicitly; None makes them as ``prox_logp_method`` says from each micro-batch's
         forward (recompute: its detached log-probs; loglinear: the interpolation at
         :attr:`version`).
+
+        The statistics are summed over the micro-batches on the device (float64) and read
+        back once, after the loop: the loop itself makes no device→host synchronisation
+        on a GPU (see the class notes for what remains).
         """
         if prox_logprobs is not None and not self.use_decoupled_loss:
             raise ValueError("prox_logprobs is given but use_decoupled_loss is False")
@@ -434,7 +519,7 @@ class TorchTrainEngine:
             raise ValueError(
                 f"prox_logprobs must be [T={batch.num_tokens}], got {tuple(prox_logprobs.shape)}"
             )
-        sums: dict[str, float] = {"loss": 0.0}
+        sums = {"loss": torch.zeros((), dtype=torch.float64, device=self._device())}
         totals = self.batch_totals(batch)
         total_tokens = max(totals.tokens, 1)
         parts = self._micro_batch_parts(batch)
@@ -444,58 +529,116 @@ class TorchTrainEngine:
                 continue
             mb, mb_prox = _select(batch, part, prox_logprobs)
             weight = self._mb_weight(mb, totals)
-            loss, stats = self._micro_batch_loss(mb, mb_prox)
+            loss, stats = self._micro_batch_loss(mb, mb_prox, weight)
             (loss * weight).backward()
-            sums["loss"] += float(loss.detach()) * weight
+            _add_share(sums, "loss", loss, weight)
             token_share = int(mb.loss_mask.sum()) / total_tokens
             for key, value in stats.items():
                 if key != "num_tokens":
-                    sums[key] = sums.get(key, 0.0) + float(value) * token_share
-        sums = self._reduce_stats(sums)
-        sums["num_micro_batches"] = float(len(parts))
-        return sums
+                    _add_share(sums, key, value, token_share)
+        stats = self._reduce_stats(sums)
+        stats["num_micro_batches"] = float(len(parts))
+        return stats
 
-    def _reduce_stats(self, sums: dict[str, float]) -> dict[str, float]:
-        """Sum the shares of the micro-batch statistics over data-parallel ranks (here: one)."""
-        return sums
+    def _reduce_stats(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Sum the shares of the micro-batch statistics (0-d float64 device tensors) over
+        data-parallel ranks (here: one) and read them back, in one synchronisation."""
+        return dict(zip(sums, torch.stack(list(sums.values())).tolist()))
 
     def _padding_pass(self, batch: PackedBatch) -> None:
         """Forward and backward of the first sequence with weight 0: an empty part ``[]``
         pads a data-parallel rank's micro-batch count up to the other ranks' (their FSDP
         collectives pair up); it adds exact zeros to the gradients and nothing to the stats."""
-        loss, _ = self._micro_batch_loss(select_sequences(batch, [0]))
+        loss, _ = self._micro_batch_loss(select_sequences(batch, [0]), None, 0.0)
         (loss * 0.0).backward()
 
-    def _micro_batch_loss(self, mb: PackedBatch, prox: torch.Tensor | None = None):
-        device = next(self.model.parameters()).device
-        logprobs, entropy = packed_forward_logprobs(self.model, mb, self.temperature)
+    def _micro_batch_loss(self, mb: PackedBatch, prox: torch.Tensor | None = None, weight=1.0):
+        """(loss, stats) of one micro-batch (host tensors), ``prox`` its explicit proximal
+        log-probs; ``weight`` is the factor the caller back-propagates the loss with, as
+        ``(weight * loss).backward()`` (the fused loss forms its gradients pre-scaled)."""
+        dev = _to_device(mb, self._device())
         ref = None
         if self.ref_model is not None:
             with torch.no_grad():
                 ref, _ = packed_forward_logprobs(
-                    self.ref_model, mb, self.temperature, with_entropy=False
+                    self.ref_model, dev, self.temperature, with_entropy=False
                 )
+        if self.fused_loss:
+            loss, stats, logprobs, prox = self._fused_loss(mb, dev, prox, ref, weight)
+        else:
+            loss, stats, logprobs, prox = self._composed_loss(dev, prox, ref)
+        mask, behav = dev.loss_mask, dev.behav_logprobs
+        diff = torch.where(mask, (logprobs - behav).abs(), 0.0).sum()
+        stats["behav_logprob_abs_diff"] = diff / mask.sum().clamp(min=1)
+        if prox is not None:
+            stats.update(behav_weight_stats(prox, behav, mask, self.loss_config.behav_weight_cap))
+        return loss, stats
+
+    def _fused_loss(self, mb: PackedBatch, dev: PackedBatch, prox, ref, weight):
+        """fused_linear_grpo_loss inside packed_forward_loss: (loss, stats, detached
+        log-probs [T], proximal log-probs [T] or None)."""
+        prox_fn = None
+        if self.use_decoupled_loss and prox is None:
+            prox_fn = self._prox_fn(mb, dev)
+        trained = _copy_to(mb.loss_mask.nonzero().squeeze(1), dev.loss_mask.device)
+        config, temperature = self.loss_config, self.temperature
+
+        def head_loss(hidden, head_weight, bias):
+            return fused_linear_grpo_loss(
+                hidden,
+                head_weight,
+                dev.labels,
+                dev.behav_logprobs,
+                dev.advantages,
+                dev.loss_mask,
+                dev.cu_seqlens,
+                config,
+                temperature=temperature,
+                prox_logprobs=prox,
+                ref_logprobs=ref,
+                bias=bias,
+                prox_fn=prox_fn,
+                with_entropy=True,
+                return_per_token=True,
+                upstream_grad=weight,
+                trained_positions=trained,
+            )
+
+        loss, stats, tokens = packed_forward_loss(self.model, dev, head_loss)
+        return loss, stats, tokens.logprobs, tokens.prox_logprobs
+
+    def _prox_fn(self, mb: PackedBatch, dev: PackedBatch):
+        """``prox_fn`` of fused_linear_grpo_loss for ``prox_logp_method`` (no explicit prox)."""
+        if self.prox_logp_method == "recompute":
+            # Only reached when this forward runs at the step-start weights (one minibatch).
+            return _current_logprobs
+        behav = dev.behav_logprobs
+        alpha = _copy_to(_loglinear_alpha(mb, self.version), behav.device)
+
+        def loglinear(logprobs, positions):
+            base = behav[positions].to(logprobs.dtype)
+            return base + alpha[positions].to(logprobs.dtype) * (logprobs - base)
+
+        return loglinear
+
+    def _composed_loss(self, dev: PackedBatch, prox, ref):
+        """The reference: linear_logprobs then grpo_loss (same returns as _fused_loss)."""
+        logprobs, entropy = packed_forward_logprobs(self.model, dev, self.temperature)
         if self.loss_config.entropy_coef == 0:
             entropy = entropy.detach()
-        mask = mb.loss_mask.to(device)
-        behav = mb.behav_logprobs.to(device)
-        prox = self._proximal_logprobs(mb, logprobs, prox)
+        prox = self._proximal_logprobs(dev, logprobs, prox)
         loss, stats = grpo_loss(
             logprobs,
-            behav,
-            mb.advantages.to(device),
-            mask,
-            mb.cu_seqlens.to(device),
+            dev.behav_logprobs,
+            dev.advantages,
+            dev.loss_mask,
+            dev.cu_seqlens,
             self.loss_config,
             prox_logprobs=prox,
             ref_logprobs=ref,
             entropy=entropy,
         )
-        diff = torch.where(mask, (logprobs.detach() - behav).abs(), 0.0).sum()
-        stats["behav_logprob_abs_diff"] = diff / mask.sum().clamp(min=1)
-        if prox is not None:
-            stats.update(behav_weight_stats(prox, behav, mask, self.loss_config.behav_weight_cap))
-        return loss, stats
+        return loss, stats, logprobs.detach(), prox
 
     def _proximal_logprobs(self, mb: PackedBatch, logprobs: torch.Tensor, prox):
         """Proximal log-probs [T] of a micro-batch for grpo_loss (None: plain PPO)."""
@@ -525,6 +668,52 @@ class TorchTrainEngine:
         self.model.save_pretrained(path)
 
 
+def _current_logprobs(logprobs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """``prox_fn`` of recomputed proximal log-probs: the forward's own (detached) ones."""
+    return logprobs
+
+
+def _loglinear_alpha(batch: PackedBatch, version: int) -> torch.Tensor:
+    """Weights α [T] float64 (host) of :func:`loglinear_prox_logprobs` at ``version``.
+
+    That interpolation, behav + α·(logprobs − behav), is affine in the log-probs, so its
+    value at logprobs = 1, behav = 0 is α (0 outside ``loss_mask``); evaluated on the
+    host batch, it checks the token versions without a device synchronisation. α in
+    float64, cast to the log-probs' dtype where used, is the function's own α.
+    """
+    ones = torch.ones(batch.num_tokens, dtype=torch.float64)
+    return loglinear_prox_logprobs(
+        ones, torch.zeros_like(ones), batch.versions, version, batch.loss_mask
+    )
+
+
+def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``; host → GPU through pinned memory without blocking (no
+    host synchronisation: torch's pinned-memory cache keeps the staging buffer until the
+    copy has run)."""
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _to_device(batch: PackedBatch, device: torch.device) -> PackedBatch:
+    """``batch`` with every tensor on ``device`` (:func:`_copy_to`); itself if already there."""
+    fields = batch.__dict__
+    if all(v.device == device for v in fields.values() if isinstance(v, torch.Tensor)):
+        return batch
+    return PackedBatch(
+        **{k: _copy_to(v, device) if isinstance(v, torch.Tensor) else v for k, v in fields.items()}
+    )
+
+
+def _add_share(sums: dict[str, torch.Tensor], key: str, value: torch.Tensor, share: float):
+    """``sums[key] += value · share`` in float64 on the device (no read-back)."""
+    term = value.detach().to(torch.float64) * share
+    sums[key] = sums[key] + term if key in sums else term
+
+
 def _num_trained_seqs(batch: PackedBatch) -> int:
     """Sequences with at least one trained token."""
     return int((segment_sum(batch.loss_mask.float(), batch.cu_seqlens) > 0).sum())
@@ -543,7 +732,7 @@ def _select(batch: PackedBatch, indices: list[int], per_token: torch.Tensor | No
     sub = select_sequences(batch, indices)
     if per_token is None:
         return sub, None
-    return sub, per_token[_token_index(batch.cu_seqlens, indices).to(per_token.device)]
+    return sub, per_token[_copy_to(_token_index(batch.cu_seqlens, indices), per_token.device)]
 
 
 def _combine_minibatch_stats(results: list[tuple[int, dict[str, float]]]) -> dict[str, float]:

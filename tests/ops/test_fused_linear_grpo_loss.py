@@ -205,3 +205,228 @@ def test_wrong_length_engine_logprobs_is_named():
             LossConfig(tis_cap=2.0),
             engine_logprobs=torch.zeros(3),
         )
+
+
+# ---------------------------------------------------------------------------------------
+# what a trainer logs: entropy, per-token outputs, proximal log-probs from the pass itself
+# ---------------------------------------------------------------------------------------
+
+
+def _loglinear_fn(behav, alpha):
+    """A prox_fn: the loglinear interpolation behav + α·(logprobs − behav) at ``pos``."""
+
+    def prox_fn(logprobs, pos):
+        base = behav[pos].to(logprobs.dtype)
+        return base + alpha[pos].to(logprobs.dtype) * (logprobs - base)
+
+    return prox_fn
+
+
+def _reference_prox(kind, logp, behav, alpha, mask):
+    if kind == "recompute":
+        return torch.where(mask, logp, 0.0)
+    return torch.where(mask, behav + alpha * (logp - behav), 0.0)
+
+
+@pytest.mark.parametrize("kind", ["recompute", "loglinear"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        LossConfig(behav_weight_cap=1.05, kl_coef=0.1),
+        LossConfig(aggregation="seq_mean_token_mean", entropy_coef=0.02, behav_weight_cap=1.1),
+        LossConfig(ratio_level="sequence", behav_weight_cap=1.1),
+    ],
+    ids=["token_mean-kl", "seq_mean-entropy", "gspo"],
+)
+@pytest.mark.parametrize("chunked", [False, True])
+def test_prox_fn_and_per_token_outputs_equal_composed(kind, cfg, chunked, monkeypatch, fresh_seed):
+    """float64: prox from the chunk's own log-probs, the logged entropy (entropy_coef 0 too)
+    and the per-token outputs equal the composition with those log-probs given explicitly."""
+    if chunked:
+        monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 8 * 301 * 8)
+        monkeypatch.setattr(lp_mod, "_MIN_CHUNK_ROWS", 1)
+    hidden, weight, labels, old, adv, mask, cu, extras = _batch()
+    old, adv = old.double(), adv.double()
+    ref_lp = extras["ref_logprobs"].double()
+    alpha = torch.rand(hidden.shape[0], dtype=torch.float64)
+    prox_fn = None if kind == "recompute" else _loglinear_fn(old, alpha)
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss, stats, tokens = fused_linear_grpo_loss(
+        h,
+        w,
+        labels,
+        old,
+        adv,
+        mask,
+        cu,
+        cfg,
+        temperature=0.8,
+        ref_logprobs=ref_lp,
+        prox_fn=(lambda lp, pos: lp) if kind == "recompute" else prox_fn,
+        with_entropy=True,
+        return_per_token=True,
+    )
+    loss.backward()
+
+    rh, rw = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    logp, ent = linear_logprobs(
+        rh, rw, torch.where(mask, labels, -100), temperature=0.8, return_entropy=True
+    )
+    prox = _reference_prox(kind, logp.detach(), old, alpha, mask)
+    ref_loss, ref_stats = grpo_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        cu,
+        cfg,
+        prox_logprobs=prox,
+        ref_logprobs=ref_lp,
+        entropy=ent if cfg.entropy_coef else ent.detach(),
+    )
+    ref_loss.backward()
+
+    assert abs(float(loss) - float(ref_loss)) < 1e-12
+    assert set(stats) == set(ref_stats) and "entropy_mean" in stats
+    for key in stats:
+        assert float(stats[key]) == pytest.approx(float(ref_stats[key]), rel=1e-10, abs=1e-13), key
+    assert torch.allclose(tokens.logprobs, logp.detach(), rtol=1e-12, atol=1e-14)
+    assert torch.allclose(tokens.entropy, ent.detach(), rtol=1e-12, atol=1e-14)
+    assert torch.allclose(tokens.prox_logprobs, prox, rtol=1e-12, atol=1e-14)
+    assert not tokens.logprobs.requires_grad and not tokens.prox_logprobs.requires_grad
+    for got, want in ((h.grad, rh.grad), (w.grad, rw.grad)):
+        assert torch.allclose(got, want, rtol=1e-9, atol=1e-13), (got - want).abs().max()
+
+
+def test_prox_fn_is_called_per_chunk_with_trained_positions(monkeypatch, fresh_seed):
+    monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 8 * 301 * 4)
+    monkeypatch.setattr(lp_mod, "_MIN_CHUNK_ROWS", 1)
+    hidden, weight, labels, old, adv, mask, cu, _ = _batch(dtype=torch.float32)
+    calls = []
+
+    def prox_fn(logprobs, pos):
+        calls.append(pos.clone())
+        return logprobs - 0.01
+
+    fused_linear_grpo_loss(
+        hidden.requires_grad_(), weight, labels, old, adv, mask, cu, LossConfig(), prox_fn=prox_fn
+    )
+    assert len(calls) > 1 and all(len(c) <= 8 for c in calls)
+    assert torch.equal(torch.cat(calls), mask.nonzero().squeeze(1))
+
+
+def test_with_entropy_does_not_change_loss_or_gradients(fresh_seed):
+    hidden, weight, labels, old, adv, mask, cu, _ = _batch(dtype=torch.float32)
+    results = []
+    for with_entropy in (False, True):
+        h = hidden.clone().requires_grad_()
+        loss, stats = fused_linear_grpo_loss(
+            h, weight, labels, old, adv, mask, cu, LossConfig(), with_entropy=with_entropy
+        )
+        loss.backward()
+        results.append((float(loss), h.grad, stats))
+    assert "entropy_mean" not in results[0][2] and "entropy_mean" in results[1][2]
+    assert results[0][0] == results[1][0] and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.37, 0.0])
+def test_upstream_grad_prescales_the_gradients(scale, fresh_seed):
+    hidden, weight, labels, old, adv, mask, cu, _ = _batch()
+    cfg = LossConfig(entropy_coef=0.01)
+    grads = []
+    for upstream in (None, scale):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, _ = fused_linear_grpo_loss(
+            h, w, labels, old.double(), adv.double(), mask, cu, cfg, upstream_grad=upstream
+        )
+        (loss * scale).backward()
+        grads.append((float(loss), h.grad, w.grad))
+    assert grads[0][0] == grads[1][0]  # the loss value is not scaled
+    for a, b in zip(grads[0][1:], grads[1][1:]):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-15)
+    if scale == 0.0:
+        assert torch.all(grads[1][2] == 0)
+
+
+def test_upstream_grad_mismatch_is_an_error_on_cpu():
+    hidden, weight, labels, old, adv, mask, cu, _ = _batch(dtype=torch.float32)
+    loss, _ = fused_linear_grpo_loss(
+        hidden.requires_grad_(), weight, labels, old, adv, mask, cu, LossConfig(), upstream_grad=0.5
+    )
+    with pytest.raises(RuntimeError, match="upstream_grad = 0.5"):
+        (loss * 2.0).backward()
+
+
+def test_scaled_backward_runs_once(fresh_seed):
+    """Without upstream_grad the stored gradients are scaled in place: a second backward
+    through a retained graph is refused instead of scaling them twice."""
+    hidden, weight, labels, old, adv, mask, cu, _ = _batch(dtype=torch.float32)
+    loss, _ = fused_linear_grpo_loss(
+        hidden.requires_grad_(), weight, labels, old, adv, mask, cu, LossConfig()
+    )
+    (2.0 * loss).backward(retain_graph=True)
+    with pytest.raises(RuntimeError):
+        (2.0 * loss).backward()
+
+
+def test_trained_positions_give_the_same_result(fresh_seed):
+    hidden, weight, labels, old, adv, mask, cu, _ = _batch(dtype=torch.float32)
+    out = []
+    for positions in (None, mask.nonzero().squeeze(1)):
+        h = hidden.clone().requires_grad_()
+        loss, _ = fused_linear_grpo_loss(
+            h, weight, labels, old, adv, mask, cu, LossConfig(), trained_positions=positions
+        )
+        loss.backward()
+        out.append((float(loss), h.grad))
+    assert out[0][0] == out[1][0] and torch.equal(out[0][1], out[1][1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(prox_fn=lambda lp, pos: lp, prox_logprobs=torch.zeros(45)), ValueError, "not both"),
+        (dict(prox_fn="recompute"), TypeError, "prox_fn must be callable"),
+        (dict(prox_fn=lambda lp, pos: lp[:-1]), ValueError, "prox_fn must return"),
+        (dict(prox_fn=lambda lp, pos: pos), ValueError, "floating"),
+        (dict(upstream_grad=float("nan")), ValueError, "upstream_grad"),
+        (dict(upstream_grad=True), ValueError, "upstream_grad"),
+        (dict(trained_positions=torch.arange(3)), ValueError, "trained_positions"),
+        (dict(trained_positions=torch.arange(3, dtype=torch.int32)), ValueError, "int64"),
+    ],
+)
+def test_bad_options_are_named(kwargs, error, match):
+    hidden, weight, labels, old, adv, mask, cu, _ = _batch(dtype=torch.float32)
+    with pytest.raises(error, match=match):
+        fused_linear_grpo_loss(
+            hidden.requires_grad_(), weight, labels, old, adv, mask, cu, LossConfig(), **kwargs
+        )
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_on_cuda(fresh_seed):
+    """With trained_positions and upstream_grad the loss, its stats and its backward make
+    no device→host synchronisation."""
+    hidden, weight, labels, old, adv, mask, cu, extras = _batch(dtype=torch.float32)
+    dev = [t.cuda() for t in (hidden, weight, labels, old, adv, mask, cu)]
+    positions = mask.nonzero().squeeze(1).cuda()
+    cfg = LossConfig(aggregation="seq_mean_token_mean", entropy_coef=0.01, behav_weight_cap=2.0)
+    for check in (False, True):  # the first call compiles the kernels
+        h = dev[0].clone().requires_grad_()
+        torch.cuda.set_sync_debug_mode("error" if check else "default")
+        try:
+            loss, stats, tokens = fused_linear_grpo_loss(
+                h,
+                *dev[1:],
+                cfg,
+                prox_fn=lambda lp, pos: lp,
+                with_entropy=True,
+                return_per_token=True,
+                upstream_grad=0.5,
+                trained_positions=positions,
+            )
+            (0.5 * loss).backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(h.grad).all() and float(stats["entropy_mean"]) > 0

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from areal_fast.models.loading import load_causal_lm
+from areal_fast.ops import loss as loss_ops
 from areal_fast.rl.batch import Trajectory, pack_trajectories
 from areal_fast.rl.config import LossConfig
 from areal_fast.rl.decoupled import loglinear_prox_logprobs
@@ -148,21 +149,26 @@ def test_loglinear_in_trainer_uses_interpolated_prox(tiny_model_dir, fresh_seed,
 
 
 def _spy_grpo_loss(monkeypatch):
-    """Record (micro-batch, current log-probs, prox log-probs) of every grpo_loss call."""
+    """Record (micro-batch, current log-probs, prox log-probs) of every grpo_loss call (the
+    fused loss's, or the composed reference's)."""
     seen, current_mb = [], []
-    original_loss, original_mb_loss = torch_engine.grpo_loss, TorchTrainEngine._micro_batch_loss
+    original_mb_loss = TorchTrainEngine._micro_batch_loss
 
-    def mb_loss(self, mb, prox=None):
+    def mb_loss(self, mb, *args, **kwargs):
         current_mb[:] = [mb]
-        return original_mb_loss(self, mb, prox)
+        return original_mb_loss(self, mb, *args, **kwargs)
 
-    def loss(logprobs, *args, prox_logprobs=None, **kwargs):
-        prox = None if prox_logprobs is None else prox_logprobs.detach().clone()
-        seen.append((current_mb[0], logprobs.detach().clone(), prox))
-        return original_loss(logprobs, *args, prox_logprobs=prox_logprobs, **kwargs)
+    def spy(original_loss):
+        def loss(logprobs, *args, prox_logprobs=None, **kwargs):
+            prox = None if prox_logprobs is None else prox_logprobs.detach().clone()
+            seen.append((current_mb[0], logprobs.detach().clone(), prox))
+            return original_loss(logprobs, *args, prox_logprobs=prox_logprobs, **kwargs)
+
+        return loss
 
     monkeypatch.setattr(TorchTrainEngine, "_micro_batch_loss", mb_loss)
-    monkeypatch.setattr(torch_engine, "grpo_loss", loss)
+    monkeypatch.setattr(torch_engine, "grpo_loss", spy(torch_engine.grpo_loss))
+    monkeypatch.setattr(loss_ops, "grpo_loss", spy(loss_ops.grpo_loss))
     return seen
 
 

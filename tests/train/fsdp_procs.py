@@ -225,3 +225,52 @@ def save_ranks(rank, world_size, init_method, model_dir: str, directory: str) ->
     engine = FSDPTrainEngine(load_causal_lm(model_dir), plain_actor(), mesh=mesh, temperature=1.0)
     engine.save(directory)
     return {"weights": weights_numpy(engine)}
+
+
+def fused_vs_composed_ranks(
+    rank, world_size, init_method, model_dir: str, seed: int, actor_fields: dict
+) -> dict:
+    """On each rank, an FSDP engine with the fused loss and one with the composed reference
+    accumulate gradients on this rank's part of one global batch (rank 0 holds one group,
+    so it pads); the full gradients, the stats, and what the fused loss was handed."""
+    from areal_fast.train import torch_engine
+    from areal_fast.train.fsdp import FSDPTrainEngine, init_trainer_group
+
+    mesh = init_trainer_group(rank, world_size, init_method, "gloo", 60)
+    heads = []
+    original = torch_engine.fused_linear_grpo_loss
+
+    def spy(hidden, weight, *args, **kwargs):
+        heads.append((type(weight).__name__, tuple(weight.shape), kwargs["upstream_grad"]))
+        return original(hidden, weight, *args, **kwargs)
+
+    torch_engine.fused_linear_grpo_loss = spy
+    report = {"heads": heads}
+    for fused in (True, False):
+        model = load_causal_lm(model_dir)
+        ref = None
+        if actor_fields["loss"].kl_coef > 0:
+            ref = load_causal_lm(model_dir)
+            g = torch.Generator().manual_seed(seed)
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p.add_(0.01 * torch.randn(p.shape, generator=g))
+        engine = FSDPTrainEngine(
+            model,
+            plain_actor(**actor_fields),
+            mesh=mesh,
+            ref_model=ref,
+            temperature=0.9,
+            initial_version=1,
+            fused_loss=fused,
+        )
+        batch = global_batch(model.config.vocab_size, seed, engine.version)
+        stats = engine.accumulate_gradients(select_sequences(batch, rank_parts(0)[rank]))
+        grads = {
+            name: param.grad.full_tensor().numpy().copy()
+            for name, param in engine.model.named_parameters()
+        }
+        report["fused" if fused else "composed"] = {"stats": stats, "grads": grads}
+    report["vocab"] = model.config.vocab_size
+    report["hidden"] = model.config.hidden_size
+    return report

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from fsdp_procs import (
+    fused_vs_composed_ranks,
     global_batch,
     local_mb_counts,
     rank_parts,
@@ -111,6 +112,42 @@ def _union_of_rank_minibatches(engine, batch, step):
         ):
             unions[i].extend(part[j] for j in local)
     return lambda _batch: unions
+
+
+def test_fused_loss_on_two_ranks_equals_composed(tiny_model_dir):
+    """FSDP with the fused loss: it runs inside the registered forward method on the
+    gathered LM head (a plain [V, H] tensor, not the DTensor shard), rank 0 pads with
+    zero-weight passes, and the reduce-scattered gradients and the global stats equal the
+    composed reference's."""
+    seed = random.SystemRandom().randrange(1 << 30)
+    fields = dict(
+        loss=LossConfig(aggregation="seq_mean_token_mean", entropy_coef=0.01, kl_coef=0.05),
+        use_decoupled_loss=True,
+        prox_logp_method="loglinear",
+        max_tokens_per_mb=BUDGET,
+    )
+    reports = run_ranks(fused_vs_composed_ranks, 2, (str(tiny_model_dir), seed, fields))
+    for rank, report in enumerate(reports):
+        vocab, hidden = report["vocab"], report["hidden"]
+        assert report["heads"], f"rank {rank}: the fused loss was not called"
+        assert {(kind, shape) for kind, shape, _ in report["heads"]} == {
+            ("Parameter", (vocab, hidden))
+        }
+        fused, composed = report["fused"], report["composed"]
+        assert fused["stats"]["num_micro_batches"] == len(report["heads"])
+        assert set(fused["stats"]) == set(composed["stats"])
+        for key, want in composed["stats"].items():
+            assert fused["stats"][key] == pytest.approx(want, rel=1e-5, abs=1e-7), (seed, key)
+        for name, want in composed["grads"].items():
+            np.testing.assert_allclose(
+                fused["grads"][name],
+                want,
+                rtol=1e-4,
+                atol=1e-6 * float(np.abs(want).max()),
+                err_msg=f"seed {seed} rank {rank} {name}",
+            )
+    assert 0.0 in {upstream for _, _, upstream in reports[0]["heads"]}  # rank 0 padded
+    assert reports[0]["fused"]["stats"] == reports[1]["fused"]["stats"]
 
 
 def test_factory_stays_a_picklable_dataclass(tiny_model_dir):
