@@ -181,6 +181,60 @@ def test_a_slot_without_cuda_twin_is_not_mapped():
         host.close()
 
 
+def test_a_slot_is_made_on_a_cuda_device_and_mapped_only_from_a_whole_visible_export():
+    from dataclasses import replace
+
+    from areal_fast.sync.transports import WeightSyncError
+
+    host = SharedWeightBuffer.create(_weights(8))
+    try:
+        with pytest.raises(ValueError, match="device cpu is not a CUDA device"):
+            CudaWeightSlot.create(host.spec, "cpu")
+        n = host.spec.total_bytes
+        short = list(_fields(8))
+        short[2] = n - 1
+        spec = replace(host.spec, cuda=CudaSlotSpec(GPU_A, n, encode_share(short)))
+        with pytest.raises(ValueError, match=f"holds {n - 1} bytes, the layout needs {n}"):
+            CudaWeightSlot.attach(spec)
+        whole = list(_fields(8))
+        whole[2] = n
+        spec = replace(host.spec, cuda=CudaSlotSpec(GPU_A, n, encode_share(whole)))
+        with pytest.raises(WeightSyncError, match=f"GPU {GPU_A} is not visible"):
+            CudaWeightSlot.attach(spec)  # no GPU here has that UUID
+    finally:
+        host.close()
+
+
+def test_with_cuda_twins_the_host_slots_are_written_only_while_someone_reads_them(monkeypatch):
+    """The publishing logic over CUDA slots, with CPU buffers standing in for device memory."""
+    from dataclasses import replace
+
+    monkeypatch.setattr(CudaWeightSlot, "finish_write", lambda self: None)
+    named = _weights(9)
+    host = [SharedWeightBuffer.create(cast_weights(named, torch.bfloat16)) for _ in range(2)]
+    twins = [
+        CudaWeightSlot(
+            replace(h.spec, cuda=CudaSlotSpec(GPU_A, h.spec.total_bytes, encode_share(_fields(i)))),
+            torch.zeros(h.spec.total_bytes, dtype=torch.uint8),
+            owner=True,
+        )
+        for i, h in enumerate(host)
+    ]
+    slots = TrainerSlots(host, twins, torch.bfloat16)
+    try:
+        assert slots.gpu_uuid == GPU_A and [slot_gpu(s) for s in slots.specs] == [GPU_A] * 2
+        empty = buffer_checksum(host[1])
+        slots.host_readers = False
+        slots.publish(iter(named), 1)
+        assert buffer_checksum(host[1]) == empty  # not written
+        assert slots.checksum(1) == _crc(cast_weights(named, torch.bfloat16)) != empty
+        slots.host_readers = True
+        slots.publish(iter(named), 1)
+        assert buffer_checksum(host[1]) == slots.checksum(1)  # the same bytes in both
+    finally:
+        slots.close()
+
+
 # --------------------------------------------------------------- the trainer's slots, on CPU
 
 
