@@ -23,6 +23,7 @@ import msgpack
 from areal_fast.controller import messages as msg
 from areal_fast.controller.shards import DistributedBatch, ShardMetadata, TensorMetadata
 from areal_fast.rollout.engine import SamplingParams
+from areal_fast.sync.cuda_slots import CudaSlotSpec
 from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry
 from areal_fast.sync.slot_broadcast import WeightLink
 
@@ -47,6 +48,7 @@ def _message_types() -> dict[str, type]:
         WeightBufferSpec,
         WeightEntry,
         WeightLink,
+        CudaSlotSpec,
     ]
     return {c.__name__: c for c in classes}
 

@@ -39,7 +39,8 @@ class SubmitGroups:
 
 @dataclass
 class UpdateWeights:
-    """Pause, load weights ``version`` from the shared-memory ``buffer``, resume."""
+    """Pause, load weights ``version`` from the trainer's slot ``buffer`` (shared memory, or
+    its CUDA twin for an engine on the trainer's GPU), resume."""
 
     version: int
     buffer: WeightBufferSpec
@@ -91,6 +92,8 @@ class WorkerReady:
     version: int = 0  # trainer: the policy version it starts at (> 0 after a resume)
     node_id: str = ""  # the node it runs on (areal_fast._nodes)
     sync_address: str = ""  # trainer rank 0: ip:port of its weight-link rendezvous store
+    # rollout worker: the GPU (UUID) of its in-process engine; trainer: that of its CUDA slots
+    gpu_uuid: str = ""
 
 
 @dataclass
@@ -144,6 +147,15 @@ class WorkerFailed:
 
 
 # controller → trainer
+@dataclass
+class SlotReaders:
+    """Sent to trainer rank 0 with CUDA slots once every rollout worker has its weight path:
+    whether any reads the host slots (shared memory or a weight link). With ``host`` False the
+    trainer writes each version into its CUDA slots only."""
+
+    host: bool
+
+
 @dataclass
 class TrainStep:
     """Fetch ``batch``, take one training step, publish the weights into ``slot``."""

@@ -1,9 +1,11 @@
 """A rollout worker's weight updates: pause the engine, install the new version, resume.
 
-Two sources, one install: a worker on trainer rank 0's node maps the trainer's
-shared-memory slot named by each :class:`~areal_fast.controller.messages.UpdateWeights`; a
-worker given a :class:`~areal_fast.controller.messages.ConnectWeights` receives every
-version over its weight link into a node-local buffer of the same layout
+Two sources, one install: a worker on trainer rank 0's node maps the trainer's slot named by
+each :class:`~areal_fast.controller.messages.UpdateWeights` (its CUDA twin, copied device to
+device, when the engine runs on the GPU that holds it, see :mod:`areal_fast.sync.cuda_slots`;
+else the shared-memory slot); a worker given a
+:class:`~areal_fast.controller.messages.ConnectWeights` receives every version over its weight
+link into a node-local buffer of the same layout
 (:class:`~areal_fast.sync.slot_broadcast.SlotSubscriber`) and ignores the slot names. Either
 way the engine pauses in its pause mode only for the install, and the worker answers
 :class:`~areal_fast.controller.messages.WeightsUpdated`.
@@ -14,9 +16,10 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-from areal_fast._nodes import reachable_host
+from areal_fast._nodes import node_id, reachable_host
 from areal_fast.controller import messages as msg
-from areal_fast.sync.config import SyncConfig
+from areal_fast.sync.config import SyncConfig, cuda_slots_usable
+from areal_fast.sync.cuda_slots import CudaWeightSlot, engine_gpu, slot_gpu
 from areal_fast.sync.shared_memory import SharedWeightBuffer, remove_orphaned_buffers
 from areal_fast.sync.slot_broadcast import SlotSubscriber, buffer_checksum
 
@@ -30,7 +33,8 @@ class WorkerWeights:
     ----------
     engine : AsyncInferenceEngine
         ``pause`` / ``resume`` and either ``update_weights_from_buffer(spec, version)`` (it
-        maps a buffer itself) or ``update_weights(named_tensors, version)``.
+        maps a buffer itself) or ``update_weights(named_tensors, version)``; an in-process
+        engine on a CUDA device (its ``device``) takes the trainer's CUDA slots on that GPU.
     conn : MessageChannel
         To the controller (for :class:`WeightsUpdated`).
     post : callable ((kind, item)) -> None
@@ -39,17 +43,24 @@ class WorkerWeights:
     host : str
         The worker's bind host (its weight link binds the node's address).
     sync : SyncConfig, optional
-        ``sync.checksum``: send a CRC-32 of every installed version.
+        ``sync.checksum``: send a CRC-32 of every installed version; ``sync.transport``:
+        whether CUDA slots may be used (auto, cuda_ipc).
     """
 
     def __init__(self, engine, conn, post, host: str, sync: Optional[SyncConfig] = None):
         self.engine, self.conn, self.post = engine, conn, post
         self.host, self.checksum = host, bool(sync and sync.checksum)
+        self.transport = sync.transport if sync else "auto"
+        self.gpu = engine_gpu(engine)  # "" unless an in-process engine on a GPU
         self.slots: dict[str, SharedWeightBuffer] = {}  # the trainer's, mapped on first use
         self.link: Optional[SlotSubscriber] = None
         self.served = 0  # the version installed last
         self.announced = 0  # the newest version an UpdateWeights named
         self._held: list[Callable[[], None]] = []  # work that waits for `announced`
+
+    def ready(self, name: str, address: str) -> msg.WorkerReady:
+        """The worker's :class:`WorkerReady`: its shard-server ``address``, node and GPU."""
+        return msg.WorkerReady(name, address, node_id=node_id(), gpu_uuid=self.gpu)
 
     def when_current(self, work: Callable[[], None]) -> None:
         """Run ``work`` (e.g. start submitted groups) once this worker serves the newest
@@ -72,8 +83,12 @@ class WorkerWeights:
         if self.link is not None:
             return
         spec, start = message.buffer, time.perf_counter()
-        maps_itself = hasattr(self.engine, "update_weights_from_buffer")
-        if spec.path not in self.slots and (self.checksum or not maps_itself):
+        if cuda_slots_usable(self.transport, self.gpu, slot_gpu(spec)):
+            if spec.path not in self.slots:  # mapped once, device to device from then on
+                self.slots[spec.path] = CudaWeightSlot.attach(spec)
+        elif spec.path not in self.slots and (
+            self.checksum or not hasattr(self.engine, "update_weights_from_buffer")
+        ):
             self.slots[spec.path] = SharedWeightBuffer.attach(spec)
         slot = self.slots.get(spec.path)
         self._install(message.version, spec, slot)
@@ -106,7 +121,10 @@ class WorkerWeights:
 
     def _install(self, version: int, spec, buffer: Optional[SharedWeightBuffer]) -> None:
         self.engine.pause(PAUSE_TIMEOUT_S)  # in the engine's pause mode (rollout.pause_mode)
-        if hasattr(self.engine, "update_weights_from_buffer"):  # it maps the buffer itself
+        if isinstance(buffer, CudaWeightSlot):  # device to device, done before the ack
+            self.engine.update_weights(buffer.named_tensors(), version)
+            buffer.finish_read()
+        elif hasattr(self.engine, "update_weights_from_buffer"):  # it maps the buffer itself
             self.engine.update_weights_from_buffer(spec, version)
         else:
             self.engine.update_weights(buffer.named_tensors(), version)

@@ -28,7 +28,6 @@ from typing import Callable, Optional
 
 import torch
 
-from areal_fast._nodes import node_id
 from areal_fast.controller import messages as msg
 from areal_fast.controller.rollout_weights import PAUSE_TIMEOUT_S, WorkerWeights
 from areal_fast.controller.shard_io import shard_tensors
@@ -146,7 +145,7 @@ class RolloutWorker:
                 self.agent.start()
             threading.Thread(target=self._read_control, daemon=True).start()
             threading.Thread(target=self._pump_outputs, daemon=True).start()
-            self.conn.send(msg.WorkerReady(self.name, self.store.address, node_id=node_id()))
+            self.conn.send(self.weights.ready(self.name, self.store.address))
             while not self.stopped:
                 kind, item = self.inbox.get()
                 if kind == "error":

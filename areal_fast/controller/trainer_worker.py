@@ -20,9 +20,9 @@ from areal_fast._nodes import LOCAL_NODE, node_id, reachable_host
 from areal_fast.controller import messages as msg
 from areal_fast.controller.shards import fetch_packed_batch
 from areal_fast.rl.decoupled import staleness_stats
-from areal_fast.sync.config import SyncConfig
-from areal_fast.sync.shared_memory import SharedWeightBuffer, remove_orphaned_buffers
-from areal_fast.sync.slot_broadcast import SlotBroadcaster, buffer_checksum
+from areal_fast.sync.config import CUDA_IPC_SETTINGS, SyncConfig
+from areal_fast.sync.slot_broadcast import SlotBroadcaster
+from areal_fast.sync.trainer_slots import TrainerSlots
 from areal_fast.train.config import ActorConfig
 
 
@@ -33,7 +33,8 @@ class TrainerWorkerSpec:
     Attributes
     ----------
     trainer_factory : callable () -> TrainEngine
-        Builds the :class:`~areal_fast.train.engine.TrainEngine`.
+        Builds the :class:`~areal_fast.train.engine.TrainEngine`; its ``weights_dtype``, when
+        it has one, is the dtype the weight slots hold (the engines').
     actor : ActorConfig
         The trained policy's settings; ``actor.adv_mode`` is the advantage estimator
         applied to each fetched batch (the trainer factory gets the same object).
@@ -49,7 +50,8 @@ class TrainerWorkerSpec:
         Address rank 0's weight-link rendezvous store binds (rollout workers on other nodes
         connect to it, see :mod:`areal_fast.sync.slot_broadcast`).
     sync : SyncConfig
-        ``sync.checksum``: report a CRC-32 of every published version.
+        ``sync.checksum``: report a CRC-32 of every published version; ``sync.transport``
+        auto or cuda_ipc: a trainer on a CUDA device also keeps CUDA slots.
     """
 
     trainer_factory: Callable
@@ -76,10 +78,16 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
         from areal_fast.train.checkpoint import load_train_state
 
         load_train_state(trainer, spec.resume_from)
-    buffers = _start_buffers(trainer, leader=spec.rank == 0)
     leader = spec.rank == 0
-    links = None  # rank 0: sends the slots to rollout workers on other nodes
     transport = spec.sync.transport  # auto needs links only on a cluster of several nodes
+    buffers = TrainerSlots.start(  # rank 0: the weight slots (host; CUDA twins on a GPU)
+        trainer.named_weights(),
+        trainer.version,
+        leader,
+        cuda_twins=transport in CUDA_IPC_SETTINGS,
+        dtype=getattr(spec.trainer_factory, "weights_dtype", None),
+    )
+    links = None  # rank 0: sends the slots to rollout workers on other nodes
     remote = transport == "auto" and node_id() != LOCAL_NODE
     if leader and (transport in ("broadcast", "disk") or remote):
         listen = transport != "disk"
@@ -95,10 +103,11 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
         conn.send(
             msg.WorkerReady(
                 name,
-                weight_buffers=tuple(b.spec for b in buffers),
+                weight_buffers=buffers.specs if buffers else (),
                 version=int(trainer.version),
                 node_id=node_id(),
                 sync_address=links.address if links else "",
+                gpu_uuid=buffers.gpu_uuid if buffers else "",
             )
         )
         while True:
@@ -114,24 +123,7 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
         fetcher.shutdown(wait=False, cancel_futures=True)
         if links is not None:
             links.close()
-        for buffer in buffers:
-            buffer.close()
-
-
-def _start_buffers(trainer, leader: bool) -> list:
-    """Rank 0: the two shared-memory weight slots, the start weights (resumed or not) in
-    slot ``version % 2`` (first deleting the slots that killed processes left on this node,
-    which may not be the controller's). Gathering is a collective, so the other ranks take
-    part in it (one pass, nothing kept) and get no slots."""
-    if not leader:
-        for _ in trainer.named_weights():
-            pass
-        return []
-    remove_orphaned_buffers()
-    weights = list(trainer.named_weights())
-    buffers = [SharedWeightBuffer.create(iter(weights)) for _ in range(2)]
-    buffers[trainer.version % 2].write(iter(weights))
-    return buffers
+        buffers.close()
 
 
 def _handle(trainer, message, fetched, buffers, spec: TrainerWorkerSpec, links):
@@ -141,8 +133,11 @@ def _handle(trainer, message, fetched, buffers, spec: TrainerWorkerSpec, links):
         if links is not None:  # rank 0: remote workers get it while the next step trains
             links.publish(done.version, buffers[message.slot])
         if spec.sync.checksum and buffers:  # rank 0
-            done.weights_checksum = buffer_checksum(buffers[message.slot])
+            done.weights_checksum = buffers.checksum(message.slot)
         return done
+    if isinstance(message, msg.SlotReaders):  # rank 0, before the first step
+        buffers.host_readers = message.host
+        return None
     if isinstance(message, msg.SaveCheckpoint):
         trainer.save(message.path)
         return msg.Saved(message.path)
@@ -152,15 +147,6 @@ def _handle(trainer, message, fetched, buffers, spec: TrainerWorkerSpec, links):
         save_train_state(trainer, message.path)
         return msg.StateSaved(message.path, int(trainer.version))
     return None
-
-
-def _publish(trainer, buffers, slot: int) -> None:
-    """Gather the full weights (a collective on every rank); rank 0 writes them to ``slot``."""
-    if buffers:
-        buffers[slot].write(trainer.named_weights())
-    else:
-        for _ in trainer.named_weights():
-            pass
 
 
 def _read(
@@ -226,7 +212,7 @@ def _train_step(
     trained = time.perf_counter()
     if links is not None:  # a link still sending this slot's old version will not install it
         links.rewriting(buffers[message.slot])
-    _publish(trainer, buffers, message.slot)
+    buffers.publish(trainer.named_weights(), message.slot)  # a gather on every rank
     published = time.perf_counter()
     stats["fetch_wait_seconds"] = waited - start
     return msg.StepDone(

@@ -215,8 +215,12 @@ class Cluster:
         Random secret of this job; shard servers and channels accept only peers that know it.
     nodes : dict[str, str]
         Worker name → the node id it reported.
+    gpus : dict[str, str]
+        Worker name → the GPU UUID it reported (a rollout worker's in-process engine, the
+        trainer's CUDA slots; "" for none).
     transports : dict[str, str]
-        Rollout worker name → its weight path (``shm``, ``broadcast`` or ``disk``).
+        Rollout worker name → its weight path (``cuda_ipc``, ``shm``, ``broadcast`` or
+        ``disk``).
 
     Raises
     ------
@@ -232,7 +236,9 @@ class Cluster:
         self.weight_buffers: tuple = ()
         self.trainer_version = 0
         self.nodes: dict[str, str] = {}
+        self.gpus: dict[str, str] = {}
         self.transports: dict[str, str] = {}
+        self._host_slots: Optional[bool] = None  # told to a trainer with CUDA slots
         self._sync_address = ""  # trainer rank 0's weight-link store
         self._links = 0  # weight links made, for unique tags
         self._job_tag = secrets.token_hex(4)
@@ -260,6 +266,7 @@ class Cluster:
             self._wait_ready([*self.trainer_ranks, *self.rollout_workers])
             for worker in self.rollout_workers:
                 self.link_weights(worker)
+            self._tell_slot_readers()
         except BaseException:
             self.close()
             raise
@@ -286,23 +293,42 @@ class Cluster:
                     )
                 waiting.discard(handle.name)
                 self.nodes[handle.name] = message.node_id or LOCAL_NODE
+                self.gpus[handle.name] = message.gpu_uuid
                 if handle is self.trainer:
                     self.weight_buffers = message.weight_buffers
                     self.trainer_version = message.version
                     self._sync_address = message.sync_address
 
     def link_weights(self, worker: WorkerHandle) -> None:
-        """Choose ``worker``'s weight path (``sync.transport``; ``auto``: shared memory on
-        trainer rank 0's node, a network link elsewhere) and, for a link, tell trainer rank 0
-        and the worker to connect (rank 0 then sends it the newest version)."""
+        """Choose ``worker``'s weight path (``sync.transport``; ``auto``: the trainer's CUDA
+        slots for an engine on its GPU, shared memory elsewhere on trainer rank 0's node, a
+        network link on other nodes) and, for a link, tell trainer rank 0 and the worker to
+        connect (rank 0 then sends it the newest version).
+
+        Raises
+        ------
+        WorkerError
+            ``cuda_ipc`` forced where it cannot work, or a restarted worker that needs the
+            host slots of a trainer that writes its CUDA slots only (both named).
+        """
         if self.trainer is None:  # rollout only (evaluation): no weights to send
             return
-        sync = self.spec.sync
-        kind = choose_transport(
-            sync.transport, self.nodes[worker.name], self.nodes[self.trainer.name]
-        )
+        sync, trainer = self.spec.sync, self.trainer.name
+        try:
+            kind = choose_transport(
+                sync.transport, self.nodes[worker.name], self.nodes[trainer],
+                self.gpus.get(worker.name, ""), self.gpus.get(trainer, ""),
+            )  # fmt: skip
+        except ValueError as exc:
+            raise WorkerError(f"rollout worker {worker.name!r}: {exc}", worker.name) from None
+        if self._host_slots is False and kind != "cuda_ipc":
+            raise WorkerError(
+                f"rollout worker {worker.name!r} needs the trainer's host slots ({kind}), but the "
+                "trainer writes its CUDA slots only (sync.transport=shm writes host slots always)",
+                worker.name,
+            )
         self.transports[worker.name] = kind
-        if kind == "shm":
+        if kind in ("shm", "cuda_ipc"):
             return
         if kind == "broadcast" and not self._sync_address:
             raise WorkerError(
@@ -322,6 +348,14 @@ class Cluster:
         connect = msg.ConnectWeights(worker.name, link)
         self.trainer.send(connect)
         worker.send(connect)
+
+    def _tell_slot_readers(self) -> None:
+        """Tell a trainer that keeps CUDA slots whether any worker reads its host slots (none:
+        it writes each version into its CUDA slots only)."""
+        if self.trainer is None or not self.gpus.get(self.trainer.name):
+            return
+        self._host_slots = any(kind != "cuda_ipc" for kind in self.transports.values())
+        self.trainer.send(msg.SlotReaders(host=self._host_slots))
 
     def restart_rollout(self, name: str) -> WorkerHandle:
         """Replace the (dead) rollout worker ``name`` by a new one; returns its ready handle.

@@ -141,7 +141,11 @@ class TorchTrainerFactory:
     ----------
     model : ModelConfig
         Which model to load and how (``path``, ``dtype``, ``attn_implementation``,
-        ``device``; a CUDA trainer group puts each rank on its own GPU).
+        ``device``; a CUDA trainer group puts each rank on its own GPU). On a CUDA device with
+        ``dtype`` bfloat16 or float16 the trainer trains in mixed precision: float32
+        parameters, gradients and AdamW state, the decoder computing in ``dtype``
+        (:func:`~areal_fast.train.precision.compute_in_dtype`); on the CPU the parameters are
+        ``dtype``. Either way the weights are published in ``dtype`` (:attr:`weights_dtype`).
     actor : ActorConfig
         Loss, optimizer and packing settings, handed to the engine as they are.
     rollout : RolloutConfig
@@ -180,9 +184,16 @@ class TorchTrainerFactory:
         device = m.device
         if mesh is not None and mesh.device_type == "cuda":
             device = f"cuda:{torch.cuda.current_device()}"
-        load = dict(dtype=m.dtype, attn_implementation=m.attn_implementation, device=device)
+        mixed = self.mixed_precision
+        dtype = "float32" if mixed else m.dtype  # master weights
+        load = dict(dtype=dtype, attn_implementation=m.attn_implementation, device=device)
         policy = load_causal_lm(m.path, **load)
         ref = load_causal_lm(m.path, **load) if self.actor.loss.kl_coef > 0 else None
+        if mixed:  # the reference computes as the policy does (KL 0 at the same weights)
+            from areal_fast.train.precision import compute_in_dtype
+
+            for model in (policy, ref) if ref is not None else (policy,):
+                compute_in_dtype(model, getattr(torch, m.dtype))
         kwargs = dict(
             temperature=self.rollout.temperature, ref_model=ref, total_steps=self.total_steps
         )
@@ -193,6 +204,17 @@ class TorchTrainerFactory:
         from areal_fast.train.fsdp import FSDPTrainEngine
 
         return FSDPTrainEngine(policy, self.actor, mesh=mesh, **kwargs)
+
+    @property
+    def mixed_precision(self) -> bool:
+        """Whether the trainer keeps float32 master weights and computes in ``model.dtype``
+        (a CUDA device and a half-precision ``model.dtype``)."""
+        return self.model.device.startswith("cuda") and self.model.dtype != "float32"
+
+    @property
+    def weights_dtype(self) -> str:
+        """The dtype the trainer publishes its weights in: ``model.dtype``, the engines'."""
+        return self.model.dtype
 
     def _join_group(self):
         """The data-parallel mesh when ``world_size > 1`` (None for a single trainer)."""

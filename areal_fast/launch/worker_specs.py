@@ -111,16 +111,24 @@ def check_engine(cfg: ExperimentConfig) -> None:
 
 def check_sync(cfg: ExperimentConfig) -> None:
     """Fail before any worker starts when ``sync.transport=disk`` cannot write the folder
-    ``sync.disk_dir`` (a link would fail only in the workers, one restart after another).
+    ``sync.disk_dir`` (a link would fail only in the workers, one restart after another), or
+    ``sync.transport=cuda_ipc`` is set without a CUDA trainer and HF engine.
 
     Raises
     ------
     ConfigError
-        Naming ``sync.disk_dir`` and the system's reason.
+        Naming ``sync.disk_dir`` and the system's reason, or the keys that rule out CUDA IPC.
     """
     import tempfile
     from pathlib import Path
 
+    cuda_ok = cfg.model.device.startswith("cuda") and cfg.rollout.engine == "hf"
+    if cfg.sync.transport == "cuda_ipc" and not cuda_ok:
+        raise ConfigError(
+            "sync.transport = 'cuda_ipc' needs model.device = cuda and rollout.engine = hf (the "
+            f"trainer and the engine on one GPU), not model.device = {cfg.model.device!r} and "
+            f"rollout.engine = {cfg.rollout.engine!r}"
+        )
     if cfg.sync.transport != "disk" or not cfg.sync.disk_dir:  # <run dir>/weights: the run's
         return
     folder = Path(cfg.sync.disk_dir)

@@ -15,6 +15,7 @@ class ModelConfig:
 
     path: str = DEMO_MODEL  # HF id, local directory, or the offline demo model
     # dtype of the weights in the engines and the trainer: "float32" | "bfloat16" | "float16"
+    # (a trainer on CUDA keeps float32 master weights and computes in bfloat16/float16)
     dtype: str = "float32"
     attn_implementation: str = "sdpa"  # transformers attention backend of the engine
     # where the engines and the trainer run: "cpu", "cuda" or "cuda:N" (with several trainer

@@ -259,18 +259,16 @@ class HFEngine:
                 logits_processor=processors,
                 stopping_criteria=StoppingCriteriaList([_StopRows(width, budget_t, abort)]),
             )
-        new_tokens = result.sequences[:, width:].cpu()
+        new_ids = result.sequences[:, width:]
         scale = temperature if sample else 1.0
-        logprobs = torch.stack(
+        logprobs = torch.stack(  # on the generation device, then one copy to the host
             [
-                torch.log_softmax(s.float() / scale, dim=-1)
-                .gather(1, new_tokens[:, i : i + 1].to(s.device))
-                .squeeze(1)
-                .cpu()
+                torch.log_softmax(s.float() / scale, dim=-1).gather(1, new_ids[:, i : i + 1])[:, 0]
                 for i, s in enumerate(result.logits)
             ],
             dim=1,
-        )
+        ).cpu()
+        new_tokens = new_ids.cpu()
         return version, [
             self._cut(new_tokens[row], logprobs[row], budgets[row]) for row in range(len(inputs))
         ]
@@ -507,8 +505,10 @@ class HFEngine:
         """Install a complete set of new weights (in-process copy) and their version.
 
         All names, shapes are checked before any parameter changes, so a bad update leaves
-        the previous weights served intact. Tensors are cast to the engine's dtype. Tied
-        parameters (e.g. input/output embeddings) are updated once and stay aliased.
+        the previous weights served intact. Tensors are cast to the engine's dtype and copied to
+        its device (a CUDA-IPC slot on the engine's GPU: device to device); on CUDA the call
+        returns once the copies are done, so the caller may then let the source be rewritten.
+        Tied parameters (e.g. input/output embeddings) are updated once and stay aliased.
 
         Raises
         ------
@@ -625,4 +625,6 @@ class HFEngine:
             )
         for name, tensor in incoming.items():
             params[name].copy_(tensor)
+        if self.device.type == "cuda":  # the copies are done before the source may change
+            torch.cuda.synchronize(self.device)
         self._incomplete, self._version = None, int(version)

@@ -14,11 +14,14 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional
 
 import torch
 
 from areal_fast.sync.buckets import ALIGNMENT, TensorSpec, plan_buckets
+
+if TYPE_CHECKING:
+    from areal_fast.sync.cuda_slots import CudaSlotSpec
 
 
 @dataclass(frozen=True)
@@ -34,11 +37,16 @@ class WeightEntry:
 
 @dataclass(frozen=True)
 class WeightBufferSpec:
-    """Everything a reader needs to map a buffer: file path, total size and the layout."""
+    """Everything a reader needs to map a buffer: file path, total size and the layout.
+
+    ``cuda`` describes the slot's CUDA twin when the trainer also keeps one on its GPU (the
+    same layout in device memory, shared by CUDA IPC: :mod:`areal_fast.sync.cuda_slots`).
+    """
 
     path: str
     total_bytes: int
     entries: tuple[WeightEntry, ...]
+    cuda: Optional[CudaSlotSpec] = None
 
 
 def plan_layout(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> tuple[list[WeightEntry], int]:

@@ -105,10 +105,11 @@ class WeightLink:
 
 
 def buffer_checksum(buffer: SharedWeightBuffer) -> str:
-    """CRC-32 (hex) of every tensor's bytes in layout order (padding excluded)."""
+    """CRC-32 (hex) of every tensor's bytes in layout order (padding excluded); a CUDA slot's
+    tensors are read back to the host for it."""
     crc = 0
     for _, tensor in buffer.named_tensors():
-        crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).numpy(), crc)
+        crc = zlib.crc32(tensor.reshape(-1).view(torch.uint8).cpu().numpy(), crc)
     return f"{crc:08x}"
 
 

@@ -26,6 +26,7 @@ from areal_fast.controller.shards import (
 )
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import SamplingParams
+from areal_fast.sync.cuda_slots import CudaSlotSpec, encode_share
 from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry
 from areal_fast.sync.slot_broadcast import WeightLink
 
@@ -67,6 +68,8 @@ def _examples(rng: random.Random) -> list:
         for i in range(3)
     )
     buffer = WeightBufferSpec("/dev/shm/x", 4096, entries)
+    share = encode_share((0, secrets.token_bytes(64), 4096, 512, b"/torch_1_2", 3, bytes(64), True))
+    twin = WeightBufferSpec("/dev/shm/y", 4096, entries, CudaSlotSpec("GPU-8f2e", 4096, share))
     shards = [_shard(rng) for _ in range(3)]
     done = msg.GroupDone(
         shards[0],
@@ -87,6 +90,9 @@ def _examples(rng: random.Random) -> list:
         msg.CancelAll(),
         msg.Shutdown(),
         msg.WorkerReady("rollout-1", "127.0.0.1:5000", (buffer, buffer)),
+        msg.WorkerReady("trainer", weight_buffers=(twin, twin), gpu_uuid="GPU-8f2e"),
+        msg.UpdateWeights(8, twin),
+        msg.SlotReaders(host=False),
         done,
         msg.GroupDone(None, 6, [], [], [], 0),
         msg.WeightsUpdated(3, rng.random()),
