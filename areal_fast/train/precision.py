@@ -5,10 +5,11 @@ AdamW moments in float32 and runs the decoder in ``model.dtype``
 (:func:`compute_in_dtype`): every matmul of the decoder under ``torch.autocast``, and the
 input embeddings cast to ``model.dtype``, so the residual stream, the rotary tables and the
 attention inputs are in that dtype as in an engine that holds ``model.dtype`` weights. The
-final norm multiplies by its float32 weight, so the last hidden states, and with them the LM
-head's log-probs, are float32 (the log-prob ops take the weight in the hidden states' dtype);
-the model's ``areal_compute_dtype`` attribute names the dtype for code that runs the LM head
-in it. Half-precision master weights would lose AdamW's small updates: bfloat16 keeps 8
+final norm multiplies by its float32 weight, so the last hidden states are float32; the
+model's ``areal_compute_dtype`` attribute names the dtype the trainer runs the LM head in
+(``train/torch_engine.py`` casts the hidden states and the head weight to it once per
+micro-batch, so the fused loss runs bfloat16 matmuls with float32 accumulation, as the
+engine's head does). Half-precision master weights would lose AdamW's small updates: bfloat16 keeps 8
 significant bits, so a weight of magnitude 0.02 moves in steps of about 1.2e-4, and an update
 of lr = 1e-5 rounds away.
 """

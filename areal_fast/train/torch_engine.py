@@ -22,6 +22,7 @@ from areal_fast.rl.decoupled import (
 )
 from areal_fast.rl.objectives import grpo_loss
 from areal_fast.train.config import LR_SCHEDULES, PROX_LOGP_METHODS, ActorConfig, OptimizerConfig  # noqa: F401
+from areal_fast.train.precision import COMPUTE_DTYPE_ATTR
 
 SHARDED_FORWARD = "fsdp_packed_forward_logprobs"
 SHARDED_LOSS = "fsdp_packed_forward_loss"
@@ -96,15 +97,14 @@ def unsharded_forward_logprobs(
     model, batch: PackedBatch, temperature: float, with_entropy: bool = True
 ):
     """:func:`packed_forward_logprobs` on a model whose parameters are all present."""
-    hidden = _decoder_hidden_states(model, batch)
-    head = model.get_output_embeddings()
+    hidden, weight, bias = _head_operands(model, _decoder_hidden_states(model, batch))
     result = linear_logprobs(
         hidden,
-        head.weight,
+        weight,
         batch.labels.to(hidden.device),
         temperature=temperature,
         return_entropy=with_entropy,
-        bias=getattr(head, "bias", None),
+        bias=bias,
     )
     return result if with_entropy else (result, None)
 
@@ -129,9 +129,20 @@ def packed_forward_loss(model, batch: PackedBatch, head_loss):
 
 def unsharded_forward_loss(model, batch: PackedBatch, head_loss):
     """:func:`packed_forward_loss` on a model whose parameters are all present."""
-    hidden = _decoder_hidden_states(model, batch)
+    return head_loss(*_head_operands(model, _decoder_hidden_states(model, batch)))
+
+
+def _head_operands(model, hidden: torch.Tensor):
+    """(hidden [T, H], LM-head weight [V, H], bias [V] or None) as the LM head runs them: in
+    the model's ``areal_compute_dtype`` when it has one (mixed precision on a GPU,
+    :mod:`areal_fast.train.precision`: the float32 final hidden states and master head weight
+    cast once per micro-batch, gradients flowing back through the casts), else as they are."""
     head = model.get_output_embeddings()
-    return head_loss(hidden, head.weight, getattr(head, "bias", None))
+    weight, bias = head.weight, getattr(head, "bias", None)
+    dtype = getattr(model, COMPUTE_DTYPE_ATTR, None)
+    if dtype is None or hidden.dtype == dtype:
+        return hidden, weight, bias
+    return hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype)
 
 
 def _decoder_hidden_states(model, batch: PackedBatch) -> torch.Tensor:

@@ -90,3 +90,46 @@ def test_a_trainer_step_in_mixed_precision_updates_float32_weights(tiny_model_di
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.optimizer.state.values())
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_the_lm_head_runs_in_the_compute_dtype(tiny_model_dir, monkeypatch):
+    """With mixed precision the fused loss and the log-prob pass get bfloat16 hidden states and
+    head weight (cast once per micro-batch); the float32 head weight still gets a float32,
+    nonzero gradient through the cast."""
+    import areal_fast.train.torch_engine as te
+    from areal_fast.rl.batch import Trajectory, pack_trajectories
+    from areal_fast.train.config import ActorConfig
+
+    gen = torch.Generator().manual_seed(8)
+    model = load_causal_lm(str(tiny_model_dir), "float32")
+    compute_in_dtype(model, torch.bfloat16)
+    vocab = model.config.vocab_size
+    trajectories = [
+        Trajectory(
+            torch.randint(0, vocab, (3,), generator=gen).tolist(),
+            torch.randint(0, vocab, (5,), generator=gen).tolist(),
+            (-torch.rand(5, generator=gen)).tolist(), [0] * 5, "stop", i // 2,
+        )
+        for i in range(4)
+    ]  # fmt: skip
+    batch = pack_trajectories(trajectories, torch.randn(4, generator=gen))
+    seen = []
+    for name in ("fused_linear_grpo_loss", "fused_pass_logprobs"):
+        real = getattr(te, name)
+
+        def spy(hidden, weight, *args, _real=real, _name=name, **kwargs):
+            seen.append((_name, hidden.dtype, weight.dtype))
+            return _real(hidden, weight, *args, **kwargs)
+
+        monkeypatch.setattr(te, name, spy)
+    trainer = te.TorchTrainEngine(
+        model, ActorConfig(use_decoupled_loss=False, keep_groups=False), temperature=1.0
+    )
+    trainer.recompute_logprobs(batch)
+    trainer.optimizer.zero_grad()
+    trainer.accumulate_gradients(batch)
+    names = {name for name, _, _ in seen}
+    assert names == {"fused_linear_grpo_loss", "fused_pass_logprobs"}, seen
+    assert all(h == torch.bfloat16 and w == torch.bfloat16 for _, h, w in seen), seen
+    grad = model.get_output_embeddings().weight.grad
+    assert grad is not None and grad.dtype == torch.float32 and grad.abs().sum() > 0
