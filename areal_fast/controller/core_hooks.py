@@ -68,8 +68,9 @@ def hook_trainer(share: CoreShare, trainer) -> list:
 def hook_engine(share: CoreShare, engine) -> list:
     """Mark a rollout engine's work in ``share``: a :meth:`CoreShare.pulse` before every
     forward of its model and of each decoder layer (each decode step, in the thread that
-    generates), and a :meth:`CoreShare.working` block around ``update_weights`` /
-    ``receive_weights``. An engine without a torch model in this process (a server, vLLM)
+    generates), and a :meth:`CoreShare.working` block around its weight installs
+    (``update_weights``, ``update_weights_from_buffer``, ``receive_weights``, where it has
+    them). An engine without a torch model in this process (a server, vLLM)
     is marked as always working: its threads are not this process's to set.
 
     Returns
@@ -87,7 +88,7 @@ def hook_engine(share: CoreShare, engine) -> list:
 
     _, layers = decoder_layers(model)
     handles = [m.register_forward_pre_hook(pulse) for m in [model, *layers]]
-    for name in ("update_weights", "receive_weights"):
+    for name in ("update_weights", "update_weights_from_buffer", "receive_weights"):
         method = getattr(engine, name, None)
         if callable(method):
             setattr(engine, name, _while_working(share, method))
