@@ -26,9 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-import torch
-
 from areal_fast.controller import messages as msg
+from areal_fast.controller.core_hooks import CoreShareSpec, rollout_cores
 from areal_fast.controller.rollout_weights import PAUSE_TIMEOUT_S, WorkerWeights
 from areal_fast.controller.shard_io import shard_tensors
 from areal_fast.controller.shards import ShardMetadata, ShardStore, tensor_metadata
@@ -53,6 +52,8 @@ class RolloutWorkerSpec:
         Module-level function (pickled by reference).
     threads : int, optional
         torch CPU threads of this process.
+    cores : CoreShareSpec, optional
+        Its slot of the node's core table (``launcher.share_cores``, :mod:`.core_share`).
     agent : AgentWorkloadSpec, optional
         Run training groups as agent sessions (see :mod:`areal_fast.agent.workload`).
     spool_dir : str, optional
@@ -69,6 +70,7 @@ class RolloutWorkerSpec:
     engine_factory: Callable
     reward_fn: Callable
     threads: Optional[int] = None
+    cores: Optional[CoreShareSpec] = None
     agent: Optional[object] = None
     spool_dir: Optional[str] = None
     host: str = "127.0.0.1"
@@ -394,6 +396,4 @@ def _seams(versions: list[int]) -> int:  # updates a sample spans; decreasing: a
 
 def rollout_worker_main(conn, name: str, spec: RolloutWorkerSpec, authkey: bytes) -> None:
     """Process entry point of a rollout worker."""
-    if spec.threads:
-        torch.set_num_threads(spec.threads)
-    RolloutWorker(name, conn, spec, authkey).run()
+    RolloutWorker(name, conn, rollout_cores(spec), authkey).run()

@@ -43,6 +43,8 @@ STEP_METRICS: dict[str, str] = {
     "rl.objectives.grpo_loss (means over trained tokens)",
     "kl": "KL to the reference policy, mean over trained tokens (only with actor.loss.kl_coef > 0)",
     "fetch_wait_seconds": "trainer waiting for the batch's shards after the step began, s",
+    "train_threads_mean": "trainer rank 0's torch threads, time-weighted mean over "
+    "train_seconds (launcher.share_cores: all cores while the rollout workers are idle)",
     # tokens and speed
     "trained_tokens": "completion tokens trained in this step (loss mask, every trainer rank)",
     "train_tokens_per_s": "this step: batch tokens (prompt + completion) / train_seconds",

@@ -28,6 +28,7 @@ from typing import Optional
 
 from areal_fast._nodes import LOCAL_NODE, reachable_host
 from areal_fast.controller import messages as msg
+from areal_fast.controller.core_share import CoreShareSpec, create_table, remove_table
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec, rollout_worker_main
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec, trainer_worker_main
 from areal_fast.controller.workers import WorkerError, WorkerHandle, spawn_worker, wait_messages
@@ -68,6 +69,11 @@ class ClusterSpec:
         ``(host, port)`` at which the trainer ranks meet (torch.distributed's TCP store,
         served by rank 0); None: a free port of this machine at :attr:`bind_host` (a
         wildcard: 127.0.0.1). The Ray launcher sets rank 0's node here.
+    shared_cores : int, optional
+        Cores of this machine that the workers share (``launcher.share_cores``): the local
+        launcher makes a core table (:mod:`areal_fast.controller.core_share`) with one slot
+        per trainer rank and rollout worker, whose shares are the ``threads`` of
+        ``trainer`` and ``rollout`` (both must be set). None: fixed threads.
     """
 
     rollout: RolloutWorkerSpec
@@ -78,10 +84,19 @@ class ClusterSpec:
     workers_file: Optional[str] = None
     sync: SyncConfig = field(default_factory=SyncConfig)
     rendezvous: Optional[tuple[str, int]] = None
+    shared_cores: Optional[int] = None
 
     def __post_init__(self):
         if self.num_rollout_workers < 1:
             raise ValueError(f"num_rollout_workers = {self.num_rollout_workers} must be >= 1")
+        if self.shared_cores is not None and not (
+            self.shared_cores >= 1 and self.trainer.threads and self.rollout.threads
+        ):
+            raise ValueError(
+                f"shared_cores = {self.shared_cores} needs >= 1 core and the threads of the "
+                f"trainer ({self.trainer.threads}) and of the rollout workers "
+                f"({self.rollout.threads}) set"
+            )
         if self.sync.transport == "disk" and not self.sync.disk_dir:
             raise ValueError("sync.transport = disk needs sync.disk_dir (a folder every node sees)")
 
@@ -242,6 +257,7 @@ class Cluster:
         self._sync_address = ""  # trainer rank 0's weight-link store
         self._links = 0  # weight links made, for unique tags
         self._job_tag = secrets.token_hex(4)
+        self._cores: Optional[CoreShareSpec] = None  # the core table (LocalCluster)
 
     @property
     def trainer(self) -> Optional[WorkerHandle]:
@@ -256,12 +272,16 @@ class Cluster:
         try:  # each handle is kept at once, so a failure part-way stops the started ones
             for rank, spec in enumerate(self.spec.trainer_specs()):
                 self.trainer_ranks.append(
-                    self._start_worker(trainer_name(rank), trainer_worker_main, spec)
+                    self._start_worker(
+                        trainer_name(rank), trainer_worker_main, self._core_slot(spec, rank)
+                    )
                 )
             rollout = self.spec.rollout_spec()
             for i in range(self.spec.num_rollout_workers):
                 self.rollout_workers.append(
-                    self._start_worker(f"rollout-{i}", rollout_worker_main, rollout)
+                    self._start_worker(
+                        f"rollout-{i}", rollout_worker_main, self._rollout_slot(rollout, i)
+                    )
                 )
             self._wait_ready([*self.trainer_ranks, *self.rollout_workers])
             for worker in self.rollout_workers:
@@ -367,12 +387,24 @@ class Cluster:
         """
         old = next(h for h in self.rollout_workers if h.name == name)
         old.stop(timeout=1.0)
-        new = self._start_worker(name, rollout_worker_main, self.spec.rollout_spec())
-        self.rollout_workers[self.rollout_workers.index(old)] = new
+        index = self.rollout_workers.index(old)  # its core slot: the new one claims it afresh
+        new = self._start_worker(
+            name, rollout_worker_main, self._rollout_slot(self.spec.rollout_spec(), index)
+        )
+        self.rollout_workers[index] = new
         self._wait_ready([new])
         self.link_weights(new)
         self._write_workers_file()
         return new
+
+    def _core_slot(self, spec, slot: int):
+        """``spec`` with its slot of the core table (unchanged without a table, or for a
+        spec of another kind, without ``cores``)."""
+        return _replaced(spec, cores=self._cores.for_slot(slot)) if self._cores else spec
+
+    def _rollout_slot(self, spec, index: int):
+        """The core slot of rollout worker ``index``: after every trainer rank's."""
+        return self._core_slot(spec, self.spec.train_world_size + index)
 
     def pids(self) -> dict[str, Optional[int]]:
         """``{worker name: process id}`` of every worker."""
@@ -405,7 +437,26 @@ class LocalCluster(Cluster):
     the launcher acts on it (it stops the workers), so the workers print no tracebacks. The
     launcher ignores SIGINT while it starts a process (an ignored signal is the one
     disposition that a new interpreter keeps); a Ctrl-C in that moment is lost.
+
+    With ``shared_cores`` it makes the core table of the workers before starting them
+    and deletes it when they stop.
     """
+
+    def __enter__(self) -> "LocalCluster":
+        s = self.spec
+        if s.shared_cores:  # a failed start closes the cluster, which deletes the table
+            shares = (s.trainer.threads,) * s.train_world_size
+            self._cores = create_table(
+                shares + (s.rollout.threads,) * s.num_rollout_workers, s.shared_cores
+            )
+        return super().__enter__()
+
+    def close(self, grace_seconds: float = 2.0) -> None:
+        """:meth:`Cluster.close`, then delete the core table."""
+        super().close(grace_seconds)
+        if self._cores is not None:
+            remove_table(self._cores)
+            self._cores = None
 
     def _start_worker(self, name: str, target, spec) -> WorkerHandle:
         if threading.current_thread() is not threading.main_thread():

@@ -64,6 +64,12 @@ class LauncherConfig:
     # torch threads of each rollout worker; None: the cores (η = 0), else the half the
     # trainer leaves, divided by rollout.num_workers
     rollout_threads: Optional[int] = None
+    # let the trainer ranks and rollout workers take the cores the others leave idle: a
+    # process uses every core while the others have no work, and its threads as derived
+    # above while they do (checked at each decoder layer's forward and backward and each
+    # decode step); only with the local launcher, rollout.engine = hf, model.device = cpu
+    # and neither launcher.*_threads key set
+    share_cores: bool = True
     startup_timeout: float = 600.0  # seconds for every worker to load its model
     timeouts: Timeouts = field(default_factory=Timeouts)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
+from typing import Optional
 
 import torch
 
@@ -19,7 +20,8 @@ from areal_fast.launch.factories import TorchTrainerFactory, engine_factory
 def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
     """(trainer, rollout-worker) torch threads: ``launcher.*_threads`` when set; otherwise all
     cores each when η = 0 (trainer and engines take turns), else the cores split between the
-    trainer and the rollout workers, which then run at the same time."""
+    trainer and the rollout workers, which then run at the same time. With
+    :func:`shared_cores` these are the shares a process keeps while the others work."""
     cores = cfg.threads or os.cpu_count() or 1
     if cfg.rollout.max_head_offpolicyness == 0:
         trainer, rollout = cores, max(1, cores // cfg.rollout.num_workers)
@@ -27,6 +29,22 @@ def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
         trainer = max(1, cores // 2)
         rollout = max(1, (cores - trainer) // cfg.rollout.num_workers)
     return (cfg.launcher.trainer_threads or trainer, cfg.launcher.rollout_threads or rollout)
+
+
+def shared_cores(cfg: ExperimentConfig) -> Optional[int]:
+    """Cores the workers share with ``launcher.share_cores`` (``threads``, else all cores),
+    or None where the threads stay fixed: sharing is off, ``launcher.trainer_threads`` or
+    ``launcher.rollout_threads`` is set, the Ray launcher (its actors may be on other nodes),
+    an engine other than hf (its threads are not the worker's own), a model on a GPU, or
+    every worker's share already all the cores."""
+    launcher = cfg.launcher
+    if not launcher.share_cores or launcher.trainer_threads or launcher.rollout_threads:
+        return None
+    on_cpu = torch.device(cfg.model.device).type == "cpu"
+    if cfg.scheduler.type != "local" or cfg.rollout.engine != "hf" or not on_cpu:
+        return None
+    cores = cfg.threads or os.cpu_count() or 1
+    return cores if min(worker_threads(cfg)) < cores else None
 
 
 def agent_spec(cfg: ExperimentConfig):
@@ -79,6 +97,7 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
         scheduler=cfg.scheduler,
         launcher=cfg.launcher,
         workers_file=str(cfg.run_dir / "workers.json"),
+        shared_cores=shared_cores(cfg),
         sync=sync,
     )
 
