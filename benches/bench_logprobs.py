@@ -36,8 +36,8 @@ forward + backward, whatever an implementation recomputes) and as a fraction of 
 Usage::
 
     python benches/bench_logprobs.py --device cpu --json OUT.json [--shapes small|large]
-        [--repeats N] [--threads N] [--impls ours,naive,...] [--modes fwd,fwd_bwd]
-        [--snapshot]
+        [--shape T,H,V] [--repeats N] [--threads N] [--impls ours,naive,...]
+        [--modes fwd,fwd_bwd] [--snapshot]
     python benches/bench_logprobs.py --device cuda --json OUT.json [--shapes small|large]
     python benches/bench_logprobs.py --table OUT.json   # table of an earlier/partial run
     pytest benches/bench_logprobs.py          # pytest-benchmark, small CPU shape
@@ -377,7 +377,7 @@ def grad_checks(inputs: dict) -> dict:
 
 def run_child(args) -> dict:
     """Body of a child process; returns the result record (printed as one JSON line)."""
-    shape = tuple(int(x) for x in args.shape.split(","))
+    shape = args.shape
     record = {
         "impl": args.impl,
         "mode": args.mode,
@@ -579,8 +579,13 @@ def add_ratios(entry: dict, shape, mode: str) -> None:
                     rec[f"peak_mem_ratio_vs_{ref}{suffix}"] = rec[key] / other[key]
 
 
+def selected_shapes(args, device: str) -> list:
+    """``--shape T,H,V`` alone if given, else the ``--shapes`` set of ``device``."""
+    return [args.shape] if args.shape else SHAPES[device][args.shapes]
+
+
 def run_cpu(args) -> dict:
-    shapes = SHAPES["cpu"][args.shapes]
+    shapes = selected_shapes(args, "cpu")
     meta = hx.base_metadata(args.threads)
     args.source = None
     if args.snapshot:
@@ -718,7 +723,7 @@ def run_cuda(args) -> dict:
         except Exception:
             meta[mod] = None
     out = {"metadata": meta, "results": [], "notes": []}
-    for shape in SHAPES["cuda"][args.shapes]:
+    for shape in selected_shapes(args, "cuda"):
         T, H, V = shape
         entry = shape_entry(shape, DTYPES["cuda"], grad_bytes=2)
         out["results"].append(entry)
@@ -899,6 +904,11 @@ def parse_args(argv=None):
     parser.add_argument("--json", help="write the results here (updated after every case)")
     parser.add_argument("--shapes", choices=("small", "large"), default="large")
     parser.add_argument(
+        "--shape",
+        metavar="T,H,V",
+        help="run only this shape (e.g. 2048,2048,151936) instead of the --shapes set",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=None,
@@ -942,7 +952,6 @@ def parse_args(argv=None):
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
-    parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -952,6 +961,14 @@ def parse_args(argv=None):
         parser.error("--repeats must be >= 1")
     if args.threads < 1:
         parser.error("--threads must be >= 1")
+    if args.shape is not None:
+        raw = args.shape
+        try:
+            args.shape = tuple(int(x) for x in raw.split(","))
+        except ValueError:
+            args.shape = ()
+        if len(args.shape) != 3 or min(args.shape) < 1:
+            parser.error(f"--shape takes three positive integers T,H,V, got {raw!r}")
     if args.child:
         if not (args.impl and args.mode in MODES and args.shape):
             parser.error("--child needs --impl, --mode and --shape")
