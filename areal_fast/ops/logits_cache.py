@@ -7,7 +7,7 @@ backward where a materialised path performs three. A block kept from the forward
 recomputation, so keeping some of them trades memory for time (selective recompute).
 
 The budget is ``AREAL_FAST_LOGITS_CACHE_MB`` MiB of kept fp32 logits per call (read on every
-call; default 1024 on the CPU, 0 on every other device). Blocks are kept in forward order
+call; default 2048 on the CPU, 0 on every other device). Blocks are kept in forward order
 while they fit; the backward consumes each kept block in place (it becomes that block's
 gradient) and frees it. Nothing is kept when no gradient is wanted (``torch.no_grad()``,
 inputs that do not require grad) or under ``torch.compile`` (the custom op recomputes).
@@ -21,7 +21,7 @@ import os
 import torch
 
 CACHE_ENV = "AREAL_FAST_LOGITS_CACHE_MB"
-DEFAULT_CPU_MIB = 1024  # CPU default; 0 on every other device
+DEFAULT_CPU_MIB = 2048  # CPU default; 0 on every other device
 _MIB = 1 << 20
 
 

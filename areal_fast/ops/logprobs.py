@@ -4,7 +4,7 @@
 at the label and the entropy of that same distribution, chunk by chunk over tokens: only a
 [chunk, V] block of logits is formed at a time. The backward needs each block's logits again:
 blocks kept from the forward within the ``AREAL_FAST_LOGITS_CACHE_MB`` budget
-(:mod:`areal_fast.ops.logits_cache`; 1024 MiB on the CPU, 0 elsewhere by default) are used as
+(:mod:`areal_fast.ops.logits_cache`; 2048 MiB on the CPU, 0 elsewhere by default) are used as
 they are, the others are recomputed. Weight and bias gradients accumulate in fp32 across
 chunks. The row epilogue runs in torch, the native C++ kernels or Triton
 (:mod:`areal_fast.ops.logprob_rows`); the native CPU path forms the logits in vocabulary tiles
@@ -539,7 +539,7 @@ def linear_logprobs(
     [≤ 4096 tokens, vocabulary tile] within 64 MiB on the native CPU path. The backward
     needs every block again and overwrites it with its gradient: when a backward can follow
     (grad mode on, an input requiring grad, not under ``torch.compile``) the forward keeps
-    blocks for it while they fit in ``$AREAL_FAST_LOGITS_CACHE_MB`` MiB (default 1024 on the
+    blocks for it while they fit in ``$AREAL_FAST_LOGITS_CACHE_MB`` MiB (default 2048 on the
     CPU, 0 on other devices) and the backward recomputes only the others, freeing each kept
     block once used. This trades memory for time: each kept block saves one of the four
     [chunk, H] × [H, V]-sized matmuls of forward + backward. Extra memory is O(T + block),

@@ -17,7 +17,7 @@ MIB = 1 << 20
 
 @pytest.mark.parametrize(
     "value,expected",
-    [("0", 0), ("1", MIB), (" 2.5 ", int(2.5 * MIB)), ("1024", 1024 * MIB), ("", 1024 * MIB)],
+    [("0", 0), ("1", MIB), (" 2.5 ", int(2.5 * MIB)), ("1024", 1024 * MIB), ("", 2048 * MIB)],
 )
 def test_budget_parsing(monkeypatch, value, expected):
     monkeypatch.setenv(CACHE_ENV, value)
@@ -26,7 +26,7 @@ def test_budget_parsing(monkeypatch, value, expected):
 
 def test_budget_defaults(monkeypatch):
     monkeypatch.delenv(CACHE_ENV, raising=False)
-    assert cache_budget_bytes(torch.device("cpu")) == 1024 * MIB
+    assert cache_budget_bytes(torch.device("cpu")) == 2048 * MIB
     assert cache_budget_bytes(torch.device("cuda")) == 0  # only the device type is read
     monkeypatch.setenv(CACHE_ENV, "64")
     assert cache_budget_bytes(torch.device("cuda")) == 64 * MIB
