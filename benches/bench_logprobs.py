@@ -26,7 +26,9 @@ builds the inputs (fixed seed), resets the peak resident set (``/proc/self/clear
 reads VmRSS as the baseline, runs the op once, reads VmHWM, and reports
 extra = VmHWM − baseline; it then times ``--repeats`` further calls (measuring the extra peak
 again around the first of them, "warm") and prints one JSON line. Children run with
-``MALLOC_MMAP_THRESHOLD_`` fixed, so freed tensors leave the resident set.
+``MALLOC_MMAP_THRESHOLD_`` fixed, so freed tensors leave the resident set. With ``--rounds R``
+the whole list of cases runs R times in turn and each case reports the times of all its
+rounds (memory from the first), so a load that drifts during the run reaches every case alike.
 
 CUDA (``--device cuda``): one process; bf16 inputs; warm-up calls, then the extra peak from
 ``torch.cuda.max_memory_allocated`` over ``memory_allocated`` before one call, then timed calls
@@ -37,8 +39,8 @@ forward + backward, whatever an implementation recomputes) and as a fraction of 
 Usage::
 
     python benches/bench_logprobs.py --device cpu --json OUT.json [--shapes small|large]
-        [--repeats N] [--threads N] [--impls ours,naive,...] [--modes fwd,fwd_bwd]
-        [--snapshot]
+        [--shape T,H,V] [--repeats N] [--rounds R] [--threads N] [--impls ours,naive,...]
+        [--modes fwd,fwd_bwd] [--snapshot]
     python benches/bench_logprobs.py --device cuda --json OUT.json [--shapes small|large]
     python benches/bench_logprobs.py --table OUT.json   # table of an earlier/partial run
     pytest benches/bench_logprobs.py          # pytest-benchmark, small CPU shape
@@ -390,7 +392,7 @@ def grad_checks(inputs: dict) -> dict:
 
 def run_child(args) -> dict:
     """Body of a child process; returns the result record (printed as one JSON line)."""
-    shape = tuple(int(x) for x in args.shape.split(","))
+    shape = args.shape
     record = {
         "impl": args.impl,
         "mode": args.mode,
@@ -592,8 +594,13 @@ def add_ratios(entry: dict, shape, mode: str) -> None:
                     rec[f"peak_mem_ratio_vs_{ref}{suffix}"] = rec[key] / other[key]
 
 
+def selected_shapes(args, device: str) -> list:
+    """``--shape T,H,V`` alone if given, else the ``--shapes`` set of ``device``."""
+    return [args.shape] if args.shape else SHAPES[device][args.shapes]
+
+
 def run_cpu(args) -> dict:
-    shapes = SHAPES["cpu"][args.shapes]
+    shapes = selected_shapes(args, "cpu")
     meta = hx.base_metadata(args.threads)
     args.source = None
     if args.snapshot:
@@ -614,29 +621,37 @@ def _run_cpu_cases(args, shapes, meta) -> dict:
         device="cpu",
         dtype=DTYPES["cpu"],
         repeats=args.repeats,
+        rounds=args.rounds,
         memory="extra = VmHWM - VmRSS around the first call, fresh process per case",
         malloc_mmap_threshold=MALLOC_MMAP_THRESHOLD,
     )
     out = {"metadata": meta, "results": [], "notes": []}
-    for shape in shapes:
-        entry = shape_entry(shape, DTYPES["cpu"], grad_bytes=4)
-        out["results"].append(entry)
-        for mode in args.modes:
-            cases = {}
-            entry["modes"][mode] = cases
-            for impl in args.impls:
-                if mode not in modes_of(impl):
-                    continue
-                hx.eprint(f"[{shape_name(shape)} {mode}] {impl} ...")
-                rec = launch_child(impl, shape, mode, args)
-                cases[impl] = rec
-                hx.eprint("    " + _one_line(rec))
-                if "skipped" in rec or "error" in rec:
-                    why = rec.get("skipped", rec.get("error", ""))
-                    note = f"{shape_name(shape)} {mode} {impl}: {why}"
-                    out["notes"].append(note)
-                add_ratios(entry, shape, mode)
-                hx.write_json(args.json, out)
+    entries = [shape_entry(shape, DTYPES["cpu"], grad_bytes=4) for shape in shapes]
+    out["results"] = entries
+    for round_index in range(args.rounds):
+        for shape, entry in zip(shapes, entries):
+            for mode in args.modes:
+                cases = entry["modes"].setdefault(mode, {})
+                for impl in args.impls:
+                    if mode not in modes_of(impl):
+                        continue
+                    if round_index and not cases.get(impl, {}).get("times_s"):
+                        continue  # skipped or failed in an earlier round
+                    label = f" (round {round_index + 1}/{args.rounds})" if args.rounds > 1 else ""
+                    hx.eprint(f"[{shape_name(shape)} {mode}] {impl}{label} ...")
+                    rec = launch_child(impl, shape, mode, args)
+                    hx.eprint("    " + _one_line(rec))
+                    if round_index:
+                        _merge_round(cases[impl], rec)
+                    else:
+                        cases[impl] = rec
+                        rec["loadavg_rounds"] = [[rec.get("loadavg_start"), rec.get("loadavg_end")]]
+                    if "skipped" in rec or "error" in rec:
+                        why = rec.get("skipped", rec.get("error", ""))
+                        note = f"{shape_name(shape)} {mode} {impl}{label}: {why}"
+                        out["notes"].append(note)
+                    add_ratios(entry, shape, mode)
+                    hx.write_json(args.json, out)
     for entry in out["results"]:
         for mode in entry["modes"]:
             add_ratios(entry, tuple(entry[k] for k in "THV"), mode)
@@ -656,6 +671,21 @@ def _run_cpu_cases(args, shapes, meta) -> dict:
             f"fingerprints across the cases ({', '.join(codes)})"
         )
     return out
+
+
+def _merge_round(rec: dict, later: dict) -> None:
+    """Add the timed calls of a later round's child to ``rec`` (memory stays the first
+    round's); a failed later round is recorded and leaves the times as they were."""
+    if "times_s" not in later:
+        rec.setdefault("round_errors", []).append(later.get("error", later.get("skipped")))
+        return
+    rec["times_s"] = rec["times_s"] + later["times_s"]
+    rec.update(hx.summarize_times(rec["times_s"]))
+    rec["loadavg_rounds"].append([later.get("loadavg_start"), later.get("loadavg_end")])
+    rec["loadavg_end"] = later.get("loadavg_end")
+    rec["first_calls_s"] = rec.get("first_calls_s", [rec.get("first_call_s")]) + [
+        later.get("first_call_s")
+    ]
 
 
 def _one_line(rec: dict) -> str:
@@ -731,7 +761,7 @@ def run_cuda(args) -> dict:
         except Exception:
             meta[mod] = None
     out = {"metadata": meta, "results": [], "notes": []}
-    for shape in SHAPES["cuda"][args.shapes]:
+    for shape in selected_shapes(args, "cuda"):
         T, H, V = shape
         entry = shape_entry(shape, DTYPES["cuda"], grad_bytes=2)
         out["results"].append(entry)
@@ -912,6 +942,11 @@ def parse_args(argv=None):
     parser.add_argument("--json", help="write the results here (updated after every case)")
     parser.add_argument("--shapes", choices=("small", "large"), default="large")
     parser.add_argument(
+        "--shape",
+        metavar="T,H,V",
+        help="run only this shape (e.g. 2048,2048,151936) instead of the --shapes set",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=None,
@@ -925,6 +960,13 @@ def parse_args(argv=None):
     )
     parser.add_argument(
         "--impls", default=None, help="comma-separated subset, e.g. ours,naive,ours[triton]"
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="CPU: run the whole list of cases this many times in turn; each case reports "
+        "the timed calls of all rounds",
     )
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--seed", type=int, default=SEED)
@@ -955,7 +997,6 @@ def parse_args(argv=None):
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--impl", help=argparse.SUPPRESS)
     parser.add_argument("--mode", help=argparse.SUPPRESS)
-    parser.add_argument("--shape", help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
 
@@ -965,6 +1006,16 @@ def parse_args(argv=None):
         parser.error("--repeats must be >= 1")
     if args.threads < 1:
         parser.error("--threads must be >= 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    if args.shape is not None:
+        raw = args.shape
+        try:
+            args.shape = tuple(int(x) for x in raw.split(","))
+        except ValueError:
+            args.shape = ()
+        if len(args.shape) != 3 or min(args.shape) < 1:
+            parser.error(f"--shape takes three positive integers T,H,V, got {raw!r}")
     if args.child:
         if not (args.impl and args.mode in MODES and args.shape):
             parser.error("--child needs --impl, --mode and --shape")

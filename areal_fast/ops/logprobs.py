@@ -2,9 +2,11 @@
 
 ``linear_logprobs`` computes, for packed tokens, ``log_softmax((h · Wᵀ + b) / temperature)``
 at the label and the entropy of that same distribution, chunk by chunk over tokens: only a
-[chunk, V] block of logits exists at any time, in the forward and in the backward (which
-recomputes each chunk's logits instead of saving them). Weight and bias gradients accumulate in
-fp32 across chunks. The row epilogue runs in torch, the native C++ kernels or Triton
+[chunk, V] block of logits is formed at a time. The backward needs each block's logits again:
+blocks kept from the forward within the ``AREAL_FAST_LOGITS_CACHE_MB`` budget
+(:mod:`areal_fast.ops.logits_cache`; 2048 MiB on the CPU, 0 elsewhere by default) are used as
+they are, the others are recomputed. Weight and bias gradients accumulate in fp32 across
+chunks. The row epilogue runs in torch, the native C++ kernels or Triton
 (:mod:`areal_fast.ops.logprob_rows`); the native CPU path forms the logits in vocabulary tiles
 (:mod:`areal_fast.ops.logprobs_tiled`).
 """
@@ -16,6 +18,7 @@ import math
 import torch
 
 from areal_fast.ops._dispatch import requested_impl, resolve_impl
+from areal_fast.ops.logits_cache import LogitsCache, cache_budget_bytes, new_cache
 from areal_fast.ops.logprob_rows import row_backend
 from areal_fast.ops.logprobs_tiled import tiled_backward, tiled_forward
 
@@ -75,28 +78,50 @@ def _chunk_logits(hidden_chunk, weight_mm, bias, acc, out):
 
 
 def linear_logprobs_forward(
-    hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl
+    hidden,
+    weight,
+    labels,
+    bias,
+    temperature,
+    ignore_index,
+    want_entropy,
+    impl,
+    cache: LogitsCache | None = None,
 ):
     """Chunked forward. Returns (logprobs [T], entropy [T] or None, logsumexp [T]), fp32.
 
     ``impl`` is a resolved implementation name; the logsumexp is of the tempered logits.
+    Logits blocks that fit in ``cache`` are kept there for :func:`linear_logprobs_backward`.
     """
     num_tokens, vocab = hidden.shape[0], weight.shape[0]
     acc = _acc_dtype(hidden.dtype)
     weight_mm = _matmul_weight(weight, acc)
     if impl == "native":
         return tiled_forward(
-            hidden, weight_mm, labels, bias, temperature, ignore_index, want_entropy, _CHUNK_BYTES
+            hidden,
+            weight_mm,
+            labels,
+            bias,
+            temperature,
+            ignore_index,
+            want_entropy,
+            _CHUNK_BYTES,
+            cache,
         )
     rows = row_backend(impl)
     logprobs = hidden.new_empty(num_tokens, dtype=acc)
     entropy = torch.empty_like(logprobs) if want_entropy else None
     lse = torch.empty_like(logprobs)
     chunk = _chunk_size(num_tokens, vocab, torch.finfo(acc).bits // 8)
-    block = hidden.new_empty(chunk, vocab, dtype=acc)
+    block = None
     for start in range(0, num_tokens, chunk):
         sl = slice(start, min(start + chunk, num_tokens))
-        logits = _chunk_logits(hidden[sl], weight_mm, bias, acc, block[: sl.stop - start])
+        out = None if cache is None else cache.new_block(start, sl.stop - start, vocab, hidden, acc)
+        if out is None:
+            if block is None:
+                block = hidden.new_empty(chunk, vocab, dtype=acc)
+            out = block[: sl.stop - start]
+        logits = _chunk_logits(hidden[sl], weight_mm, bias, acc, out)
         rows.forward(
             logits,
             labels[sl],
@@ -122,9 +147,11 @@ def linear_logprobs_backward(
     entropy,
     impl,
     needs_grad,
+    cache: LogitsCache | None = None,
 ):
-    """Chunked backward: recompute each chunk's logits, overwrite them with their gradient
-    (row epilogue), then grad_hidden = G·W and grad_weight += Gᵀ·h in the accumulation dtype.
+    """Chunked backward: each chunk's logits (taken out of ``cache`` when the forward kept
+    them, else recomputed) are overwritten with their gradient (row epilogue), then
+    grad_hidden = G·W and grad_weight += Gᵀ·h in the accumulation dtype.
 
     ``needs_grad`` = (hidden, weight, bias) flags; gradients not needed are returned as None.
     """
@@ -148,6 +175,7 @@ def linear_logprobs_backward(
             entropy,
             needs_grad,
             _CHUNK_BYTES,
+            cache,
         )
         return tuple(
             None if g is None else g.to(like.dtype)
@@ -161,11 +189,15 @@ def linear_logprobs_backward(
     )
     grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device) if need_bias else None
     chunk = _chunk_size(num_tokens, vocab, torch.finfo(acc).bits // 8)
-    block = hidden.new_empty(chunk, vocab, dtype=acc)
+    block = None
     for start in range(0, num_tokens, chunk):
         sl = slice(start, min(start + chunk, num_tokens))
         hidden_chunk = hidden[sl]
-        grad_z = _chunk_logits(hidden_chunk, weight_mm, bias, acc, block[: sl.stop - start])
+        grad_z = None if cache is None else cache.pop(start)
+        if grad_z is None:
+            if block is None:
+                block = hidden.new_empty(chunk, vocab, dtype=acc)
+            grad_z = _chunk_logits(hidden_chunk, weight_mm, bias, acc, block[: sl.stop - start])
         rows.backward_(
             grad_z,
             labels[sl],
@@ -179,6 +211,7 @@ def linear_logprobs_backward(
         push_chunk_gradient(
             grad_z, hidden_chunk, weight_mm, acc, sl, grad_hidden, grad_weight, grad_bias
         )
+        del grad_z  # a kept block is freed here
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
@@ -367,6 +400,7 @@ def _eager_bwd(
     ignore_index,
     impl,
     needs_grad,
+    cache=None,
 ):
     """The backward launcher with the custom op's argument order (no dispatcher)."""
     return linear_logprobs_backward(
@@ -382,17 +416,32 @@ def _eager_bwd(
         entropy,
         impl,
         tuple(needs_grad),
+        cache,
     )
 
 
 class _EagerLinearLogprobs(torch.autograd.Function):
     """The same op for eager calls: the custom-op dispatcher imports torch's compiler stack
-    on first use (about 1.5 s and 150 MB), which eager callers need not pay."""
+    on first use (about 1.5 s and 150 MB), which eager callers need not pay. It also keeps
+    up to ``cache_bytes`` of logits from the forward for the backward (on ``ctx``, outside
+    the saved tensors, so each kept block is freed as soon as the backward has used it)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl):
+    def forward(
+        ctx,
+        hidden,
+        weight,
+        labels,
+        bias,
+        temperature,
+        ignore_index,
+        want_entropy,
+        impl,
+        cache_bytes,
+    ):
+        cache = new_cache(cache_bytes)
         logprobs, entropy, lse = linear_logprobs_forward(
-            hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl
+            hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl, cache
         )
         outputs = (logprobs, _empty(hidden) if entropy is None else entropy, lse)
         _setup_context(
@@ -400,18 +449,35 @@ class _EagerLinearLogprobs(torch.autograd.Function):
             (hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl),
             outputs,
         )
+        ctx.logits_cache = cache if cache is not None and len(cache) else None
         return outputs
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
-        return _backward_grads(ctx, grad_logprobs, grad_entropy, _eager_bwd)
+        cache, ctx.logits_cache = ctx.logits_cache, None  # a second backward recomputes
+
+        def launch(*args):
+            return _eager_bwd(*args, cache=cache)
+
+        return _backward_grads(ctx, grad_logprobs, grad_entropy, launch) + (None,)
 
 
 def _apply(*args):
-    """The custom op under torch.compile, the autograd.Function otherwise."""
+    """The custom op under torch.compile, the autograd.Function otherwise (which keeps
+    logits for the backward within :func:`_cache_bytes`)."""
     if torch.compiler.is_compiling():
         return linear_logprobs_fwd_op(*args)
-    return _EagerLinearLogprobs.apply(*args)
+    return _EagerLinearLogprobs.apply(*args, _cache_bytes(args[0], args[1], args[3]))
+
+
+def _cache_bytes(hidden, weight, bias) -> int:
+    """The logits budget of one eager call: 0 unless a backward can follow (the variable is
+    checked either way)."""
+    budget = cache_budget_bytes(hidden.device)
+    wants_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    return budget if wants_grad else 0
 
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -468,13 +534,19 @@ def linear_logprobs(
 
     logprobs[t] = log_softmax((hidden[t] · weightᵀ + bias) / temperature)[labels[t]];
     entropy[t] = −Σ_v p_v log p_v of that same tempered distribution. The [T, V] logits are
-    never materialised: tokens go through in chunks whose fp32 logits block is the only
-    vocabulary-sized buffer, in the forward and in the backward (which recomputes each chunk's
-    logits and overwrites them with their gradient): [chunk, V] with max(256 rows, 64 MiB) on
-    the torch and Triton paths, [≤ 4096 tokens, vocabulary tile] within 64 MiB on the native
-    CPU path. Extra memory is O(T + block), plus, on the CPU for bf16/fp16 inputs, an fp32 copy
-    of the LM head, and the fp32 weight-gradient accumulator in the backward. Positions labelled ``ignore_index`` are left
-    out of the matmuls altogether on the CPU.
+    never materialised at once: tokens go through in chunks and the fp32 logits are formed
+    one block at a time, [chunk, V] with max(256 rows, 64 MiB) on the torch and Triton paths,
+    [≤ 4096 tokens, vocabulary tile] within 64 MiB on the native CPU path. The backward
+    needs every block again and overwrites it with its gradient: when a backward can follow
+    (grad mode on, an input requiring grad, not under ``torch.compile``) the forward keeps
+    blocks for it while they fit in ``$AREAL_FAST_LOGITS_CACHE_MB`` MiB (default 2048 on the
+    CPU, 0 on other devices) and the backward recomputes only the others, freeing each kept
+    block once used. This trades memory for time: each kept block saves one of the four
+    [chunk, H] × [H, V]-sized matmuls of forward + backward. Extra memory is O(T + block),
+    plus the kept blocks (≤ the budget, between forward and backward), on the CPU for
+    bf16/fp16 inputs an fp32 copy of the LM head, and the fp32 weight gradient in the
+    backward. Positions labelled ``ignore_index`` are left out of the matmuls altogether on
+    the CPU.
 
     Parameters
     ----------
@@ -513,7 +585,8 @@ def linear_logprobs(
     ------
     ValueError
         On a shape, dtype, device or (with ``validate``) label-range mismatch, naming the
-        offending tensor; an unknown or unavailable ``impl``.
+        offending tensor; an unknown or unavailable ``impl``; ``AREAL_FAST_LOGITS_CACHE_MB``
+        set to anything but a number ≥ 0.
 
     Notes
     -----

@@ -9,7 +9,10 @@ log-sum-exp (running max m, Σ exp(x − m) − 1, Σ exp(x − m)(x − m) and 
 backward writes each tile's gradient in place with the label column zeroed, pushes it through
 both gradient matmuls, and adds the label entries at the end as a sparse update, with
 1 − p_y = Σ_{v≠y} p_v accumulated over the tiles (accurate for confident rows).
-The weight gradient of each tile is accumulated over token chunks in fp32.
+The weight gradient of each tile is accumulated over token chunks in fp32: the first chunk
+writes it (no zero-filled [V, H] buffer), later chunks add to it. Tiles the forward kept in a
+:class:`~areal_fast.ops.logits_cache.LogitsCache` skip their recomputation in the backward and
+are freed as they are consumed, while the weight gradient fills in.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from areal_fast._native import load_native
+from areal_fast.ops.logits_cache import LogitsCache
 
 _TILED_ROWS = 4096  # tokens per chunk
 _MIN_TILE = 256  # vocabulary columns per tile, at least
@@ -29,19 +33,42 @@ def tile_shape(num_tokens: int, vocab: int, block_bytes: int) -> tuple[int, int]
     return rows, tile
 
 
-def _tile_logits(hidden_chunk, weight_mm, bias, v0, width, block):
-    """Logits of the chunk for vocabulary columns [v0, v0 + width), into ``block`` (fp32)."""
-    logits = block[: hidden_chunk.shape[0] * width].view(hidden_chunk.shape[0], width)
-    torch.mm(hidden_chunk, weight_mm[v0 : v0 + width].t(), out=logits)
+def _tile_logits(hidden_chunk, weight_mm, bias, v0, width, out):
+    """Logits of the chunk for vocabulary columns [v0, v0 + width), into ``out`` [C, width]."""
+    torch.mm(hidden_chunk, weight_mm[v0 : v0 + width].t(), out=out)
     if bias is not None:
-        logits += bias[v0 : v0 + width]
-    return logits
+        out += bias[v0 : v0 + width]
+    return out
+
+
+class _Scratch:
+    """One reused fp32 block of ``size`` elements, allocated on first use."""
+
+    def __init__(self, size: int, device):
+        self.size, self.device, self.block = size, device, None
+
+    def view(self, rows: int, cols: int) -> torch.Tensor:
+        if self.block is None:
+            self.block = torch.empty(self.size, dtype=torch.float32, device=self.device)
+        return self.block[: rows * cols].view(rows, cols)
 
 
 def tiled_forward(
-    hidden, weight_mm, labels, bias, temperature, ignore_index, want_entropy, block_bytes
+    hidden,
+    weight_mm,
+    labels,
+    bias,
+    temperature,
+    ignore_index,
+    want_entropy,
+    block_bytes,
+    cache: LogitsCache | None = None,
 ):
-    """(logprobs [T], entropy [T] or None, lse [T]) in fp32; ``weight_mm`` is fp32 [V, H]."""
+    """(logprobs [T], entropy [T] or None, lse [T]) in fp32; ``weight_mm`` is fp32 [V, H].
+
+    Tiles that fit in ``cache`` are formed in blocks of their own and kept there (keyed by
+    (chunk start, v0)) for :func:`tiled_backward`; the others share one scratch block.
+    """
     native = load_native()
     num_tokens, vocab = hidden.shape[0], weight_mm.shape[0]
     rows, tile = tile_shape(num_tokens, vocab, block_bytes)
@@ -49,7 +76,7 @@ def tiled_forward(
     logprobs, lse = torch.empty(num_tokens, **f32), torch.empty(num_tokens, **f32)
     entropy = torch.empty(num_tokens, **f32) if want_entropy else None
     bias32 = None if bias is None else bias.to(torch.float32)
-    block = torch.empty(rows * tile, **f32)
+    scratch = _Scratch(rows * tile, hidden.device)
     inv_temp, threads = 1.0 / temperature, torch.get_num_threads()
     for start in range(0, num_tokens, rows):
         sl = slice(start, min(start + rows, num_tokens))
@@ -63,7 +90,12 @@ def tiled_forward(
         sum_xexp = torch.zeros(n, **f32) if want_entropy else None
         for v0 in range(0, vocab, tile):
             width = min(tile, vocab - v0)
-            logits = _tile_logits(chunk, weight_mm, bias32, v0, width, block)
+            out = None
+            if cache is not None:
+                out = cache.new_block((start, v0), n, width, chunk, torch.float32)
+            if out is None:
+                out = scratch.view(n, width)
+            logits = _tile_logits(chunk, weight_mm, bias32, v0, width, out)
             native.logprob_tile_forward(
                 logits.data_ptr(),
                 n,
@@ -101,21 +133,27 @@ def tiled_backward(
     entropy,
     needs_grad,
     block_bytes,
+    cache: LogitsCache | None = None,
 ):
     """(grad_hidden fp32 [T, H], grad_weight fp32 [V, H], grad_bias fp32 [V]), None if unneeded.
 
     ``grad_logprobs``/``grad_entropy`` are fp32 contiguous [T] (grad_entropy may be None).
+    Tiles found in ``cache`` (kept by :func:`tiled_forward` with the same ``block_bytes``) are
+    taken out of it and used instead of being recomputed; the others are recomputed.
     """
     native = load_native()
     num_tokens, vocab = hidden.shape[0], weight_mm.shape[0]
     rows, tile = tile_shape(num_tokens, vocab, block_bytes)
     f32 = dict(dtype=torch.float32, device=hidden.device)
     need_hidden, need_weight, need_bias = needs_grad
-    grad_hidden = torch.zeros(hidden.shape, **f32) if need_hidden else None
-    grad_weight = torch.zeros(weight_mm.shape, **f32) if need_weight else None
+    # the first tile (grad_hidden) and the first chunk (grad_weight) write these; later ones
+    # add, so only an empty input needs zeros
+    alloc = torch.empty if num_tokens else torch.zeros
+    grad_hidden = alloc(hidden.shape, **f32) if need_hidden else None
+    grad_weight = alloc(weight_mm.shape, **f32) if need_weight else None
     grad_bias = torch.zeros(vocab, **f32) if need_bias else None
     bias32 = None if bias is None else bias.to(torch.float32)
-    block = torch.empty(rows * tile, **f32)
+    scratch = _Scratch(rows * tile, hidden.device)
     inv_temp, threads = 1.0 / temperature, torch.get_num_threads()
     use_entropy = grad_entropy is not None and entropy is not None
     for start in range(0, num_tokens, rows):
@@ -126,7 +164,9 @@ def tiled_backward(
         others, d_label = torch.zeros(n, **f32), torch.zeros(n, **f32)
         for v0 in range(0, vocab, tile):
             width = min(tile, vocab - v0)
-            grad_z = _tile_logits(chunk, weight_mm, bias32, v0, width, block)
+            grad_z = None if cache is None else cache.pop((start, v0))
+            if grad_z is None:
+                grad_z = _tile_logits(chunk, weight_mm, bias32, v0, width, scratch.view(n, width))
             native.logprob_tile_backward(
                 grad_z.data_ptr(),
                 n,
@@ -145,11 +185,18 @@ def tiled_backward(
                 threads,
             )
             if grad_hidden is not None:
-                grad_hidden[sl].addmm_(grad_z, weight_mm[v0 : v0 + width])
+                if v0 == 0:
+                    torch.mm(grad_z, weight_mm[:width], out=grad_hidden[sl])
+                else:
+                    grad_hidden[sl].addmm_(grad_z, weight_mm[v0 : v0 + width])
             if grad_weight is not None:
-                grad_weight[v0 : v0 + width].addmm_(grad_z.t(), chunk)
+                if start == 0:
+                    torch.mm(grad_z.t(), chunk, out=grad_weight[v0 : v0 + width])
+                else:
+                    grad_weight[v0 : v0 + width].addmm_(grad_z.t(), chunk)
             if grad_bias is not None:
                 grad_bias[v0 : v0 + width] += grad_z.sum(0)
+            del grad_z  # a kept tile is freed here
         _add_label_entries(
             grad_hidden,
             grad_weight,
