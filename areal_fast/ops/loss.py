@@ -29,6 +29,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from areal_fast.ops import logprobs as lp_ops
+from areal_fast.ops.logits_cache import cache_budget_bytes
 from areal_fast.ops.logprob_rows import row_backend
 from areal_fast.ops.logprobs import IGNORE_INDEX, linear_logprobs
 from areal_fast.rl.config import LossConfig
@@ -129,6 +130,23 @@ def _call_prox_fn(prox_fn: ProxFn, logprobs, positions, out):
     return out.copy_(value)
 
 
+_FUSED_MAX_ROWS = 4096  # tokens per block at most: larger blocks gain no matmul efficiency
+
+
+def fused_chunk_rows(num_tokens: int, vocab: int, itemsize: int, device: torch.device) -> int:
+    """Tokens per [chunk, V] logits block of the fused pass.
+
+    On the CPU the block may take what ``linear_logprobs`` may keep of its logits
+    (``AREAL_FAST_LOGITS_CACHE_MB``, :func:`~areal_fast.ops.logits_cache.cache_budget_bytes`),
+    up to 4096 rows: a block of a few hundred rows streams the whole LM head once per chunk
+    and runs its matmuls well below the full-size rate there. Elsewhere (budget 0 by
+    default) the 64 MiB block of the chunked log-prob path (at least 256 rows).
+    """
+    rows = lp_ops._chunk_size(num_tokens, vocab, itemsize)
+    budget_rows = cache_budget_bytes(device) // max(itemsize * vocab, 1)
+    return max(1, min(num_tokens, max(rows, min(budget_rows, _FUSED_MAX_ROWS))))
+
+
 def fused_forward_backward(
     hidden,
     weight,
@@ -175,7 +193,7 @@ def fused_forward_backward(
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         if bias is not None:
             grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device)
-    chunk = lp_ops._chunk_size(num_tokens, vocab, torch.finfo(acc).bits // 8)
+    chunk = fused_chunk_rows(num_tokens, vocab, torch.finfo(acc).bits // 8, hidden.device)
     block = hidden.new_empty(chunk, vocab, dtype=acc)
     inv_temp = 1.0 / temperature
     for start in range(0, num_tokens, chunk):

@@ -133,6 +133,7 @@ def test_fused_is_exact_in_float64(fresh_seed):
 def test_several_chunks(impl, monkeypatch, fresh_seed):
     monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 8 * 301 * 4)
     monkeypatch.setattr(lp_mod, "_MIN_CHUNK_ROWS", 1)
+    monkeypatch.setenv("AREAL_FAST_LOGITS_CACHE_MB", "0")  # blocks of _CHUNK_BYTES
     test_fused_equals_composed(impl, LossConfig(entropy_coef=0.01), fresh_seed)
 
 
@@ -245,6 +246,7 @@ def test_prox_fn_and_per_token_outputs_equal_composed(kind, cfg, chunked, monkey
     if chunked:
         monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 8 * 301 * 8)
         monkeypatch.setattr(lp_mod, "_MIN_CHUNK_ROWS", 1)
+        monkeypatch.setenv("AREAL_FAST_LOGITS_CACHE_MB", "0")  # blocks of _CHUNK_BYTES
     hidden, weight, labels, old, adv, mask, cu, extras = _batch()
     old, adv = old.double(), adv.double()
     ref_lp = extras["ref_logprobs"].double()
@@ -302,6 +304,7 @@ def test_prox_fn_and_per_token_outputs_equal_composed(kind, cfg, chunked, monkey
 def test_prox_fn_is_called_per_chunk_with_trained_positions(monkeypatch, fresh_seed):
     monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 8 * 301 * 4)
     monkeypatch.setattr(lp_mod, "_MIN_CHUNK_ROWS", 1)
+    monkeypatch.setenv("AREAL_FAST_LOGITS_CACHE_MB", "0")  # blocks of _CHUNK_BYTES
     hidden, weight, labels, old, adv, mask, cu, _ = _batch(dtype=torch.float32)
     calls = []
 
@@ -430,3 +433,43 @@ def test_no_host_sync_on_cuda(fresh_seed):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(h.grad).all() and float(stats["entropy_mean"]) > 0
+
+
+def test_fused_chunk_rows_follow_the_logits_budget_on_the_cpu(monkeypatch):
+    from areal_fast.ops.loss import fused_chunk_rows
+
+    cpu, vocab = torch.device("cpu"), 70_000
+    monkeypatch.setenv("AREAL_FAST_LOGITS_CACHE_MB", "0")
+    assert fused_chunk_rows(600, vocab, 4, cpu) == 256  # the 64 MiB block, at least 256 rows
+    monkeypatch.setenv("AREAL_FAST_LOGITS_CACHE_MB", "100")
+    assert fused_chunk_rows(600, vocab, 4, cpu) == 100 * 2**20 // (4 * vocab)  # 374
+    monkeypatch.delenv("AREAL_FAST_LOGITS_CACHE_MB")
+    assert fused_chunk_rows(600, vocab, 4, cpu) == 600  # 2048 MiB: the whole call
+    assert fused_chunk_rows(10_000, 20_000, 4, cpu) == 4096  # at most 4096 rows from the budget
+    assert fused_chunk_rows(600, vocab, 4, torch.device("meta")) == 256  # budget 0 off the CPU
+
+
+def test_fused_loss_is_the_same_whatever_its_blocks(monkeypatch):
+    """One block (the default CPU budget) or three (no budget): the same loss and gradients
+    to rounding, on fresh random inputs."""
+    T, H, V = 600, 16, 70_000
+    cu = torch.tensor([0, 100, 350, 600], dtype=torch.int32)
+    hidden = torch.randn(T, H)
+    weight = torch.randn(V, H) / H**0.5
+    labels = torch.randint(0, V, (T,))
+    mask = torch.rand(T) > 0.2
+    with torch.no_grad():
+        old = linear_logprobs(hidden, weight, labels) + 0.1 * torch.randn(T)
+    adv = torch.randn(3)
+    results = []
+    for budget in ("0", None):
+        if budget is None:
+            monkeypatch.delenv("AREAL_FAST_LOGITS_CACHE_MB", raising=False)
+        else:
+            monkeypatch.setenv("AREAL_FAST_LOGITS_CACHE_MB", budget)
+        h, w = hidden.clone().requires_grad_(True), weight.clone().requires_grad_(True)
+        loss, _ = fused_linear_grpo_loss(h, w, labels, old, adv, mask, cu, LossConfig())
+        loss.backward()
+        results.append((loss.detach(), h.grad, w.grad))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
