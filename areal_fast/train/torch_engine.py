@@ -217,8 +217,9 @@ class TorchTrainEngine:
     ref_model : causal LM, optional
         Frozen reference policy for the KL term (needed when ``actor.loss.kl_coef > 0``).
     packed_attention : bool
-        Switch the models to the mask-free per-sequence attention of
-        :mod:`areal_fast.models.packed_attention` (else keep their own implementation).
+        Switch the models to the mask-free packed attention of
+        :mod:`areal_fast.models.packed_attention` (one varlen kernel per layer on CUDA,
+        per-sequence SDPA elsewhere; else keep their own implementation).
     initial_version : int
         Starting value of :attr:`version`.
     total_steps : int, optional
