@@ -41,12 +41,16 @@ def _args(model_dir, root, trial, *extra):
 
 
 def _ray_args(cluster, *extra):
+    # one CPU a worker: a node (CPUS_PER_NODE = 2) holds two of the four bundles, so Ray's
+    # best-effort SPREAD puts trainer ranks 0 and 1 (bundles 0, 1) on different nodes and the
+    # two rollout workers in the CPU each node has left; with half a CPU a worker it may
+    # place three bundles on one node
     return [
         f"scheduler.ray_address={cluster.address}",
         "scheduler.train_world_size=2",
         "scheduler.placement_strategy=SPREAD",
-        "scheduler.cpus_per_rollout_worker=0.5",
-        "scheduler.cpus_per_trainer_rank=0.5",
+        "scheduler.cpus_per_rollout_worker=1",
+        "scheduler.cpus_per_trainer_rank=1",
         *extra,
     ]
 

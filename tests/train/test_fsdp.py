@@ -67,17 +67,21 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, name):
     assert counts[0][1] > counts[0][0], counts  # micro-batch counts differ before agreeing
     assert reports[0]["sharded"] == "DTensor"
     assert reports[0]["stats"] == reports[1]["stats"], "ranks disagree on the stats"
+    # a stat's float32 rounding scales with the size of what it sums, not with its value: a
+    # token_sum loss of O(1) terms of both signs can cancel to 0.015 in one step and 1.1 in
+    # the next, so each stat is compared relative to its largest magnitude over the steps
+    scale = {key: max(abs(stats[key]) for stats in expected) for key in expected[0]}
     worst_stat = 0.0
     for step, (got, want) in enumerate(zip(reports[0]["stats"], expected)):
         assert set(got) == set(want)
         for key in sorted(want):
             if key != "num_micro_batches":
-                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), (
+                assert abs(got[key] - want[key]) <= 1e-5 * scale[key] + 1e-7, (
                     f"seed {seed} step {step} {key}",
                     got[key],
                     want[key],
                 )
-                worst_stat = max(worst_stat, abs(got[key] - want[key]) / max(abs(want[key]), 1e-3))
+                worst_stat = max(worst_stat, abs(got[key] - want[key]) / max(scale[key], 1e-3))
     worst = 0.0
     for rank in (0, 1):
         for pname, want in expected_weights.items():
