@@ -43,13 +43,16 @@ class ProblemStream:
 
 
 class ChatPrompts:
-    """Chat-templated prompt token ids of math problems (cached per question).
+    """Chat-templated prompt token ids of problems (cached per ``prompt_id``).
+
+    A problem with ``messages`` is rendered from them as given; any other is one user turn,
+    its question with the instruction appended (:func:`build_prompt_messages`).
 
     Parameters
     ----------
     tokenizer : transformers tokenizer (with a chat template)
     instruction : str
-        Appended to every question (the answer-format instruction).
+        Appended to every plain-text question (the answer-format instruction).
     """
 
     def __init__(self, tokenizer, instruction: str):
@@ -59,10 +62,14 @@ class ChatPrompts:
 
     def __call__(self, problem: MathProblem) -> list[int]:
         """Prompt token ids of ``problem``."""
-        if problem.question not in self._cache:
-            messages = build_prompt_messages(problem.question, self.instruction)
-            self._cache[problem.question] = apply_chat_template(self.tokenizer, messages)
-        return self._cache[problem.question]
+        key = problem.prompt_id
+        if key not in self._cache:
+            if problem.messages is not None:
+                messages = list(problem.messages)
+            else:
+                messages = build_prompt_messages(problem.question, self.instruction)
+            self._cache[key] = apply_chat_template(self.tokenizer, messages)
+        return self._cache[key]
 
 
 def group_seed(run_seed: int, group_id: int) -> int:
@@ -74,7 +81,8 @@ class MathRequests:
     """Endless source of rollout requests for the asynchronous controller.
 
     ``requests(group_id)`` takes the next problem of ``stream`` and returns its
-    :class:`~areal_fast.controller.messages.GroupRequest` with the group's seed
+    :class:`~areal_fast.controller.messages.GroupRequest` (``data``: the problem's sample
+    dict, :meth:`~areal_fast.data.problems.MathProblem.sample`) with the group's seed
     (:func:`group_seed`); called with group ids 0, 1, 2, ... it draws the same problems and
     seeds on every run with the same ``run_seed``.
     """
@@ -93,15 +101,17 @@ class MathRequests:
             group_seed(self.run_seed, group_id),
             problem.answer,
             problem.uid,
-            {"question": problem.question, "answer": problem.answer, "uid": problem.uid},
+            problem.sample(),
         )
 
 
 def eval_requests(
     problems: list[MathProblem], prompts: ChatPrompts, max_new_tokens: int
 ) -> list[GroupRequest]:
-    """Greedy, one-sample requests for held-out ``problems`` (group ids -1, -2, ...)."""
+    """Greedy, one-sample requests for held-out ``problems`` (group ids -1, -2, ...); each
+    carries its problem's sample dict (:meth:`MathProblem.sample`) as ``data``."""
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=max_new_tokens)
     return [
-        GroupRequest(-1 - i, prompts(p), params, 0, p.answer, p.uid) for i, p in enumerate(problems)
+        GroupRequest(-1 - i, prompts(p), params, 0, p.answer, p.uid, p.sample())
+        for i, p in enumerate(problems)
     ]

@@ -1,4 +1,6 @@
-"""Problem sets by task name: GSM8K, or any procedurally generated reasoning-gym dataset.
+"""Problem sets by task name: GSM8K, or any procedurally generated reasoning-gym dataset
+(the user's own rows, tasks ``jsonl`` and ``hf``, are read by
+:func:`areal_fast.data.user_data.load_user_data`).
 
 Held-out sets
 -------------
@@ -21,6 +23,7 @@ import random
 from collections.abc import Sequence
 from typing import Any
 
+from areal_fast.data.config import USER_TASKS
 from areal_fast.data.gsm8k import load_gsm8k
 from areal_fast.data.problems import MathProblem
 from areal_fast.data.rewards import normalize_number
@@ -43,9 +46,10 @@ def known_tasks() -> list[str]:
     Returns
     -------
     list of str
-        ``"gsm8k"`` followed by the reasoning-gym dataset names, sorted.
+        ``"gsm8k"``, ``"jsonl"`` and ``"hf"`` (your own rows), then the reasoning-gym
+        dataset names, sorted.
     """
-    return ["gsm8k", *sorted(_reasoning_gym_registry())]
+    return ["gsm8k", *USER_TASKS, *sorted(_reasoning_gym_registry())]
 
 
 def _unknown_task_error(task: str) -> ValueError:
@@ -152,7 +156,8 @@ def load_problems(
     Raises
     ------
     ValueError
-        For an unknown task, ``size`` < 1 or above the GSM8K split size, task_kwargs
+        For ``"jsonl"``/``"hf"`` (see :func:`~areal_fast.data.user_data.load_user_data`),
+        an unknown task, ``size`` < 1 or above the GSM8K split size, task_kwargs
         given to gsm8k, an option the reasoning-gym config lacks (named in the
         message), ``size``/``seed`` passed through task_kwargs, or values the config
         rejects.
@@ -170,13 +175,18 @@ def load_problems(
             )
         problems = load_gsm8k(path or GSM8K_DEFAULT_SOURCE, split)
         return _subset(problems, size, seed, f"gsm8k/{split}")
+    if task in USER_TASKS:
+        raise ValueError(
+            f"task '{task}' is read with areal_fast.data.user_data.load_user_data(DataConfig), "
+            "which draws the training and held-out rows together"
+        )
     if path is not None:
         raise ValueError(f"path= is only used by task 'gsm8k', not '{task}'")
     return _load_reasoning_gym(task, size, seed, task_kwargs)
 
 
-def _question_key(question: str) -> str:
-    return " ".join(question.split())
+def _question_key(problem: MathProblem) -> str:
+    return " ".join(problem.question.split()) if problem.messages is None else problem.prompt_id
 
 
 def drop_eval_overlap(
@@ -184,7 +194,8 @@ def drop_eval_overlap(
 ) -> tuple[list[MathProblem], int]:
     """Remove from ``train`` every problem whose question also appears in ``held_out``.
 
-    Questions are compared after collapsing whitespace.
+    Questions are compared after collapsing whitespace; problems given as chat messages by
+    their messages (:attr:`MathProblem.prompt_id`).
 
     Parameters
     ----------
@@ -200,6 +211,6 @@ def drop_eval_overlap(
     removed : int
         How many problems were dropped.
     """
-    seen = {_question_key(p.question) for p in held_out}
-    kept = [p for p in train if _question_key(p.question) not in seen]
+    seen = {_question_key(p) for p in held_out}
+    kept = [p for p in train if _question_key(p) not in seen]
     return kept, len(train) - len(kept)

@@ -4,16 +4,19 @@ problems (questions in both are dropped from training) and the lengths they need
 from __future__ import annotations
 
 from areal_fast.controller.requests import ChatPrompts
+from areal_fast.data.config import USER_TASKS
 from areal_fast.data.tasks import drop_eval_overlap, load_problems
+from areal_fast.data.user_data import load_user_data
 from areal_fast.launch.config import ExperimentConfig
 
 
 def unique_questions(problems):
-    """``problems`` without repeated questions, first occurrence kept, order preserved."""
+    """``problems`` without repeated questions (by ``prompt_id``: the question, or the chat
+    messages), first occurrence kept, order preserved."""
     seen, out = set(), []
     for problem in problems:
-        if problem.question not in seen:
-            seen.add(problem.question)
+        if problem.prompt_id not in seen:
+            seen.add(problem.prompt_id)
             out.append(problem)
     return out
 
@@ -23,18 +26,16 @@ def load_datasets(cfg: ExperimentConfig):
 
     The held-out set is the first ``data.eval_size`` distinct questions of the eval split
     (GSM8K: a subset drawn with ``data.eval_seed``, in file order; generated tasks: drawn
-    with ``data.eval_seed``).
+    with ``data.eval_seed``; jsonl/hf: see :func:`~areal_fast.data.user_data.load_user_data`,
+    whose rows drawn as held-out are never training rows).
     """
     d = cfg.data
-    eval_set = load_eval_set(cfg)
-    train_set = load_problems(
-        d.task,
-        split=d.train_split,
-        size=d.train_size,
-        seed=d.train_seed,
-        path=d.path,
-        task_kwargs=d.task_kwargs,
-    )
+    if d.task in USER_TASKS:
+        train_set, pool = load_user_data(d)
+        eval_set = _distinct(cfg, pool)
+    else:
+        eval_set = load_eval_set(cfg)
+        train_set = _generated_or_gsm8k_train(cfg)
     train_set, removed = drop_eval_overlap(train_set, eval_set)
     if not train_set:
         raise ValueError(
@@ -42,6 +43,18 @@ def load_datasets(cfg: ExperimentConfig):
             f"({removed} removed); raise data.train_size or change the task"
         )
     return train_set, eval_set, removed
+
+
+def _generated_or_gsm8k_train(cfg: ExperimentConfig):
+    d = cfg.data
+    return load_problems(
+        d.task,
+        split=d.train_split,
+        size=d.train_size,
+        seed=d.train_seed,
+        path=d.path,
+        task_kwargs=d.task_kwargs,
+    )
 
 
 def load_eval_set(cfg: ExperimentConfig):
@@ -54,6 +67,8 @@ def load_eval_set(cfg: ExperimentConfig):
         The task offers fewer distinct questions than ``data.eval_size``.
     """
     d = cfg.data
+    if d.task in USER_TASKS:
+        return _distinct(cfg, load_user_data(d)[1])
     # generated tasks repeat questions: draw extra so that eval_size distinct ones remain
     pool_size = d.eval_size if d.task == "gsm8k" else 3 * d.eval_size
     pool = load_problems(
@@ -64,6 +79,12 @@ def load_eval_set(cfg: ExperimentConfig):
         path=d.path,
         task_kwargs=d.task_kwargs,
     )
+    return _distinct(cfg, pool)
+
+
+def _distinct(cfg: ExperimentConfig, pool):
+    """The first ``data.eval_size`` distinct questions of ``pool``."""
+    d = cfg.data
     eval_set = unique_questions(pool)[: d.eval_size]
     if len(eval_set) < d.eval_size:
         raise ValueError(
