@@ -48,7 +48,7 @@ def _read_jsonl(path: Path, name: str) -> _Split:
                 continue
             where = f"{path} line {line_no}"
             try:
-                row = json.loads(line)
+                row = json.loads(line.strip())
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
             if not isinstance(row, dict):
