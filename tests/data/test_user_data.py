@@ -148,6 +148,24 @@ def test_hf_bad_rows_name_dataset_split_and_index(tmp_path):
         load_user_data(_cfg("./nowhere-at-all", task="hf", eval_size=1))
 
 
+def test_hf_load_failure_is_one_line(monkeypatch):
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def offline(source, *args, **kwargs):
+        calls.append(source)
+        raise ConnectionError("Couldn't reach 'someone/set' on the Hub\n(more detail)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ValueError) as err:
+        load_user_data(_cfg("someone/set", task="hf", eval_size=1))
+    assert calls == ["someone/set"]
+    assert str(err.value) == (
+        "data.path someone/set: cannot load it as a Hugging Face dataset "
+        "(ConnectionError: Couldn't reach 'someone/set' on the Hub)"
+    )
+
+
 def test_messages_key_renders_the_chat_template(tmp_path, tiny_model_dir):
     import transformers
 
