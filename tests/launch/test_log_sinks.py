@@ -111,7 +111,9 @@ def test_tensorboard_and_wandb_get_every_step(tiny_model_dir, tmp_path, offline_
     assert [r["step"] for r in records] == [1, 2, 3] and "correct" in before
 
     # TensorBoard: one folder for both attempts, every numeric key at its step
-    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0})
+    events = EventAccumulator(
+        str(run / "tensorboard"), size_guidance={"scalars": 0, "histograms": 0}
+    )
     events.Reload()
     for record in records:
         step, scalars, histograms = split_record(record)
