@@ -187,7 +187,7 @@ class LoggingConfig:
     # TensorBoard event files in <run dir>/tensorboard/: each step's numeric keys as
     # scalars, the staleness histogram, the held-out accuracies (needs the tensorboard package)
     tensorboard: bool = False
-    wandb: WandbConfig = field(default_factory=WandbConfig)  # Weights & Biases (needs wandb)
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # needs wandb unless disabled
 
     def __post_init__(self):
         from areal_fast.launch.log_sinks import check_packages
@@ -229,7 +229,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, wandb
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, W&B sinks
     tags: List[str] = field(default_factory=list)  # free labels, kept in the run's config.yaml
 
     def __post_init__(self):

@@ -24,6 +24,8 @@ import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
+from areal_fast.launch.config import ConfigError
+
 if TYPE_CHECKING:
     from areal_fast.launch.config import ExperimentConfig, LoggingConfig
 
@@ -121,7 +123,6 @@ class _Wandb:
 
     def __init__(self, cfg: "ExperimentConfig", run_dir: Path, resume: bool):
         import wandb
-        from omegaconf import OmegaConf
 
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if resume and id_file.is_file() else ""
@@ -129,9 +130,23 @@ class _Wandb:
             run_id = uuid.uuid4().hex[:8]
             id_file.parent.mkdir(parents=True, exist_ok=True)
             id_file.write_text(run_id + "\n")
-        w = cfg.logging.wandb
         self.wandb = wandb
-        self.run = wandb.init(
+        try:
+            self.run = self._init(wandb, cfg, run_dir, run_id)
+        except Exception as exc:  # e.g. no API key for mode online: one line, not a traceback
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(
+                f"logging.wandb.mode = {cfg.logging.wandb.mode!r}: wandb could not start the "
+                f"run ({why}); log in with `wandb login` or WANDB_API_KEY, or use "
+                f"logging.wandb.mode=offline"
+            ) from exc
+
+    @staticmethod
+    def _init(wandb, cfg: "ExperimentConfig", run_dir: Path, run_id: str):
+        from omegaconf import OmegaConf
+
+        w = cfg.logging.wandb
+        return wandb.init(
             project=w.project or cfg.experiment_name,
             name=w.name or cfg.trial_name,
             entity=w.entity,
