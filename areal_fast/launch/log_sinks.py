@@ -186,6 +186,11 @@ class LogSinks:
     resume_step : int, optional
         None for a new run; else the step the attempt continues after (the steps after it,
         and step 0's held-out evaluation when it is 0, are logged again).
+
+    Raises
+    ------
+    ConfigError
+        The wandb run cannot start (e.g. mode ``online`` without a login); one line.
     """
 
     def __init__(self, cfg: "ExperimentConfig", run_dir: Path, resume_step: Optional[int]):
