@@ -40,6 +40,7 @@ __all__ = [
     "EvalConfig",
     "ExperimentConfig",
     "LauncherConfig",
+    "LoggingConfig",
     "LossConfig",
     "ModelConfig",
     "OptimizerConfig",
@@ -48,6 +49,7 @@ __all__ = [
     "SchedulerConfig",
     "Timeouts",
     "TrajectoryConfig",
+    "WandbConfig",
     "load_config",
     "to_yaml",
 ]
@@ -152,6 +154,47 @@ class EvalConfig:
         at_least("max_new_tokens", self.max_new_tokens, 1)
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+@dataclass
+class WandbConfig:
+    """A Weights & Biases run fed each step's record, the held-out accuracies and the config.
+
+    The API key is wandb's own (``wandb login`` or ``WANDB_API_KEY``), never a config key.
+    """
+
+    # "online" (needs a wandb login), "offline" (writes <run dir>/wandb/offline-run-*, no
+    # network; upload later with `wandb sync`), or "disabled": no wandb run
+    mode: str = "disabled"
+    project: Optional[str] = None  # wandb project; None: experiment_name
+    name: Optional[str] = None  # the run's display name; None: trial_name
+    entity: Optional[str] = None  # wandb team or user; None: the login's default entity
+    group: Optional[str] = None  # wandb run group (e.g. one per sweep); None: no group
+
+    def __post_init__(self):
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"mode = {self.mode!r} is not one of {', '.join(WANDB_MODES)}")
+        for name in ("project", "name", "entity", "group"):
+            if getattr(self, name) is not None and not getattr(self, name).strip():
+                raise ValueError(f"{name} = {getattr(self, name)!r} is empty (null: the default)")
+
+
+@dataclass
+class LoggingConfig:
+    """Logging sinks besides metrics.jsonl and progress.png (:mod:`areal_fast.launch.log_sinks`)."""
+
+    # TensorBoard event files in <run dir>/tensorboard/: each step's numeric keys as
+    # scalars, the staleness histogram, the held-out accuracies (needs the tensorboard package)
+    tensorboard: bool = False
+    wandb: WandbConfig = field(default_factory=WandbConfig)  # needs wandb unless disabled
+
+    def __post_init__(self):
+        from areal_fast.launch.log_sinks import check_packages
+
+        check_packages(self)
+
+
 @dataclass
 class ExperimentConfig:
     """Everything one ``areal-fast train`` run needs."""
@@ -186,6 +229,7 @@ class ExperimentConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, W&B sinks
     tags: List[str] = field(default_factory=list)  # free labels, kept in the run's config.yaml
 
     def __post_init__(self):

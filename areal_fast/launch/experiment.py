@@ -35,6 +35,7 @@ from areal_fast.launch.interrupt import (
     signals_deferred,
     write_interrupted,
 )
+from areal_fast.launch.log_sinks import LogSinks
 from areal_fast.launch.run_dir import (
     check_run_dir,
     check_trajectory_dir,
@@ -93,6 +94,8 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
     complete one. A dead or failed trainer rank restarts the job from there (at most
     ``recovery.max_trainer_restarts`` times); a dead rollout worker is replaced
     (``recovery.max_rollout_restarts``). ``workers.json`` maps worker names to process ids.
+    ``logging.tensorboard`` / ``logging.wandb`` add ``tensorboard/`` / ``wandb/``
+    (:mod:`areal_fast.launch.log_sinks`; closed at the end of each attempt, also a failed one).
     The console shows each held-out evaluation, a progress bar and a closing summary.
 
     Raises
@@ -237,36 +240,39 @@ def _attempt(
             cfg.total_steps,
         )
     spec = cluster_spec(cfg, resume_from=str(latest.path) if latest else "")
-    cluster = make_cluster(cfg, spec)
-    try:
-        cluster.__enter__()
-    except WorkerError as exc:
-        if latest is not None and _trainer_fault(exc):  # e.g. a file damaged in place
-            checkpoints.mark_damaged(latest.path, str(exc).splitlines()[0])
-        raise
-    try:
-        summary = _run(
-            cfg,
-            run_dir,
-            cluster,
-            *data,
-            show_progress,
-            checkpoints,
-            latest,
-            resume,
-            restarts,
-            progress,
-        )
-    except KeyboardInterrupt as exc:
-        with signals_deferred():  # stopping the workers must not be cut short
+    # opened before any worker starts: a wandb login problem fails at once
+    with LogSinks(cfg, run_dir, progress.version if resume else None) as sinks:
+        cluster = make_cluster(cfg, spec)
+        try:
+            cluster.__enter__()
+        except WorkerError as exc:
+            if latest is not None and _trainer_fault(exc):  # e.g. a file damaged in place
+                checkpoints.mark_damaged(latest.path, str(exc).splitlines()[0])
+            raise
+        try:
+            summary = _run(
+                cfg,
+                run_dir,
+                cluster,
+                *data,
+                show_progress,
+                checkpoints,
+                latest,
+                resume,
+                restarts,
+                progress,
+                sinks,
+            )
+        except KeyboardInterrupt as exc:
+            with signals_deferred():  # stopping the workers must not be cut short
+                cluster.__exit__(type(exc), exc, exc.__traceback__)
+            raise
+        except BaseException as exc:
             cluster.__exit__(type(exc), exc, exc.__traceback__)
-        raise
-    except BaseException as exc:
-        cluster.__exit__(type(exc), exc, exc.__traceback__)
-        raise
-    cluster.__exit__(None, None, None)
-    warn_failed_exits(cluster)
-    return summary
+            raise
+        cluster.__exit__(None, None, None)
+        warn_failed_exits(cluster)
+        return summary
 
 
 def warn_failed_exits(cluster: Cluster) -> None:
@@ -294,6 +300,7 @@ def _run(
     resume: bool,
     restarts: int,
     progress: _Progress,
+    sinks: LogSinks,
 ):
     start = time.perf_counter()
     summary: dict = {
@@ -332,6 +339,7 @@ def _run(
 
     def on_step(record: dict) -> None:
         log.append(record)
+        sinks.log_step(record)
         progress.version = record["step"]
         bar.update(record)
 
@@ -373,6 +381,7 @@ def _run(
             )
             eval_seconds = time.perf_counter() - t0
             eval_points["before"] = (0, summary["eval_before"])
+            sinks.log_eval("eval_before", 0, summary["eval_before"])
         progress.phase = "training"
         elapsed_before = float(latest.controller.get("elapsed_seconds", 0.0)) if latest else 0.0
         bar = console.StepBar(
@@ -397,6 +406,7 @@ def _run(
                 cfg.eval.max_new_tokens,
             )
             eval_points["after"] = (controller.version, summary["eval_after"])
+            sinks.log_eval("eval_after", controller.version, summary["eval_after"])
         if log.records:
             plot_progress(
                 log.records,
