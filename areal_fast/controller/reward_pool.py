@@ -8,8 +8,8 @@ group's last call ends, the pool posts ``("rewards", GroupScores)`` into the wor
 beside its control messages and engine outputs, so a slow verifier never delays a weight
 update or its acknowledgement.
 
-A failed call (an exception, a timeout, a non-finite value) is logged in one line naming the
-reward, the sample's uid and the error. With ``reward.on_error = drop`` the group comes back
+A group's first failed call (an exception, a timeout, a non-finite value) is logged in one
+line naming the reward, the sample's uid and the error. With ``reward.on_error = drop`` the group comes back
 with a ``drop_reason`` (``reward_error`` or ``reward_timeout``; its remaining calls are
 skipped); with ``zero`` the sample scores 0.
 """
@@ -23,7 +23,6 @@ import select
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -225,13 +224,15 @@ class _Pending:
             self.left -= 1
             return self.left == 0
 
-    def fail(self, reason: str, error: str) -> bool:
-        """Record a failed call (its samples stay 0.0); True when it was the last call."""
+    def fail(self, reason: str, error: str) -> tuple[bool, bool]:
+        """Record a failed call (its samples stay 0.0); (whether it was the group's first
+        failure, whether it was the group's last call)."""
         with self.lock:
-            if not self.reason:
+            first = not self.reason
+            if first:
                 self.reason, self.error = reason, error
             self.left -= 1
-            return self.left == 0
+            return first, self.left == 0
 
 
 class RewardPool:
@@ -293,7 +294,7 @@ class RewardPool:
                 return
             pending, indices, completions, samples = job
             if pending.reason and self.config.on_error == "drop":  # dropped already: skip
-                last = pending.fail(pending.reason, pending.error)
+                last = pending.fail(pending.reason, pending.error)[1]
             else:
                 last = self._run(runner, pending, indices, completions, samples)
             if last:
@@ -306,7 +307,6 @@ class RewardPool:
                 )
 
     def _run(self, runner, pending: _Pending, indices, completions, samples) -> bool:
-        start = time.perf_counter()
         try:
             values = runner.call(completions, samples)
         except RewardTimeout as exc:
@@ -314,18 +314,20 @@ class RewardPool:
         except Exception as exc:  # noqa: BLE001 - the user's reward failed: counted, logged
             text = str(exc) if isinstance(exc, (RewardCallError, RewardValueError)) else ""
             return self._failed(pending, "reward_error", text or f"{type(exc).__name__}: {exc}")
-        log.debug("reward call of group %d: %.3f s", pending.group_id, time.perf_counter() - start)
         return pending.done(indices, values)
 
     def _failed(self, pending: _Pending, reason: str, text: str) -> bool:
+        """Record a failed call; the group's first failure is logged (one line per group)."""
         error = f"reward {self.config.path} on sample uid {pending.uid!r}: {text}"
-        what = (
-            f"group {pending.group_id} dropped ({reason})"
-            if self.config.on_error == "drop"
-            else "the sample scores 0 (reward.on_error = zero)"
-        )
-        log.warning("%s; %s", error, what)
-        return pending.fail(reason, error)
+        first, last = pending.fail(reason, error)
+        if first:
+            what = (
+                f"group {pending.group_id} dropped ({reason})"
+                if self.config.on_error == "drop"
+                else "its failed samples score 0 (reward.on_error = zero)"
+            )
+            log.warning("%s; %s", error, what)
+        return last
 
     def close(self) -> None:
         """Stop the dispatchers after the calls they run and end the child processes."""
