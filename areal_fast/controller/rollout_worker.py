@@ -308,7 +308,7 @@ class RolloutWorker:
         if entry is not None:  # else cancelled while it was scored
             self._report(*entry, scores.rewards, scores.drop_reason, scores.error)
 
-    def _report(self, group: Group, texts, rewards, drop_reason: str = "", error: str = ""):
+    def _report(self, group: Group, texts, rewards, drop_reason: str = "", error: str = "") -> None:
         request = group.request
         if group.evaluation:
             self.eval_records.append(eval_record(request, texts[0], rewards[0], error))
