@@ -1,6 +1,6 @@
 """Which finished groups are kept for training besides staleness: the dynamic filter (DAPO,
 Yu et al. 2025: a group whose rewards are all equal gives no GRPO gradient) and agent groups
-whose every session was dropped; too many such drops in a row end the run with a ValueError
+whose every session was dropped, or whose reward failed; too many such drops in a row end the run with a ValueError
 instead of sampling forever."""
 
 from __future__ import annotations
@@ -27,15 +27,17 @@ class Acceptance:
     ----------
     dynamic_filter : bool
         ``rollout.dynamic_filter``.
-    max_filtered_in_a_row, max_failed_agent_groups_in_a_row : int
+    max_filtered_in_a_row, max_failed_agent_groups_in_a_row, max_reward_drops_in_a_row : int
         The limits of :class:`~areal_fast.controller.config.RunPlan`.
     """
 
     dynamic_filter: bool
     max_filtered_in_a_row: int
     max_failed_agent_groups_in_a_row: int
+    max_reward_drops_in_a_row: int = 32
     filtered_in_a_row: int = 0
     failed_in_a_row: int = 0  # agent groups in a row whose sessions were all dropped
+    reward_drops_in_a_row: int = 0  # groups in a row the worker dropped (failed rewards)
 
     def drop_reason(self, done: msg.GroupDone, stale: bool) -> Optional[str]:
         """The ledger's drop reason of ``done`` (None: keep it); ``stale``: it would be
@@ -44,8 +46,20 @@ class Acceptance:
         Raises
         ------
         ValueError
-            ``max_failed_agent_groups_in_a_row`` agent groups in a row lost every session.
+            ``max_failed_agent_groups_in_a_row`` agent groups in a row lost every session, or
+            ``max_reward_drops_in_a_row`` groups in a row were dropped by a failed reward.
         """
+        if done.drop_reason:  # the worker dropped it: its reward failed
+            self.reward_drops_in_a_row += 1
+            if self.reward_drops_in_a_row >= self.max_reward_drops_in_a_row:
+                first = done.errors[0] if done.errors else "no reason given"
+                raise ValueError(
+                    f"reward: the last {self.reward_drops_in_a_row} groups were all dropped "
+                    f"({done.drop_reason}: {first}); check reward.path and reward.timeout, "
+                    "or set reward.on_error=zero"
+                )
+            return done.drop_reason
+        self.reward_drops_in_a_row = 0
         filtered = self.dynamic_filter and len(set(done.rewards)) == 1
         self.filtered_in_a_row = self.filtered_in_a_row + 1 if filtered else 0
         self.failed_in_a_row = self.failed_in_a_row + 1 if done.shard is None else 0

@@ -113,6 +113,7 @@ class AsyncController:
             rollout.dynamic_filter,
             plan.max_filtered_in_a_row,
             plan.max_failed_agent_groups_in_a_row,
+            plan.max_reward_drops_in_a_row,
         )
         self.eval_records: dict[str, list] = {}
         self.eval_assignment: dict[str, list[msg.GroupRequest]] = {}

@@ -77,6 +77,8 @@ class RunPlan:
         equal) end the run with a ValueError instead of sampling forever.
     max_failed_agent_groups_in_a_row : int
         Agent groups in a row with every session dropped before the run fails.
+    max_reward_drops_in_a_row : int
+        Groups in a row dropped because their reward failed before the run fails.
     """
 
     total_steps: int
@@ -84,3 +86,4 @@ class RunPlan:
     max_seconds: Optional[float] = None
     max_filtered_in_a_row: int = 1000
     max_failed_agent_groups_in_a_row: int = 32
+    max_reward_drops_in_a_row: int = 32

@@ -12,6 +12,8 @@ reason                 meaning
 dynamic_filter         all its rewards were equal (``rollout.dynamic_filter``)
 stale                  it would have been trained more than η versions after it started
 agent_sessions_dropped every agent session of the group was dropped
+reward_error           its reward raised or returned a non-finite value (``reward.on_error``)
+reward_timeout         a call of its reward took longer than ``reward.timeout``
 rollout_worker_died    finished, not spooled to disk, and its rollout worker died
 in_flight_at_end       still running (or waiting for a worker) when training ended
 unused_at_end          finished but not needed when training ended

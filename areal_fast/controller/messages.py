@@ -100,7 +100,9 @@ class WorkerReady:
 class GroupDone:
     """A finished rollout: shard metadata plus the scalars the controller needs.
 
-    An agent group whose sessions were all dropped has ``shard`` None and no rewards.
+    An agent group whose sessions were all dropped has ``shard`` None and no rewards; so has
+    a group the worker dropped itself, with ``drop_reason`` (``reward_error``,
+    ``reward_timeout``: its reward failed, ``reward.on_error = drop``) and the error.
     """
 
     shard: Optional[ShardMetadata]
@@ -111,6 +113,7 @@ class GroupDone:
     interruptions: int  # times a sample of the group was aborted and resumed
     agent_stats: dict = field(default_factory=dict)  # AgentWorkload.finish's counters
     errors: list = field(default_factory=list)  # why each dropped agent session was dropped
+    drop_reason: str = ""  # the worker dropped the group (its ledger reason)
 
 
 @dataclass

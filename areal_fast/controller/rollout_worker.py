@@ -12,6 +12,11 @@ With an agent in its spec, training groups run as agent sessions instead
 engine with the plain samples (held-out evaluation stays plain), and aborted calls are
 resumed the same way.
 
+A finished group is scored by ``spec.reward_fn`` on the main thread (the built-in math reward:
+cheap), or, with ``reward.path`` set, by a :class:`~areal_fast.controller.reward_pool.RewardPool`
+whose result comes back through the inbox like every other event, so a slow reward never
+delays a weight update.
+
 The main thread owns the agent groups handed to the workload and not reported: :class:`CancelAll`
 counts and forgets them, so a group ending after the cancel is not reported (it was cancelled).
 """
@@ -28,9 +33,18 @@ from typing import Callable, Optional
 
 from areal_fast.controller import messages as msg
 from areal_fast.controller.core_hooks import CoreShareSpec, rollout_cores
+from areal_fast.controller.reward_pool import GroupScores, RewardPool
+from areal_fast.controller.rollout_groups import (
+    Group,
+    Sample,
+    eval_record,
+    group_done,
+    sample_dicts,
+)
 from areal_fast.controller.rollout_weights import PAUSE_TIMEOUT_S, WorkerWeights
 from areal_fast.controller.shard_io import shard_tensors
 from areal_fast.controller.shards import ShardMetadata, ShardStore, tensor_metadata
+from areal_fast.data.user_reward import RewardConfig
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
 from areal_fast.sync.config import SyncConfig
@@ -49,7 +63,8 @@ class RolloutWorkerSpec:
         Builds the :class:`AsyncInferenceEngine` and a ``decode(token_ids) -> str``. A
         factory with a ``for_worker(name)`` method is first specialised to the worker.
     reward_fn : callable (completion_text, answer) -> float
-        Module-level function (pickled by reference).
+        Module-level function (pickled by reference), called on the main thread; used when
+        ``reward`` names no ``path``.
     threads : int, optional
         torch CPU threads of this process.
     cores : CoreShareSpec, optional
@@ -65,6 +80,9 @@ class RolloutWorkerSpec:
         node's IP unless that is set).
     sync : SyncConfig
         ``sync.checksum``: report a CRC-32 of every installed weights version.
+    reward : RewardConfig, optional
+        ``reward.*``: with ``reward.path`` set, groups are scored by that function in a
+        :class:`~areal_fast.controller.reward_pool.RewardPool` (the worker loads it by path).
     """
 
     engine_factory: Callable
@@ -75,28 +93,7 @@ class RolloutWorkerSpec:
     spool_dir: Optional[str] = None
     host: str = "127.0.0.1"
     sync: SyncConfig = field(default_factory=SyncConfig)
-
-
-@dataclass
-class _Sample:
-    group_id: int
-    index: int
-    prompt_ids: list[int]
-    seed: int
-    budget: int
-    tokens: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    stop_reason: str = ""
-    interruptions: int = 0
-
-
-@dataclass
-class _Group:
-    request: msg.GroupRequest
-    samples: list[_Sample]
-    done: int = 0
-    evaluation: bool = False
+    reward: Optional[RewardConfig] = None
 
 
 class RolloutWorker:
@@ -109,13 +106,16 @@ class RolloutWorker:
         spool = str(Path(spec.spool_dir) / name) if spec.spool_dir else None
         self.store = ShardStore(authkey, spec.host, spool)
         self.inbox: queue.Queue = queue.Queue()
-        self.groups: dict[int, _Group] = {}
-        self.running: dict[int, _Sample] = {}
+        self.groups: dict[int, Group] = {}
+        self.scoring: dict[int, tuple[Group, list[str]]] = {}  # with the reward pool
+        self.running: dict[int, Sample] = {}
         self.eval_records: Optional[list[dict]] = None
         self.eval_pending = 0
         self.weights = WorkerWeights(self.engine, conn, self.inbox.put, spec.host, spec.sync)
         self.rids = itertools.count()
         self.stopped = False
+        use_pool = spec.reward is not None and spec.reward.path is not None
+        self.rewards = RewardPool(spec.reward, self.inbox.put) if use_pool else None
         self.agent = None
         self.agent_groups: set[int] = set()  # handed to the agent, not reported or cancelled
         self.agent_resumed = 0  # the agent's resumed calls already reported in a GroupDone
@@ -158,6 +158,8 @@ class RolloutWorker:
                     self.weights.install_received(item)
                 elif kind == "agent_group":
                     self._finish_agent_group(item)
+                elif kind == "rewards":
+                    self._scored(item)
                 else:
                     self._handle_outputs(item)
             failed = False
@@ -171,6 +173,7 @@ class RolloutWorker:
         closers = [("the agent sessions", self.agent.close)] if self.agent is not None else []
         closers += [("the engine", self.engine.close), ("the shard store", self.store.close)]
         closers += [("the weight buffers", self.weights.close)]
+        closers += [("the reward pool", self.rewards.close)] if self.rewards is not None else []
         first = None
         for what, close in closers:
             try:
@@ -239,7 +242,7 @@ class RolloutWorker:
                 self.agent.submit(request)
                 continue
             samples = [
-                _Sample(
+                Sample(
                     request.group_id,
                     i,
                     list(request.prompt_ids),
@@ -248,11 +251,11 @@ class RolloutWorker:
                 )
                 for i in range(request.params.n)
             ]
-            self.groups[request.group_id] = _Group(request, samples, evaluation=evaluation)
+            self.groups[request.group_id] = Group(request, samples, evaluation=evaluation)
             gen.extend(self._request(s) for s in samples)
         self.engine.submit(gen)
 
-    def _request(self, sample: _Sample) -> GenRequest:
+    def _request(self, sample: Sample) -> GenRequest:
         params = self.groups[sample.group_id].request.params
         rid = next(self.rids)
         self.running[rid] = sample
@@ -290,22 +293,30 @@ class RolloutWorker:
         if resubmit:  # ahead of newer samples, so interruptions do not age them further
             self.engine.submit(resubmit, front=True)
 
-    def _finish_group(self, group: _Group) -> None:
+    def _finish_group(self, group: Group) -> None:
         request = group.request
         texts = [self.decode(s.tokens) for s in group.samples]
+        if self.rewards is not None:  # scored off this thread: back as ("rewards", scores)
+            self.scoring[request.group_id] = (group, texts)
+            self.rewards.submit(request.group_id, texts, sample_dicts(request))
+            return
         rewards = [float(self.spec.reward_fn(text, request.answer)) for text in texts]
+        self._report(group, texts, rewards)
+
+    def _scored(self, scores: GroupScores) -> None:
+        entry = self.scoring.pop(scores.group_id, None)
+        if entry is not None:  # else cancelled while it was scored
+            self._report(*entry, scores.rewards, scores.drop_reason, scores.error)
+
+    def _report(self, group: Group, texts, rewards, drop_reason: str = "", error: str = "") -> None:
+        request = group.request
         if group.evaluation:
-            self.eval_records.append(
-                {
-                    "uid": request.uid,
-                    "answer": request.answer,
-                    "completion": texts[0],
-                    "correct": rewards[0] == 1.0,
-                    "reward": rewards[0],
-                }
-            )
+            self.eval_records.append(eval_record(request, texts[0], rewards[0], error))
             self.eval_pending -= 1
             self._maybe_finish_eval()
+            return
+        if drop_reason:  # its reward failed (reward.on_error = drop): no shard
+            self.conn.send(group_done(group, rewards, None, drop_reason, error))
             return
         trajectories = [
             Trajectory(
@@ -320,16 +331,7 @@ class RolloutWorker:
             for s, reward in zip(group.samples, rewards)
         ]
         shard = self._put_shard(request.group_id, trajectories)
-        self.conn.send(
-            msg.GroupDone(
-                shard,
-                request.group_id,
-                rewards,
-                [len(s.tokens) for s in group.samples],
-                [s.stop_reason for s in group.samples],
-                sum(max(s.interruptions, _seams(s.versions)) for s in group.samples),
-            )
-        )
+        self.conn.send(group_done(group, rewards, shard, error=error))
 
     def _put_shard(self, group_id: int, trajectories: list[Trajectory]) -> ShardMetadata:
         """Keep a finished group's packed tensors in the shard store; returns its metadata."""
@@ -382,16 +384,12 @@ class RolloutWorker:
         self.engine.drop_queued()
         self.weights.drop_held()  # submitted groups still waiting for the link's version
         cancelled += sum(not g.evaluation for g in self.groups.values())
+        cancelled += sum(not g.evaluation for g, _ in self.scoring.values())
         self.groups = {k: g for k, g in self.groups.items() if g.evaluation}
+        self.scoring = {k: e for k, e in self.scoring.items() if e[0].evaluation}
         self.running = {rid: s for rid, s in self.running.items() if s.group_id in self.groups}
         self.engine.resume()
         return cancelled
-
-
-def _seams(versions: list[int]) -> int:  # updates a sample spans; decreasing: an engine bug
-    if any(b < a for a, b in zip(versions, versions[1:])):
-        raise RuntimeError(f"a sample's versions decrease: {versions}")
-    return sum(a < b for a, b in zip(versions, versions[1:]))
 
 
 def rollout_worker_main(conn, name: str, spec: RolloutWorkerSpec, authkey: bytes) -> None:

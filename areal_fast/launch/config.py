@@ -24,6 +24,7 @@ from areal_fast.agent.runner import AgentConfig
 from areal_fast.agent.store import TrajectoryConfig
 from areal_fast.controller.config import CheckpointConfig, RecoveryConfig, Timeouts
 from areal_fast.data.config import DataConfig
+from areal_fast.data.user_reward import RewardConfig
 from areal_fast.models.config import ModelConfig
 from areal_fast.rl.config import LossConfig
 from areal_fast.rollout.config import RolloutConfig
@@ -45,6 +46,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "RecoveryConfig",
+    "RewardConfig",
     "RolloutConfig",
     "SchedulerConfig",
     "Timeouts",
@@ -220,6 +222,7 @@ class ExperimentConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the completions' reward
     actor: ActorConfig = field(default_factory=ActorConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)

@@ -27,7 +27,12 @@ from areal_fast.launch.cluster import ClusterSpec
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
 from areal_fast.launch.inputs import check_positions, load_eval_set
 from areal_fast.launch.run_dir import write_eval_records
-from areal_fast.launch.worker_specs import check_resources, cluster_spec, make_cluster
+from areal_fast.launch.worker_specs import (
+    check_resources,
+    check_reward,
+    cluster_spec,
+    make_cluster,
+)
 from areal_fast.models.loading import load_model_config, load_tokenizer
 
 EVAL_FILE = "eval.jsonl"
@@ -153,6 +158,7 @@ def run_evaluation(cfg: ExperimentConfig, out: str | None = None) -> dict:
     path = eval_dir(cfg, out)
     check_eval_dir(path, cfg.overwrite)
     check_resources(cfg)
+    check_reward(cfg)
     problems = load_eval_set(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)

@@ -46,6 +46,7 @@ from areal_fast.launch.run_dir import (
 from areal_fast.launch.worker_specs import (
     check_engine,
     check_resources,
+    check_reward,
     check_sync,
     cluster_spec,
     make_cluster,
@@ -121,6 +122,7 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
     check_engine(cfg)
     check_sync(cfg)
     check_resources(cfg)
+    check_reward(cfg)
     if cfg.agent.path:
         from areal_fast.agent.runner import load_agent
 

@@ -12,6 +12,7 @@ import torch
 from areal_fast.controller.rollout_worker import RolloutWorkerSpec
 from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.data.rewards import math_reward
+from areal_fast.data.user_reward import load_reward, resolve_path
 from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster
 from areal_fast.launch.config import ConfigError, ExperimentConfig
 from areal_fast.launch.factories import TorchTrainerFactory, engine_factory
@@ -62,8 +63,8 @@ def agent_spec(cfg: ExperimentConfig):
 
 def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
     """Worker specs of one experiment: the engines of ``rollout.engine``, the torch trainer
-    (its ranks), math rewards (or the configured agent); ``resume_from`` is a checkpoint to
-    load.
+    (its ranks), math rewards or ``reward.path`` (or the configured agent); ``resume_from`` is
+    a checkpoint to load.
 
     The specs carry the config's own sections (``cfg.model``, ``cfg.rollout``, ``cfg.actor``,
     ``cfg.scheduler``, ``cfg.launcher``), so every worker uses the values set there.
@@ -74,7 +75,9 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
         cfg.model, cfg.actor, cfg.rollout, seed=cfg.seed, total_steps=cfg.total_steps
     )
     spool = str(cfg.run_dir / "shards") if cfg.recovery.spool_shards else None
-    sync = cfg.sync
+    sync, reward = cfg.sync, cfg.reward
+    if reward.path:  # the workers load it by path, wherever they run
+        reward = replace(reward, path=resolve_path(reward.path))
     if sync.transport == "disk" and not sync.disk_dir:
         sync = replace(sync, disk_dir=str(cfg.run_dir / "weights"))
     return ClusterSpec(
@@ -85,6 +88,7 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
             agent=agent_spec(cfg),
             spool_dir=spool,
             sync=sync,
+            reward=reward,
         ),
         trainer=TrainerWorkerSpec(
             trainer,
@@ -126,6 +130,29 @@ def check_engine(cfg: ExperimentConfig) -> None:
             "rollout.engine = 'sglang_server' needs SGLang in the rollout workers too (its "
             "serializer packs the weight updates): pip install sglang"
         )
+
+
+def check_reward(cfg: ExperimentConfig) -> None:
+    """Fail before any worker starts when ``reward.path`` cannot be loaded or called (its
+    module is imported here, in the controller process, as in every rollout worker).
+
+    Raises
+    ------
+    ConfigError
+        One line naming ``reward.path``: see :func:`~areal_fast.data.user_reward.load_reward`;
+        or ``reward.path`` set together with ``agent.path`` (an agent returns its reward).
+    """
+    if not cfg.reward.path:
+        return
+    if cfg.agent.path:
+        raise ConfigError(
+            f"reward.path = {cfg.reward.path!r} is set together with agent.path = "
+            f"{cfg.agent.path!r}: an agent's run_agent_return_reward returns the reward; unset one"
+        )
+    try:
+        load_reward(cfg.reward.path)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def check_sync(cfg: ExperimentConfig) -> None:
