@@ -1,5 +1,5 @@
-"""``areal-fast train`` end to end (in-process, tiny model) on examples/data/word_arith with
-data.task=jsonl and the default math reward."""
+"""``areal-fast train`` end to end (in-process, tiny model): examples/custom_data.yaml, its
+jsonl rows (examples/data/word_arith) scored by its own reward (examples/custom_reward.py)."""
 
 from __future__ import annotations
 
@@ -11,18 +11,13 @@ from areal_fast.cli import main
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_train_on_a_jsonl_folder(tiny_model_dir, tmp_path):
-    # examples/custom_data.yaml without its reward line: the default reward scores here
-    text = (REPO / "examples" / "custom_data.yaml").read_text()
-    config = tmp_path / "custom_data.yaml"
-    config.write_text(
-        "\n".join(line for line in text.splitlines() if not line.startswith("reward:")) + "\n"
-    )
+def test_custom_data_and_reward_example(tiny_model_dir, tmp_path):
     args = [
         "train",
         "--config",
-        str(config),
+        str(REPO / "examples" / "custom_data.yaml"),
         "--no-progress",
+        f"reward.path={_tagged_reward(tmp_path)}:reward",
         f"model.path={tiny_model_dir}",
         f"fileroot={tmp_path / 'runs'}",
         f"data.path={REPO / 'examples' / 'data' / 'word_arith'}",
@@ -47,6 +42,37 @@ def test_train_on_a_jsonl_folder(tiny_model_dir, tmp_path):
     test_rows = [json.loads(x) for x in (REPO / "examples/data/word_arith/test.jsonl").open()]
     records = [json.loads(x) for x in (run / "eval_after.jsonl").read_text().splitlines()]
     assert len(records) == 4
+    custom = _custom_reward()
     for record in records:
         assert record["uid"].startswith("jsonl/test/")
-        assert record["answer"] == test_rows[int(record["uid"].split("/")[-1])]["answer"]
+        row = test_rows[int(record["uid"].split("/")[-1])]
+        assert record["answer"] == row["answer"]
+        # the example's reward scored it in the worker's pool, given the row's own columns
+        tag = 0.25 * len(row["accept"])
+        assert record["reward"] == custom(record["completion"], row) + tag
+
+
+def _tagged_reward(tmp_path: Path) -> Path:
+    """A reward file: the example's reward plus 0.25 per accepted spelling of the sample, so
+    the records show that the row's columns reached it (the tiny model scores 0)."""
+    path = tmp_path / "tagged_reward.py"
+    path.write_text(
+        "import importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('c', {str(REPO / 'examples/custom_reward.py')!r})\n"
+        "example = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(example)\n\n\n"
+        "def reward(completion, sample):\n"
+        "    return example.reward(completion, sample) + 0.25 * len(sample['accept'])\n"
+    )
+    return path
+
+
+def _custom_reward():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "custom_reward", REPO / "examples/custom_reward.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.reward
