@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from areal_fast.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,3 +78,37 @@ def _custom_reward():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.reward
+
+
+@pytest.mark.slow
+def test_custom_data_example_on_the_demo_model(tmp_path):
+    """examples/custom_data.yaml as shipped (demo model, its reward in a thread pool), 2 steps
+    of a small batch: held-out records scored by the example's reward, every step trained."""
+    args = [
+        "train",
+        "--config",
+        str(REPO / "examples" / "custom_data.yaml"),
+        "--no-progress",
+        f"reward.path={REPO / 'examples' / 'custom_reward.py'}:reward",
+        f"data.path={REPO / 'examples' / 'data' / 'word_arith'}",
+        f"fileroot={tmp_path}",
+        "total_steps=2",
+        "batch_size=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=8",
+        "eval.before=false",
+        "data.eval_size=4",
+        "eval.max_new_tokens=8",
+        "checkpoint.final_model=false",
+    ]
+    assert main(args) == 0
+    run = tmp_path / "grpo-custom-data" / "trial0"
+    assert [json.loads(x)["step"] for x in (run / "metrics.jsonl").open()] == [1, 2]
+    custom = _custom_reward()
+    test_rows = [json.loads(x) for x in (REPO / "examples/data/word_arith/test.jsonl").open()]
+    records = [json.loads(x) for x in (run / "eval_after.jsonl").open()]
+    assert len(records) == 4
+    for record in records:
+        row = test_rows[int(record["uid"].split("/")[-1])]
+        assert record["reward"] == custom(record["completion"], row)
+        assert record["correct"] == (record["reward"] >= 1.0)
