@@ -1,8 +1,8 @@
 """A child process of a ``reward.pool = process`` pool: loads ``reward.path`` and answers calls.
 
 Started by :class:`~areal_fast.controller.reward_pool.ProcessRunner` as ``python -m
-areal_fast.controller.reward_child PATH``. Messages are pickles with an 8-byte big-endian
-length in front: the parent writes ``(completions, samples)`` to the child's stdin; the child
+areal_fast.controller.reward_child PATH``. Messages are msgpack (plain data only: strings,
+numbers, lists, maps; nothing is unpickled) with an 8-byte big-endian length in front: the parent writes ``(completions, samples)`` to the child's stdin; the child
 writes ``("ready", None)`` (or ``("failed", message)``) once, then ``("ok", values)`` or
 ``("error", "Type: message")`` per call to its original stdout. Whatever the reward prints
 goes to stderr (the rollout worker's log), so it cannot corrupt the answers.
@@ -11,28 +11,30 @@ goes to stderr (the rollout worker's log), so it cannot corrupt the answers.
 from __future__ import annotations
 
 import os
-import pickle
 import struct
 import sys
 from typing import BinaryIO, Optional
+
+import msgpack
 
 _HEADER = struct.Struct(">Q")
 
 
 def write_message(stream: BinaryIO, message) -> None:
-    """Write one length-prefixed pickle to ``stream`` and flush it."""
-    data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    """Write one length-prefixed msgpack message to ``stream`` and flush it."""
+    data = msgpack.packb(message, use_bin_type=True)
     stream.write(_HEADER.pack(len(data)) + data)
     stream.flush()
 
 
 def read_message(stream: BinaryIO) -> Optional[object]:
-    """One length-prefixed pickle from ``stream`` (buffered or raw); None at its end."""
+    """One length-prefixed msgpack message from ``stream`` (buffered or raw; arrays come back
+    as lists); None at its end."""
     header = _read_exactly(stream, _HEADER.size)
     if header is None:
         return None
     data = _read_exactly(stream, _HEADER.unpack(header)[0])
-    return None if data is None else pickle.loads(data)
+    return None if data is None else msgpack.unpackb(data, raw=False)
 
 
 def _read_exactly(stream: BinaryIO, size: int) -> Optional[bytes]:
