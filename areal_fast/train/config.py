@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 from areal_fast._checks import at_least
 from areal_fast.rl.advantages import ADVANTAGE_MODES
 from areal_fast.rl.config import LossConfig
+from areal_fast.train.lora import LoraConfig
 
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -65,6 +67,9 @@ class ActorConfig:
     use_decoupled_loss: bool = True
     prox_logp_method: str = "recompute"  # "recompute" | "loglinear" (version interpolation)
     ppo_n_minibatches: int = 1  # optimizer steps per batch (one policy version per batch)
+    # LoRA adapters (peft): only they are trained, and only they travel to the engines
+    # (docs/lora.md); null: full fine-tuning. Set a key to enable: actor.lora.rank=16
+    lora: Optional[LoraConfig] = None
 
     def __post_init__(self):
         if self.adv_mode not in ADVANTAGE_MODES:
