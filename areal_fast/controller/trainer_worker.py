@@ -227,6 +227,9 @@ def _train_step(
     buffers.publish(trainer.named_weights(), message.slot)  # a gather on every rank
     published = time.perf_counter()
     stats["fetch_wait_seconds"] = waited - start
+    stats["weight_update_bytes"] = buffers.update_bytes
+    if hasattr(trainer, "trainable_parameters"):
+        stats["trainable_parameters"] = trainer.trainable_parameters
     return msg.StepDone(
         version=int(trainer.version),
         stats=stats,

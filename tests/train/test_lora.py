@@ -176,3 +176,55 @@ def test_bad_target_modules_name_the_key_and_the_linear_modules(tiny_model_dir, 
 def test_lora_config_validation(fields, needle):
     with pytest.raises(ValueError, match=needle):
         LoraConfig(**fields)
+
+
+def test_train_state_holds_the_adapter_and_resumes_equal(tiny_model_dir, tmp_path, fresh_seed):
+    from safetensors import safe_open
+
+    from areal_fast.train.checkpoint import load_train_state, save_train_state
+
+    seed = fresh_seed % 1000
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "up_proj"])
+    batches = [_batch(100, seed + i) for i in range(3)]
+    first = _engine(tiny_model_dir, lora, dtype=torch.float32)
+    first.train_step(batches[0])
+    save_train_state(first, str(tmp_path / "state"))
+    with safe_open(str(tmp_path / "state" / "model.safetensors"), framework="pt") as f:
+        saved = set(f.keys())
+    trainable = {n for n, p in first.model.named_parameters() if p.requires_grad}
+    assert saved == trainable  # the adapter only, not the frozen base
+    optim = torch.load(tmp_path / "state" / "optimizer.pt", weights_only=True)
+    assert set(optim["state"]) == trainable
+    want = [first.train_step(b)["loss"] for b in batches[1:]]
+
+    resumed = _engine(tiny_model_dir, lora, dtype=torch.float32)
+    load_train_state(resumed, str(tmp_path / "state"))
+    assert resumed.version == 1
+    got = [resumed.train_step(b)["loss"] for b in batches[1:]]
+    assert got == want
+    for (name, a), (_, b) in zip(first.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(a, b), name
+
+
+def test_save_writes_a_merged_model_and_the_adapter(tiny_model_dir, tmp_path):
+    import peft
+    import transformers
+
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "down_proj"])
+    trainer = _engine(tiny_model_dir, lora, dtype=torch.float32)
+    _randomise_adapters(trainer.model, 7)
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    trainer.model.set_attn_implementation("sdpa")  # a whole sequence, not packed
+    with torch.no_grad():
+        want = trainer.model(input_ids=ids, use_cache=False).logits
+    trainer.save(str(tmp_path / "out"))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    assert not any("lora" in n or "base_layer" in n for n, _ in plain.named_parameters())
+    with torch.no_grad():
+        got = plain(input_ids=ids, use_cache=False).logits
+    assert (got - want).abs().max() < 1e-5
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir))
+    adapted = peft.PeftModel.from_pretrained(base, str(tmp_path / "out" / "adapter")).eval()
+    with torch.no_grad():
+        again = adapted(input_ids=ids, use_cache=False).logits
+    assert (again - want).abs().max() < 1e-5
