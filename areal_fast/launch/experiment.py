@@ -128,6 +128,10 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
     tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)
     model_config = load_model_config(cfg.model.path)
+    if cfg.actor.lora is not None:  # a target naming no module fails here, at once
+        from areal_fast.train.lora import check_lora_targets
+
+        check_lora_targets(model_config, cfg.actor.lora)
     check_lengths(
         cfg, prompts, train_set + eval_set, getattr(model_config, "max_position_embeddings", None)
     )

@@ -54,7 +54,7 @@ class OptimizerConfig:
 
 @dataclass
 class ActorConfig:
-    """The trained policy: loss, optimizer, packing."""
+    """The trained policy: loss, optimizer, packing, LoRA."""
 
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -67,8 +67,7 @@ class ActorConfig:
     use_decoupled_loss: bool = True
     prox_logp_method: str = "recompute"  # "recompute" | "loglinear" (version interpolation)
     ppo_n_minibatches: int = 1  # optimizer steps per batch (one policy version per batch)
-    # LoRA adapters (peft): only they are trained, and only they travel to the engines
-    # (docs/lora.md); null: full fine-tuning. Set a key to enable: actor.lora.rank=16
+    # LoRA adapters (peft, docs/lora.md): setting any actor.lora.* key enables them
     lora: Optional[LoraConfig] = None
 
     def __post_init__(self):

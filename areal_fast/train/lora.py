@@ -28,7 +28,8 @@ LORA_ATTR = "areal_lora"  # set on a model wrapped by apply_lora (its LoraConfig
 
 @dataclass
 class LoraConfig:
-    """LoRA on the trained policy (``actor.lora.*``; absent or null: full fine-tuning).
+    """LoRA on the trained policy (``actor.lora.*``): only the adapters are trained and sent
+    to the engines; absent or null: full fine-tuning.
 
     Source: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; the
     adapter layers are peft's (``peft.LoraConfig``, ``get_peft_model``).
@@ -107,6 +108,23 @@ def _check_targets(model, config: LoraConfig) -> None:
                     f"actor.lora.target_modules: {target!r} names {name}, a "
                     f"{type(module).__name__}, not a Linear (its linear modules: {linears})"
                 )
+
+
+def check_lora_targets(model_config, config: LoraConfig) -> None:
+    """Check ``target_modules`` against a model built from its transformers config on the
+    meta device (no weights are read or allocated): the errors of :func:`apply_lora`, before
+    any worker starts.
+
+    Raises
+    ------
+    ValueError
+        As :func:`apply_lora`.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(model_config)
+    _check_targets(skeleton, config)
 
 
 def apply_lora(model, config: LoraConfig):
