@@ -222,7 +222,7 @@ class ExperimentConfig:
                 f"is more than batch_size = {self.batch_size}: every trainer rank "
                 f"needs at least one prompt group per step"
             )
-        if self.actor.lora is not None and self.rollout.engine != "hf":
+        if self.actor.lora.enabled and self.rollout.engine != "hf":
             raise ValueError(
                 f"actor.lora with rollout.engine = {self.rollout.engine!r} is not supported "
                 f"yet (adapter-only weight updates reach the hf engine only)"

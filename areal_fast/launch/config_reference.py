@@ -173,14 +173,6 @@ def _about(cls) -> str:
     return _clean(inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0])
 
 
-def _optional_dataclass(hint):
-    """The dataclass of an ``Optional[SomeDataclass]`` annotation, else None."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is typing.Union and len(args) == 1 and is_dataclass(args[0]):
-        return args[0]
-    return None
-
-
 def sections(root=None, strict: bool = True) -> list[Section]:
     """The config's sections, depth first in field order, the top level first.
 
@@ -219,10 +211,6 @@ def sections(root=None, strict: bool = True) -> list[Section]:
             dotted = f"{prefix}{f.name}"
             if is_dataclass(hints[f.name]):
                 nested.append((hints[f.name], f"{dotted}.", meanings.get(f.name, "")))
-                continue
-            optional = _optional_dataclass(hints[f.name])
-            if optional is not None:  # null by default; setting any of its keys enables it
-                nested.append((optional, f"{dotted}.", "null by default"))
                 continue
             if strict and not meanings.get(f.name):
                 raise ValueError(

@@ -128,7 +128,7 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
     tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)
     model_config = load_model_config(cfg.model.path)
-    if cfg.actor.lora is not None:  # a target naming no module fails here, at once
+    if cfg.actor.lora.enabled:  # a target naming no module fails here, at once
         from areal_fast.train.lora import check_lora_targets
 
         check_lora_targets(model_config, cfg.actor.lora)

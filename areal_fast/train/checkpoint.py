@@ -174,8 +174,8 @@ def read_train_state(directory) -> dict:
 def _saved_keys(engine):
     """The state-dict keys a checkpoint holds: None for all (full fine-tuning), with
     ``actor.lora`` the trainable (adapter) parameters' names."""
-    actor = getattr(engine, "actor", None)
-    if getattr(actor, "lora", None) is None:
+    lora = getattr(getattr(engine, "actor", None), "lora", None)
+    if lora is None or not lora.enabled:
         return None
     return {n for n, p in engine.model.named_parameters() if p.requires_grad}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
 
 from areal_fast._checks import at_least
 from areal_fast.rl.advantages import ADVANTAGE_MODES
@@ -67,8 +66,7 @@ class ActorConfig:
     use_decoupled_loss: bool = True
     prox_logp_method: str = "recompute"  # "recompute" | "loglinear" (version interpolation)
     ppo_n_minibatches: int = 1  # optimizer steps per batch (one policy version per batch)
-    # LoRA adapters (peft, docs/lora.md): setting any actor.lora.* key enables them
-    lora: Optional[LoraConfig] = None
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (docs/lora.md)
 
     def __post_init__(self):
         if self.adv_mode not in ADVANTAGE_MODES:
@@ -81,3 +79,5 @@ class ActorConfig:
                 f"prox_logp_method = {self.prox_logp_method!r} is not 'recompute' or 'loglinear'"
             )
         at_least("ppo_n_minibatches", self.ppo_n_minibatches, 1)
+        if self.lora is None:  # programmatic None: full fine-tuning
+            self.lora = LoraConfig()

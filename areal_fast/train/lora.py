@@ -28,14 +28,16 @@ LORA_ATTR = "areal_lora"  # set on a model wrapped by apply_lora (its LoraConfig
 
 @dataclass
 class LoraConfig:
-    """LoRA on the trained policy (``actor.lora.*``): only the adapters are trained and sent
-    to the engines; absent or null: full fine-tuning.
+    """LoRA on the trained policy (``actor.lora.*``): with ``rank`` > 0 only the adapters are
+    trained and sent to the engines; ``rank`` 0 (the default): full fine-tuning.
 
     Source: Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"; the
     adapter layers are peft's (``peft.LoraConfig``, ``get_peft_model``).
     """
 
-    rank: int = 16  # r: rows of A [r, in] and columns of B [out, r] of each adapted linear
+    # r: rows of A [r, in] and columns of B [out, r] of each adapted linear; 0: no LoRA
+    # (full fine-tuning), e.g. 16 turns it on
+    rank: int = 0
     alpha: float = 32.0  # scale of the update: W + (alpha / rank) · B A
     # dropout on the adapter's input during the gradient pass (0: none; the log-prob passes
     # without gradient never drop)
@@ -45,8 +47,8 @@ class LoraConfig:
     target_modules: List[str] = field(default_factory=lambda: [ALL_LINEAR])
 
     def __post_init__(self):
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 1:
-            raise ValueError(f"lora.rank = {self.rank!r} must be an int >= 1")
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"lora.rank = {self.rank!r} must be an int >= 0 (0: off)")
         if not (self.alpha > 0 and math.isfinite(self.alpha)):
             raise ValueError(f"lora.alpha = {self.alpha!r} must be a finite number > 0")
         if not 0 <= self.dropout < 1:
@@ -58,6 +60,11 @@ class LoraConfig:
             )
         if ALL_LINEAR in targets and len(targets) > 1:
             raise ValueError(f"lora.target_modules: {ALL_LINEAR!r} stands alone, got {targets}")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether LoRA is on (``rank`` > 0)."""
+        return self.rank > 0
 
     @property
     def scale(self) -> float:
@@ -143,6 +150,8 @@ def apply_lora(model, config: LoraConfig):
     ImportError
         peft is not installed (one line: ``pip install 'areal_fast[lora]'``).
     """
+    if not config.enabled:
+        raise ValueError("apply_lora: lora.rank = 0 (LoRA off)")
     if getattr(model, LORA_ATTR, None) is not None:
         return model
     try:

@@ -217,7 +217,7 @@ class TorchTrainEngine:
           into this many minibatches (balanced by tokens, groups kept whole when
           ``keep_groups``), each then split into micro-batches.
 
-        - ``lora`` (LoraConfig or None): wrap the model in place with peft LoRA adapters
+        - ``lora`` (LoraConfig; ``rank`` > 0 turns it on): wrap the model in place with peft LoRA adapters
           (:func:`~areal_fast.train.lora.apply_lora`); only they require gradients and are
           in the optimizer, :meth:`named_weights` yields them alone and :meth:`save`
           writes the merged model and the adapter. The LM head stays frozen (the fused
@@ -300,7 +300,7 @@ class TorchTrainEngine:
             raise ValueError(f"total_steps = {total_steps!r} must be an int >= 1 or None")
         if not isinstance(fused_loss, bool):
             raise ValueError(f"fused_loss = {fused_loss!r} must be a bool")
-        if actor.lora is not None:  # in place (FSDPTrainEngine did it before sharding)
+        if actor.lora.enabled:  # in place (FSDPTrainEngine did it before sharding)
             apply_lora(model, actor.lora)
         if packed_attention:
             name = register_packed_attention()
@@ -549,12 +549,12 @@ class TorchTrainEngine:
         sums = {"loss": torch.zeros((), dtype=torch.float64, device=self._device())}
         totals = self.batch_totals(batch)
         parts = self._micro_batch_parts(batch)
-        if self.actor.lora is not None and self.actor.lora.dropout > 0:
+        if self.actor.lora.enabled and self.actor.lora.dropout > 0:
             set_dropout_active(self.model, True)  # off again below: the no-grad passes
         try:
             self._accumulate_parts(batch, parts, prox_logprobs, totals, sums)
         finally:
-            if self.actor.lora is not None:
+            if self.actor.lora.enabled:
                 set_dropout_active(self.model, False)
         stats = self._reduce_stats(sums)
         stats["num_micro_batches"] = float(len(parts))
@@ -704,7 +704,7 @@ class TorchTrainEngine:
         """Tensors to send to inference engines: the parameters (tied tensors once), or
         with ``actor.lora`` the adapter alone (:func:`~areal_fast.train.lora.adapter_weights`:
         ``<module>.lora_A`` [r, in] and the scaled ``<module>.lora_B`` [out, r])."""
-        if self.actor.lora is not None:
+        if self.actor.lora.enabled:
             yield from adapter_weights(self.model)
             return
         for name, param in self.model.named_parameters():
@@ -718,7 +718,7 @@ class TorchTrainEngine:
         ``save_pretrained``: ``adapter_config.json``, ``adapter_model.safetensors``) in
         ``path/adapter``.
         """
-        if self.actor.lora is None:
+        if not self.actor.lora.enabled:
             self.model.save_pretrained(path)
             return
         self._save_merged(path, {k: v.detach().cpu() for k, v in self.model.state_dict().items()})

@@ -156,7 +156,7 @@ def test_named_weights_are_the_adapter_only(tiny_model_dir):
 )
 def test_bad_target_modules_name_the_key_and_the_linear_modules(tiny_model_dir, targets, needle):
     with pytest.raises(ValueError) as info:
-        _engine(tiny_model_dir, LoraConfig(target_modules=targets), dtype=torch.float32)
+        _engine(tiny_model_dir, LoraConfig(rank=4, target_modules=targets), dtype=torch.float32)
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("actor.lora.target_modules: ") and needle in message
@@ -166,7 +166,7 @@ def test_bad_target_modules_name_the_key_and_the_linear_modules(tiny_model_dir, 
 @pytest.mark.parametrize(
     "fields, needle",
     [
-        ({"rank": 0}, "lora.rank"),
+        ({"rank": -1}, "lora.rank"),
         ({"alpha": 0.0}, "lora.alpha"),
         ({"dropout": 1.0}, "lora.dropout"),
         ({"target_modules": []}, "lora.target_modules"),
@@ -176,6 +176,15 @@ def test_bad_target_modules_name_the_key_and_the_linear_modules(tiny_model_dir, 
 def test_lora_config_validation(fields, needle):
     with pytest.raises(ValueError, match=needle):
         LoraConfig(**fields)
+
+
+def test_rank_zero_is_full_fine_tuning(tiny_model_dir):
+    assert not ActorConfig().lora.enabled and ActorConfig(lora=None).lora == LoraConfig()
+    trainer = _engine(tiny_model_dir, LoraConfig(), dtype=torch.float32)
+    assert all(p.requires_grad for p in trainer.model.parameters())
+    assert [n for n, _ in trainer.named_weights()] == [
+        n for n, _ in trainer.model.named_parameters()
+    ]
 
 
 def test_train_state_holds_the_adapter_and_resumes_equal(tiny_model_dir, tmp_path, fresh_seed):
