@@ -24,6 +24,7 @@ LORA_A, LORA_B = ".lora_A", ".lora_B"  # suffixes of the adapter tensors engines
 ALL_LINEAR = "all-linear"
 ADAPTER = "default"  # peft's adapter name
 LORA_ATTR = "areal_lora"  # set on a model wrapped by apply_lora (its LoraConfig)
+INIT_SEED = 0  # torch seed of the adapters' initialisation
 
 
 @dataclass
@@ -139,7 +140,9 @@ def apply_lora(model, config: LoraConfig):
 
     Afterwards only the adapter parameters (``...lora_A.default.weight`` [r, in],
     ``...lora_B.default.weight`` [out, r], B zero-initialised, so the policy starts as the
-    base model) require gradients. Applying it twice does nothing the second time.
+    base model) require gradients. A is drawn by peft (Kaiming-uniform) from the fixed
+    torch seed ``INIT_SEED`` on the CPU, the global RNG left as it was: the same adapter on
+    every rank and in every run. Applying it twice does nothing the second time.
 
     Raises
     ------
@@ -169,7 +172,11 @@ def apply_lora(model, config: LoraConfig):
         target_modules=ALL_LINEAR if targets == [ALL_LINEAR] else targets,
         bias="none",
     )
-    wrapped = peft.get_peft_model(model, peft_config)
+    # A's random start from a fixed seed, whatever the global RNG: every FSDP rank shards
+    # the same adapter, and a run's adapter does not depend on what drew numbers before
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(INIT_SEED)
+        wrapped = peft.get_peft_model(model, peft_config)
     inner = wrapped.get_base_model()
     assert inner is model, "peft wrapped a copy of the model"
     setattr(model, LORA_ATTR, config)
