@@ -441,7 +441,7 @@ def _run(
         summary["trained_tokens_per_s_cumulative"] = log.records[-1][
             "trained_tokens_per_s_cumulative"
         ]
-        for key in ("trainable_parameters", "weight_update_bytes"):
+        for key in ("trainable_parameters", "weight_update_bytes", "trainer_peak_rss_mb"):
             if key in log.records[-1]:
                 summary[key] = log.records[-1][key]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -74,6 +74,7 @@ def test_lora_job_sends_the_adapter_and_exports_a_merged_model(tiny_model_dir, l
     records = [json.loads(line) for line in (lora_run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert all(r["weight_update_bytes"] == summary["weight_update_bytes"] for r in records)
+    assert summary["trainer_peak_rss_mb"] > 100  # torch and a model at least
     assert any(r["grad_norm"] > 0 for r in records)
     # the final model: plain HF weights, and the adapter beside them
     model = transformers.AutoModelForCausalLM.from_pretrained(str(lora_run / "checkpoint"))
