@@ -105,3 +105,17 @@ def test_lora_target_naming_no_module_fails_at_once(tiny_model_dir, tmp_path, ca
     line = next(x for x in err.splitlines() if "actor.lora.target_modules" in x)
     assert "'qproj' names no module of the model" in line and "q_proj" in line
     assert not (tmp_path / "grpo-arith" / "bad" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("engine", ["vllm", "vllm_server"])
+def test_lora_with_a_serving_engine_is_refused_in_one_line(engine):
+    from areal_fast.launch.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            str(REPO / "examples" / "arith.yaml"),
+            ["actor.lora.rank=16", f"rollout.engine={engine}"],
+        )
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith(f"actor.lora with rollout.engine = '{engine}' is not supported yet")
