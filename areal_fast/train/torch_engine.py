@@ -215,13 +215,12 @@ class TorchTrainEngine:
           pass; see :func:`~areal_fast.rl.decoupled.loglinear_prox_logprobs`);
         - ``ppo_n_minibatches``: optimizer updates per :meth:`train_step`: the batch is split
           into this many minibatches (balanced by tokens, groups kept whole when
-          ``keep_groups``), each then split into micro-batches.
-
-        - ``lora`` (LoraConfig; ``rank`` > 0 turns it on): wrap the model in place with peft LoRA adapters
-          (:func:`~areal_fast.train.lora.apply_lora`); only they require gradients and are
-          in the optimizer, :meth:`named_weights` yields them alone and :meth:`save`
-          writes the merged model and the adapter. The LM head stays frozen (the fused
-          loss then forms no head-weight gradient).
+          ``keep_groups``), each then split into micro-batches;
+        - ``lora`` (LoraConfig; ``rank`` > 0 turns it on): wrap the model in place with peft
+          LoRA adapters (:func:`~areal_fast.train.lora.apply_lora`); only they require
+          gradients and are in the optimizer, :meth:`named_weights` yields them alone and
+          :meth:`save` writes the merged model and the adapter. The LM head stays frozen
+          (the fused loss then forms no head-weight gradient).
 
         ``adv_mode`` is not used here (advantages are computed when a batch is assembled).
     temperature : float
