@@ -42,6 +42,9 @@ STEP_METRICS: dict[str, str] = {
     "entropy_mean / clip_fraction / ratio_mean / approx_kl": "loss statistics of "
     "rl.objectives.grpo_loss (means over trained tokens)",
     "kl": "KL to the reference policy, mean over trained tokens (only with actor.loss.kl_coef > 0)",
+    "trainable_parameters": "parameter elements the optimizer updates (actor.lora: the adapters')",
+    "weight_update_bytes": "bytes of one published weight version (actor.lora: the adapter's)",
+    "trainer_peak_rss_mb": "trainer rank 0's peak resident memory so far (getrusage), MiB",
     "fetch_wait_seconds": "trainer waiting for the batch's shards after the step began, s",
     "train_threads_mean": "trainer rank 0's torch threads, time-weighted mean over "
     "train_seconds (launcher.share_cores: all cores while the rollout workers are idle)",

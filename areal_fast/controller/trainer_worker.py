@@ -8,6 +8,7 @@ and gather the weights in lockstep, and rank 0 alone publishes them and answers.
 from __future__ import annotations
 
 import queue
+import resource
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -227,6 +228,10 @@ def _train_step(
     buffers.publish(trainer.named_weights(), message.slot)  # a gather on every rank
     published = time.perf_counter()
     stats["fetch_wait_seconds"] = waited - start
+    stats["weight_update_bytes"] = buffers.update_bytes
+    if hasattr(trainer, "trainable_parameters"):
+        stats["trainable_parameters"] = trainer.trainable_parameters
+    stats["trainer_peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return msg.StepDone(
         version=int(trainer.version),
         stats=stats,

@@ -269,6 +269,11 @@ class ExperimentConfig:
                 f"is more than batch_size = {self.batch_size}: every trainer rank "
                 f"needs at least one prompt group per step"
             )
+        if self.actor.lora.enabled and self.rollout.engine != "hf":
+            raise ValueError(
+                f"actor.lora with rollout.engine = {self.rollout.engine!r} is not supported "
+                f"yet (adapter-only weight updates reach the hf engine only)"
+            )
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other")
         if self.agent.path:

@@ -133,6 +133,10 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
     tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)
     model_config = load_model_config(cfg.model.path)
+    if cfg.actor.lora.enabled:  # a target naming no module fails here, at once
+        from areal_fast.train.lora import check_lora_targets
+
+        check_lora_targets(model_config, cfg.actor.lora)
     check_lengths(
         cfg, prompts, train_set + eval_set, getattr(model_config, "max_position_embeddings", None)
     )
@@ -449,6 +453,9 @@ def _run(
         summary["trained_tokens_per_s_cumulative"] = log.records[-1][
             "trained_tokens_per_s_cumulative"
         ]
+        for key in ("trainable_parameters", "weight_update_bytes", "trainer_peak_rss_mb"):
+            if key in log.records[-1]:
+                summary[key] = log.records[-1][key]
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     for line in console.end_summary(
         summary, run_dir, cfg.checkpoint.final_model, time.perf_counter() - progress.started

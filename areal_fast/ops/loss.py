@@ -161,6 +161,7 @@ def fused_forward_backward(
     want_entropy=None,
     prox_fn=None,
     positions=None,
+    head_grads=True,
 ):
     """One pass: logprobs/entropy/prox [T'] and the gradients of Σ c_t ℓ_t w.r.t. hidden/weight/bias.
 
@@ -172,7 +173,8 @@ def fused_forward_backward(
     chunk from its own log-probs, in place of ``per_token_inputs``' prox.
 
     ``config`` None: the forward alone (the log-probs and entropy of exactly this pass; no
-    loss, gradients None).
+    loss, gradients None). ``head_grads`` False: no weight and bias gradients (a frozen LM
+    head, e.g. under LoRA: one [V, H] matmul per chunk less).
 
     Returns (logprobs, entropy or None, prox or None (from ``prox_fn``), grad_hidden,
     grad_weight, grad_bias).
@@ -190,6 +192,7 @@ def fused_forward_backward(
     grad_hidden = grad_weight = grad_bias = None
     if not forward_only:
         grad_hidden = torch.empty_like(hidden)
+    if not forward_only and head_grads:
         grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
         if bias is not None:
             grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device)
@@ -537,6 +540,7 @@ def fused_linear_grpo_loss(
                 want_entropy=want_entropy,
                 prox_fn=prox_fn,
                 positions=kept,
+                head_grads=weight.requires_grad or (bias is not None and bias.requires_grad),
             )
         )
         logprobs = _scatter(kept_lp, kept, num_tokens)

@@ -11,6 +11,7 @@ import torch
 from transformers import StoppingCriteria
 
 from areal_fast.rl.batch import Trajectory
+from areal_fast.rollout.lora_merge import AdapterMerger, is_adapter_update
 from areal_fast.rollout.engine import (
     GenOutput,
     GenRequest,
@@ -128,6 +129,7 @@ class HFEngine:
         # while set, the engine refuses to generate or resume.
         self._incomplete: Optional[str] = None
         self._updating = False  # a receive_weights transfer is running
+        self._adapter = AdapterMerger(self.model)  # LoRA updates: base copies, merge
 
     @property
     def version(self) -> int:
@@ -510,6 +512,12 @@ class HFEngine:
         returns once the copies are done, so the caller may then let the source be rewritten.
         Tied parameters (e.g. input/output embeddings) are updated once and stay aliased.
 
+        An update of LoRA adapter tensors only (``<module>.lora_A`` [r, in] and the scaled
+        ``<module>.lora_B`` [out, r], :func:`areal_fast.train.lora.adapter_weights`) is
+        merged instead: each adapted weight becomes base + B A, the base being the weight
+        as it was before the first adapter update (kept aside,
+        :class:`~areal_fast.rollout.lora_merge.AdapterMerger`); the other weights stay.
+
         Raises
         ------
         RuntimeError
@@ -528,9 +536,10 @@ class HFEngine:
 
         The plan is checked against the parameters before any byte arrives (a rejection
         leaves the served version intact). Buckets are then unpacked in place, cast to the
-        engine's dtype; tied parameters stay aliased. If the update fails part-way, the
-        engine refuses to generate or resume until a complete update arrives (never a mix of
-        two versions).
+        engine's dtype; tied parameters stay aliased. A plan of LoRA adapter tensors only is
+        received into temporaries and merged (as in :meth:`update_weights`). If the update
+        fails part-way, the engine refuses to generate or resume until a complete update
+        arrives (never a mix of two versions).
 
         Parameters
         ----------
@@ -564,15 +573,22 @@ class HFEngine:
                 self._updating = False
 
     def _receive(self, receiver) -> int:
-        from areal_fast.sync.receiver import check_against
         from areal_fast.sync.transports import WeightSyncError
 
         params = dict(self.model.named_parameters())
-        session = receiver.start(accept=lambda plan: check_against(plan, params))
+        session = receiver.start(accept=lambda plan: self._check_plan(plan, params))
         self._incomplete = f"an update to v{session.version} is in progress"
         error, failure = "", None
+        specs = session.plan.specs
+        adapter = is_adapter_update(spec.name for spec in specs)
         try:
-            session.unpack_into([params.get(spec.name) for spec in session.plan.specs])
+            if adapter:  # into temporaries, then merged
+                targets = self._adapter.receive_targets(specs)
+                session.unpack_into(targets)
+                self._adapter.install(zip((spec.name for spec in specs), targets))
+            else:
+                session.unpack_into([params.get(spec.name) for spec in specs])
+                self._adapter.forget()
         except Exception as exc:  # reported to the sender, then re-raised below
             error, failure = f"{type(exc).__name__}: {exc}", exc
         try:
@@ -590,6 +606,15 @@ class HFEngine:
             raise WeightSyncError(f"HFEngine: {self._incomplete}") from failure
         self._incomplete, self._version = None, session.version
         return self._version
+
+    def _check_plan(self, plan, params) -> str:
+        """'' if ``plan`` is a complete update of the parameters or an adapter update
+        that fits the model, else a one-line reason."""
+        from areal_fast.sync.receiver import check_against
+
+        if is_adapter_update(spec.name for spec in plan.specs):
+            return self._adapter.check({spec.name: tuple(spec.shape) for spec in plan.specs})
+        return check_against(plan, params)
 
     def _require_idle(self, what: str) -> None:
         """Raise unless no engine thread runs, or it is paused and idle (caller holds _cond)."""
@@ -610,6 +635,10 @@ class HFEngine:
     def _install(self, named_tensors, version: int) -> None:
         params = dict(self.model.named_parameters())
         incoming = dict(named_tensors)
+        if is_adapter_update(incoming):
+            self._adapter.install(incoming.items())
+            self._installed(version)
+            return
         for name, tensor in incoming.items():
             if name not in params:
                 raise ValueError(f"weight update: engine has no parameter named {name!r}")
@@ -625,6 +654,10 @@ class HFEngine:
             )
         for name, tensor in incoming.items():
             params[name].copy_(tensor)
+        self._adapter.forget()  # new base weights
+        self._installed(version)
+
+    def _installed(self, version: int) -> None:
         if self.device.type == "cuda":  # the copies are done before the source may change
             torch.cuda.synchronize(self.device)
         self._incomplete, self._version = None, int(version)

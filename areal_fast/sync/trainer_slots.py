@@ -118,6 +118,12 @@ class TrainerSlots:
         return tuple(c.spec for c in self.cuda) if self.cuda else tuple(h.spec for h in self.host)
 
     @property
+    def update_bytes(self) -> int:
+        """Bytes of one published version: the tensors' sizes in the slots' dtype, padding
+        excluded (with LoRA: the adapter's alone); 0 on ranks > 0."""
+        return sum(e.nbytes for e in self.host[0].spec.entries) if self.host else 0
+
+    @property
     def gpu_uuid(self) -> str:
         """The GPU of the CUDA slots ("" without them)."""
         return slot_gpu(self.cuda[0].spec) if self.cuda else ""

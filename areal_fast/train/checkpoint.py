@@ -3,7 +3,9 @@
 A train-state directory holds
 
 - ``model.safetensors``: the full (unsharded) model state dict, tied aliases once (e.g. no
-  ``lm_head.weight`` under ``tie_word_embeddings``);
+  ``lm_head.weight`` under ``tie_word_embeddings``); with ``actor.lora`` the adapter
+  tensors alone (``...lora_A.default.weight``, ``...lora_B.default.weight``: the frozen base
+  weights are the model's own files);
 - ``optimizer.pt``: the full optimizer state dict keyed by parameter name
   (``torch.distributed.checkpoint.state_dict`` format), read back with ``weights_only=True``;
 - ``rng_rank{r}.json``: torch (and CUDA), numpy and python RNG states of rank r;
@@ -62,8 +64,13 @@ def save_train_state(engine, directory: str) -> None:
     optim_state = get_optimizer_state_dict(engine.model, engine.optimizer, options=options)
     if rank == 0:
         aliases = _tied_aliases(engine.model)
+        kept = _saved_keys(engine)
         save_file(
-            {k: v.contiguous() for k, v in model_state.items() if k not in aliases},
+            {
+                k: v.contiguous()
+                for k, v in model_state.items()
+                if k not in aliases and (kept is None or k in kept)
+            },
             os.path.join(directory, MODEL_FILE),
         )
         torch.save(optim_state, os.path.join(directory, OPTIM_FILE))
@@ -106,16 +113,19 @@ def load_train_state(engine, directory: str) -> None:
     """
     rank, _, distributed = _rank_info(engine)
     meta = read_train_state(directory)
-    _check_model_file(os.path.join(directory, MODEL_FILE), engine.model)
+    kept = _saved_keys(engine)
+    _check_model_file(os.path.join(directory, MODEL_FILE), engine.model, kept)
     rng = (
         _read_json(os.path.join(directory, f"rng_rank{rank}.json"))
         if rank < meta["world_size"]
         else None
     )
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=distributed)
+    options = StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=distributed, strict=kept is None
+    )
     model_state, optim_state, error = {}, {}, ""
     if rank == 0:  # the others receive both by broadcast
-        model_state, optim_state, error = _read_states(directory, engine.model)
+        model_state, optim_state, error = _read_states(directory, engine.model, kept)
     if distributed:
         error = _broadcast_text(error, engine)
     if error:
@@ -161,9 +171,21 @@ def read_train_state(directory) -> dict:
     return meta
 
 
-def _check_model_file(path: str, model) -> None:
-    """The safetensors header names exactly the model's tensors, with its (global) shapes."""
+def _saved_keys(engine):
+    """The state-dict keys a checkpoint holds: None for all (full fine-tuning), with
+    ``actor.lora`` the trainable (adapter) parameters' names."""
+    lora = getattr(getattr(engine, "actor", None), "lora", None)
+    if lora is None or not lora.enabled:
+        return None
+    return {n for n, p in engine.model.named_parameters() if p.requires_grad}
+
+
+def _check_model_file(path: str, model, kept=None) -> None:
+    """The safetensors header names exactly the model's tensors (``kept`` of them when
+    given), with its (global) shapes."""
     expected = _expected_shapes(model)
+    if kept is not None:
+        expected = {k: v for k, v in expected.items() if k in kept}
     try:
         with safe_open(path, framework="pt") as f:
             found = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
@@ -172,11 +194,12 @@ def _check_model_file(path: str, model) -> None:
     _compare_shapes(path, expected, found, "weight")
 
 
-def _read_states(directory: str, model) -> tuple[dict, dict, str]:
+def _read_states(directory: str, model, kept=None) -> tuple[dict, dict, str]:
     """Model and optimizer state dicts, and an error line ("" when both are good)."""
     path = os.path.join(directory, MODEL_FILE)
     try:
-        model_state = _with_aliases(load_file(path), model)
+        model_state = load_file(path)
+        model_state = model_state if kept is not None else _with_aliases(model_state, model)
     except Exception as exc:
         return {}, {}, f"{path} is not a readable safetensors file: {_one_line(exc)}"
     optim_state, error = _read_optimizer(os.path.join(directory, OPTIM_FILE), model)

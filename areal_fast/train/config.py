@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from areal_fast._checks import at_least
 from areal_fast.rl.advantages import ADVANTAGE_MODES
 from areal_fast.rl.config import LossConfig
+from areal_fast.train.lora import LoraConfig
 
 PROX_LOGP_METHODS = ("recompute", "loglinear")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -52,7 +53,7 @@ class OptimizerConfig:
 
 @dataclass
 class ActorConfig:
-    """The trained policy: loss, optimizer, packing."""
+    """The trained policy: loss, optimizer, packing, LoRA."""
 
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -65,6 +66,7 @@ class ActorConfig:
     use_decoupled_loss: bool = True
     prox_logp_method: str = "recompute"  # "recompute" | "loglinear" (version interpolation)
     ppo_n_minibatches: int = 1  # optimizer steps per batch (one policy version per batch)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (docs/lora.md)
 
     def __post_init__(self):
         if self.adv_mode not in ADVANTAGE_MODES:
@@ -77,3 +79,5 @@ class ActorConfig:
                 f"prox_logp_method = {self.prox_logp_method!r} is not 'recompute' or 'loglinear'"
             )
         at_least("ppo_n_minibatches", self.ppo_n_minibatches, 1)
+        if self.lora is None:  # programmatic None: full fine-tuning
+            self.lora = LoraConfig()

@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor
 from areal_fast.ops.packing import partition_balanced
 from areal_fast.rl.batch import PackedBatch
 from areal_fast.train.config import ActorConfig
+from areal_fast.train.lora import adapter_weights, apply_lora
 from areal_fast.train.torch_engine import (
     SHARDED_FORWARD,
     SHARDED_LOSS,
@@ -210,6 +211,8 @@ class FSDPTrainEngine(TorchTrainEngine):
             if mesh.device_type == "cpu"
             else torch.device(mesh.device_type, torch.cuda.current_device())
         )
+        if actor.lora.enabled:  # adapters first: they are sharded with their layers
+            apply_lora(model, actor.lora)
         shard_model(model, mesh)
         if ref_model is not None:
             shard_model(ref_model.eval().requires_grad_(False), mesh)
@@ -309,8 +312,12 @@ class FSDPTrainEngine(TorchTrainEngine):
         """Full (unsharded) parameters, tied ones once, in the same order on every rank.
 
         Each ``full_tensor()`` is an all-gather: every rank must iterate the generator to
-        its end in lockstep with the others (and before the next train_step).
+        its end in lockstep with the others (and before the next train_step). With
+        ``actor.lora``: the adapter alone, as for the single-process engine.
         """
+        if self.actor.lora.enabled:
+            yield from adapter_weights(self.model)
+            return
         for name, param in self.model.named_parameters():
             tensor = param.detach()
             yield name, tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
@@ -322,7 +329,8 @@ class FSDPTrainEngine(TorchTrainEngine):
         The gather returns a separate copy of each name of a tied parameter (e.g.
         ``lm_head.weight`` tied to ``model.embed_tokens.weight``); those names are pointed
         back at one tensor, so ``save_pretrained`` writes it once, as for the unsharded model
-        (the same tensor names as :meth:`TorchTrainEngine.save`).
+        (the same tensor names as :meth:`TorchTrainEngine.save`). With ``actor.lora``: the
+        merged model and ``path/adapter``, as :meth:`TorchTrainEngine.save` writes them.
         """
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -335,5 +343,8 @@ class FSDPTrainEngine(TorchTrainEngine):
             for alias, name in _tied_aliases(self.model).items():
                 if alias in state and name in state:
                     state[alias] = state[name]
-            self.model.save_pretrained(path, state_dict=state)
+            if self.actor.lora.enabled:  # the merged model and the adapter
+                self._save_merged(path, state)
+            else:
+                self.model.save_pretrained(path, state_dict=state)
         dist.barrier(group=self.group)

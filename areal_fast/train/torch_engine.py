@@ -22,6 +22,13 @@ from areal_fast.rl.decoupled import (
 )
 from areal_fast.rl.objectives import grpo_loss
 from areal_fast.train.config import LR_SCHEDULES, PROX_LOGP_METHODS, ActorConfig, OptimizerConfig  # noqa: F401
+from areal_fast.train.lora import (
+    adapter_weights,
+    apply_lora,
+    merged_state_dict,
+    set_dropout_active,
+    trainable_parameters,
+)
 from areal_fast.train.precision import COMPUTE_DTYPE_ATTR
 
 SHARDED_FORWARD = "fsdp_packed_forward_logprobs"
@@ -208,7 +215,12 @@ class TorchTrainEngine:
           pass; see :func:`~areal_fast.rl.decoupled.loglinear_prox_logprobs`);
         - ``ppo_n_minibatches``: optimizer updates per :meth:`train_step`: the batch is split
           into this many minibatches (balanced by tokens, groups kept whole when
-          ``keep_groups``), each then split into micro-batches.
+          ``keep_groups``), each then split into micro-batches;
+        - ``lora`` (LoraConfig; ``rank`` > 0 turns it on): wrap the model in place with peft
+          LoRA adapters (:func:`~areal_fast.train.lora.apply_lora`); only they require
+          gradients and are in the optimizer, :meth:`named_weights` yields them alone and
+          :meth:`save` writes the merged model and the adapter. The LM head stays frozen
+          (the fused loss then forms no head-weight gradient).
 
         ``adv_mode`` is not used here (advantages are computed when a batch is assembled).
     temperature : float
@@ -287,6 +299,8 @@ class TorchTrainEngine:
             raise ValueError(f"total_steps = {total_steps!r} must be an int >= 1 or None")
         if not isinstance(fused_loss, bool):
             raise ValueError(f"fused_loss = {fused_loss!r} must be a bool")
+        if actor.lora.enabled:  # in place (FSDPTrainEngine did it before sharding)
+            apply_lora(model, actor.lora)
         if packed_attention:
             name = register_packed_attention()
             for m in (model, ref_model):
@@ -300,7 +314,7 @@ class TorchTrainEngine:
         self.ref_model = None if ref_model is None else ref_model.eval().requires_grad_(False)
         optim = actor.optim
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters only
             lr=optim.lr,
             betas=(optim.beta1, optim.beta2),
             eps=optim.eps,
@@ -533,8 +547,21 @@ class TorchTrainEngine:
             )
         sums = {"loss": torch.zeros((), dtype=torch.float64, device=self._device())}
         totals = self.batch_totals(batch)
-        total_tokens = max(totals.tokens, 1)
         parts = self._micro_batch_parts(batch)
+        if self.actor.lora.enabled and self.actor.lora.dropout > 0:
+            set_dropout_active(self.model, True)  # off again below: the no-grad passes
+        try:
+            self._accumulate_parts(batch, parts, prox_logprobs, totals, sums)
+        finally:
+            if self.actor.lora.enabled:
+                set_dropout_active(self.model, False)
+        stats = self._reduce_stats(sums)
+        stats["num_micro_batches"] = float(len(parts))
+        return stats
+
+    def _accumulate_parts(self, batch, parts, prox_logprobs, totals: BatchTotals, sums) -> None:
+        """The micro-batch loop of :meth:`accumulate_gradients` (shares summed into ``sums``)."""
+        total_tokens = max(totals.tokens, 1)
         for part in parts:
             if not part:
                 self._padding_pass(batch)
@@ -548,9 +575,6 @@ class TorchTrainEngine:
             for key, value in stats.items():
                 if key != "num_tokens":
                     _add_share(sums, key, value, token_share)
-        stats = self._reduce_stats(sums)
-        stats["num_micro_batches"] = float(len(parts))
-        return stats
 
     def _reduce_stats(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
         """Sum the shares of the micro-batch statistics (0-d float64 device tensors) over
@@ -670,14 +694,51 @@ class TorchTrainEngine:
             mb.loss_mask.to(device),
         )
 
+    @property
+    def trainable_parameters(self) -> int:
+        """Parameter elements the optimizer updates (LoRA: the adapters' A and B)."""
+        return trainable_parameters(self.model)
+
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Parameters to send to inference engines (tied tensors once)."""
+        """Tensors to send to inference engines: the parameters (tied tensors once), or
+        with ``actor.lora`` the adapter alone (:func:`~areal_fast.train.lora.adapter_weights`:
+        ``<module>.lora_A`` [r, in] and the scaled ``<module>.lora_B`` [out, r])."""
+        if self.actor.lora.enabled:
+            yield from adapter_weights(self.model)
+            return
         for name, param in self.model.named_parameters():
             yield name, param.detach()
 
     def save(self, path: str) -> None:
-        """Write the model as a HF safetensors directory at ``path``."""
-        self.model.save_pretrained(path)
+        """Write the model as a HF safetensors directory at ``path``.
+
+        With ``actor.lora``: the merged model (W = base + s · B A under the plain names,
+        loadable by transformers without peft) at ``path``, and the adapter alone (peft's
+        ``save_pretrained``: ``adapter_config.json``, ``adapter_model.safetensors``) in
+        ``path/adapter``.
+        """
+        if not self.actor.lora.enabled:
+            self.model.save_pretrained(path)
+            return
+        self._save_merged(path, {k: v.detach().cpu() for k, v in self.model.state_dict().items()})
+
+    def _save_merged(self, path: str, state: dict) -> None:
+        """Write the merged model from the wrapped model's full ``state`` and the adapter."""
+        import os
+
+        from peft import get_peft_model_state_dict
+
+        peft_model = self.model.areal_peft_model
+        merged = merged_state_dict(self.model, state)
+        # the plain model's save: transformers writes tied weights once, as for full training
+        peft_model.get_base_model().save_pretrained(path, state_dict=merged)
+        adapter = get_peft_model_state_dict(peft_model, state_dict=_peft_keys(state))
+        peft_model.save_pretrained(os.path.join(path, "adapter"), state_dict=adapter)
+
+
+def _peft_keys(state: dict) -> dict:
+    """A state dict of the wrapped model under the PeftModel's keys (``base_model.model.``)."""
+    return {f"base_model.model.{k}": v for k, v in state.items()}
 
 
 def _current_logprobs(logprobs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

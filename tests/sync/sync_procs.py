@@ -341,6 +341,53 @@ def sync_hf_engines(rank: int, port: int, kind: str, directory: str, seed: int) 
         transport.close()
 
 
+def sync_lora_adapter(rank: int, port: int, kind: str, directory: str, seed: int) -> dict:
+    """A LoRA trainer's adapter (alpha = rank: B unscaled) sent in buckets to two HFEngines,
+    which merge it: their weights equal base + B A, the plan holds adapter tensors only."""
+    from areal_fast.sync.receiver import WeightReceiver
+    from areal_fast.sync.sender import WeightSender
+    from areal_fast.sync.sources import ModuleSource
+    from areal_fast.train.lora import LoraConfig, apply_lora, lora_layers
+
+    def adapted(model):
+        apply_lora(model, LoraConfig(rank=4, alpha=4.0, target_modules=["q_proj", "up_proj"]))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for _, layer in lora_layers(model):
+                for p in (layer.lora_A["default"].weight, layer.lora_B["default"].weight):
+                    p.copy_(0.3 * torch.randn(p.shape, generator=g))
+        return model
+
+    def adapter_name(name: str):  # ...q_proj.lora_A.default.weight -> ...q_proj.lora_A
+        return name.rsplit(".", 2)[0] if ".lora_" in name else None
+
+    transport = make_transport(kind, rank, 3, port, directory)
+    try:
+        if rank == 0:
+            _, model = tiny_hf_engine(seed)
+            source = ModuleSource(adapted(model), name_map=adapter_name)
+            stats = WeightSender(transport, bucket_bytes=2048, timeout=30).send(source, 5)
+            return {"buckets": stats.num_buckets, "names": [s.name for s in source.specs()]}
+        engine, model = tiny_hf_engine(seed)  # the same base weights as the trainer's
+        version = engine.receive_weights(WeightReceiver(transport, timeout=30))
+        _, reference = tiny_hf_engine(seed)
+        layers = dict(lora_layers(adapted(reference)))
+        worst = 0.0
+        for name, param in model.named_parameters():
+            module = name.removesuffix(".weight")
+            if module in layers:
+                layer = layers[module]
+                want = layer.base_layer.weight + layer.lora_B["default"].weight @ (
+                    layer.lora_A["default"].weight
+                )
+            else:
+                want = dict(reference.named_parameters())[name]
+            worst = max(worst, float((param.detach() - want.detach()).abs().max()))
+        return {"version": version, "worst": worst}
+    finally:
+        transport.close()
+
+
 def sync_fsdp2(rank: int, port: int, directory: str, seed: int, reject: bool = False) -> dict:
     """Ranks 0, 1 train with FSDP2 (gloo); rank 2 is an engine. Sync group = {0, 2}.
 

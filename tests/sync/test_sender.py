@@ -18,6 +18,7 @@ from sync_procs import (
     run_ranks,
     sync_fsdp2,
     sync_hf_engines,
+    sync_lora_adapter,
     sync_mixed,
     sync_partial_failure,
     sync_peer_dies,
@@ -169,6 +170,18 @@ def test_hf_engines_bf16_receive_fp32_trainer(tmp_path):
         assert engine["mismatch"] == []
         assert engine["tied"] is True
         assert engine["output_versions"] == [7]
+
+
+def test_hf_engines_merge_a_bucketed_lora_adapter(tmp_path):
+    reports = run_ranks(sync_lora_adapter, 3, ("gloo", str(tmp_path), _seed()))
+    _ok(reports)
+    assert reports[0]["buckets"] > 1
+    assert reports[0]["names"] and all(
+        n.endswith((".lora_A", ".lora_B")) for n in reports[0]["names"]
+    )
+    for engine in reports[1:]:
+        assert engine["version"] == 5
+        assert engine["worst"] < 1e-6
 
 
 def test_fsdp2_source_two_trainer_ranks(tmp_path):

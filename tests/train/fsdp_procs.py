@@ -217,12 +217,19 @@ def checkpoint_ranks(
     }
 
 
-def save_ranks(rank, world_size, init_method, model_dir: str, directory: str) -> dict:
-    """An FSDP engine's HF checkpoint (``engine.save``) written at ``directory``."""
+def save_ranks(
+    rank, world_size, init_method, model_dir: str, directory: str, seed=None, actor_fields=None
+) -> dict:
+    """An FSDP engine's HF checkpoint (``engine.save``) written at ``directory``; with
+    ``seed``, after one train step (``actor_fields``: of its ActorConfig)."""
     from areal_fast.train.fsdp import FSDPTrainEngine, init_trainer_group
 
     mesh = init_trainer_group(rank, world_size, init_method, "gloo", 60)
-    engine = FSDPTrainEngine(load_causal_lm(model_dir), plain_actor(), mesh=mesh, temperature=1.0)
+    actor = plain_actor(**(actor_fields or {}))
+    engine = FSDPTrainEngine(load_causal_lm(model_dir), actor, mesh=mesh, temperature=1.0)
+    if seed is not None:
+        batch = global_batch(engine.model.config.vocab_size, seed, engine.version)
+        engine.train_step(select_sequences(batch, rank_parts(0)[rank]))
     engine.save(directory)
     return {"weights": weights_numpy(engine)}
 

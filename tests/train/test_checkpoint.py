@@ -18,6 +18,7 @@ from areal_fast.models.loading import load_causal_lm
 from areal_fast.rl.batch import select_sequences
 from areal_fast.rl.config import LossConfig
 from areal_fast.train.checkpoint import load_train_state, save_train_state
+from areal_fast.train.lora import LoraConfig
 from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine, lr_factor
 
 OPTIM = OptimizerConfig(lr=1e-3, lr_schedule="cosine", warmup_steps=1)
@@ -206,6 +207,53 @@ def test_two_fsdp_ranks_save_a_tied_head_once(tiny_model_dir, tmp_path):
         assert np.array_equal(reports[0]["weights"][name], tensor.numpy()), name
     size = (tmp_path / "fsdp" / "model.safetensors").stat().st_size
     assert size == (tmp_path / "single" / "model.safetensors").stat().st_size
+
+
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
+
+
+def test_two_fsdp_ranks_resume_lora_and_load_into_one_process(tiny_model_dir, tmp_path, seed):
+    """With actor.lora the checkpoint holds the adapter and its optimizer state only; two
+    FSDP ranks resume from it exactly, and so does a single process."""
+    directory = tmp_path / "fsdp-lora"
+    fields = dict(max_tokens_per_mb=40, use_decoupled_loss=True, lora=LORA)
+    reports = run_ranks(checkpoint_ranks, 2, (str(tiny_model_dir), str(directory), seed, fields))
+    for report in reports:
+        assert report["stats_a"] == report["stats_b"]
+        for name, wa in report["weights_a"].items():
+            assert ".lora_" in name
+            assert np.array_equal(wa, report["weights_b"][name]), name
+    saved = load_file(str(directory / "model.safetensors"))
+    assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)
+    single = _engine(tiny_model_dir, use_decoupled_loss=True, lora=LORA)
+    load_train_state(single, str(directory))
+    assert single.version == 2
+    stats = _step(single, seed, 2)
+    for key, value in reports[0]["stats_a"].items():
+        if key != "num_micro_batches":
+            assert stats[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+
+
+def test_two_fsdp_ranks_save_the_merged_lora_model(tiny_model_dir, tmp_path, seed):
+    import transformers
+
+    fields = dict(max_tokens_per_mb=40, lora=LORA, optim=OptimizerConfig(lr=1e-2))
+    run_ranks(save_ranks, 2, (str(tiny_model_dir), str(tmp_path / "fsdp"), seed, fields))
+    single = TorchTrainEngine(
+        load_causal_lm(str(tiny_model_dir)), plain_actor(**fields), temperature=1.0
+    )
+    single.train_step(global_batch(single.model.config.vocab_size, seed, 0))
+    single.save(str(tmp_path / "single"))
+    want = load_file(str(tmp_path / "single" / "model.safetensors"))
+    got = load_file(str(tmp_path / "fsdp" / "model.safetensors"))
+    assert sorted(got) == sorted(want) and "lm_head.weight" not in got
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert sorted(want) == sorted(base)  # plain names: no base_layer, no adapter
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(want[n], base[n]) for n in want if "q_proj" in n)
+    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fsdp"))
+    assert (tmp_path / "fsdp" / "adapter" / "adapter_model.safetensors").is_file()
 
 
 # ---------------------------------------------------------------------------- LR schedule

@@ -30,6 +30,7 @@ from areal_fast.models.config import ModelConfig
 from areal_fast.rl.batch import select_sequences
 from areal_fast.rl.config import LossConfig
 from areal_fast.train.fsdp import init_trainer_group
+from areal_fast.train.lora import LoraConfig
 from areal_fast.train.torch_engine import OptimizerConfig
 
 BUDGET = 40  # tokens per micro-batch; a group is at most 2 x 20 tokens
@@ -54,6 +55,13 @@ SCENARIOS = {
         use_decoupled_loss=True,
         ppo_n_minibatches=2,
         total_steps=STEPS,
+    ),
+    # LoRA adapters sharded with their layers; the weights compared are the adapter's
+    "token_mean-lora": dict(
+        loss=LossConfig(),
+        optim=OptimizerConfig(lr=1e-2),
+        use_decoupled_loss=True,
+        lora=LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"]),
     ),
 }
 
