@@ -58,6 +58,9 @@ class StepEvals:
     ----------
     accuracy : dict[int, float]
         Version -> held-out accuracy (fraction in [0, 1]) of every finished evaluation.
+    seconds : dict[int, float]
+        Version -> seconds from sending that evaluation until its last answer (a queued one
+        includes its wait), for the evaluations of this run (not those read after a resume).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class StepEvals:
         self.every_steps, self.requests = every_steps, list(requests or [])
         self.on_done, self.timeout = on_done, timeout
         self.accuracy: dict[int, float] = {}
+        self.seconds: dict[int, float] = {}
         self.running: list[_Eval] = []  # oldest first
         self._clock = 0.0  # when the oldest running evaluation became the oldest
         self._answered: dict[str, float] = {}  # worker -> when it last answered one
@@ -135,6 +139,7 @@ class StepEvals:
             key=lambda r: order.get(r["uid"], 0),
         )
         self.accuracy[run.version] = sum(r["correct"] for r in records) / max(len(records), 1)
+        self.seconds[run.version] = now - run.sent
         self._latest = run.version
         if self.on_done is not None:
             self.on_done(run.version, records, now - run.sent)

@@ -396,6 +396,9 @@ def _run(
         if step_evals.accuracy:
             by_step = sorted(step_evals.accuracy.items())
             summary["eval_accuracy_by_step"] = {str(k): a for k, a in by_step}
+            summary["eval_seconds_by_step"] = {
+                str(k): round(t, 3) for k, t in sorted(step_evals.seconds.items())
+            }
         if cfg.eval.after and controller.version in step_evals.accuracy:  # the same weights
             shutil.copyfile(
                 run_dir / f"eval_step_{controller.version}.jsonl", run_dir / "eval_after.jsonl"
