@@ -20,8 +20,8 @@ from areal_fast.controller.async_loop import AsyncController, RunPlan
 from areal_fast.controller.checkpoint_manager import Checkpoint, CheckpointManager
 from areal_fast.controller.messages import SaveCheckpoint, Saved
 from areal_fast.controller.metrics import MetricsLog, plot_progress
-from areal_fast.controller.step_evals import StepEvals
 from areal_fast.controller.requests import ChatPrompts, MathRequests, ProblemStream, eval_requests
+from areal_fast.controller.step_evals import StepEvals
 from areal_fast.controller.workers import WorkerError, wait_messages
 from areal_fast.launch import console
 from areal_fast.launch.cluster import Cluster
@@ -473,7 +473,8 @@ def _step_evals(
 ) -> StepEvals:
     """The evaluations during training (``eval.every_steps``): each writes
     ``eval_step_<k>.jsonl`` and prints its accuracy. A run resumed at ``version`` keeps the
-    files and accuracies of steps up to it and deletes later ones (trained again)."""
+    files and accuracies of steps up to it and deletes later ones (trained again) and torn
+    ones (a crash while writing: evaluated again if due)."""
 
     def done(step: int, records: list[dict], seconds: float) -> None:
         correct = write_eval_records(run_dir / f"eval_step_{step}.jsonl", records)
@@ -485,10 +486,14 @@ def _step_evals(
         if not suffix.isdigit():
             continue
         step = int(suffix)
-        if step > version or not evals.due(step):
+        try:
+            records = [json.loads(line) for line in path.read_text().splitlines()]
+        except ValueError:
+            records = []
+        if step > version or not records:
             path.unlink()
         else:
-            evals.accuracy[step] = _accuracy(list(map(json.loads, path.read_text().splitlines())))
+            evals.accuracy[step] = _accuracy(records)
     if evals.due(cfg.eval.every_steps):
         console.say(
             f"held-out evaluation every {cfg.eval.every_steps} steps during training: "
