@@ -142,6 +142,11 @@ def test_step_evals_schedule_records_and_deadline(caplog):
     with pytest.raises(WorkerError, match="not asked of it"):
         evals.on_eval_done(c, "a", msg.EvalDone([], 8, 8))
     evals.start(c, 4)
+    evals.on_eval_done(c, "b", msg.EvalDone([], 4, 4))
+    restarted = _Worker("a")
+    evals.resend(c, restarted)
+    evals.resend(c, _Worker("b"))  # answered already: nothing sent
+    assert [(m.version, len(m.groups)) for m in restarted.sent] == [(4, 3)]
     with pytest.raises(WorkerError, match="'a' did not finish the evaluation of step 4 within"):
         evals.check_deadline(evals.running[0].sent + 11.0)
 
@@ -240,6 +245,7 @@ def test_resume_continues_the_schedule(tiny_model_dir, tmp_path, capsys):
     assert main(_args(tiny_model_dir, tmp_path, "r", "resume=true", *extra)) == 0
     err = capsys.readouterr().err
     assert "held-out accuracy at step 2:" in err and "held-out accuracy at step 4:" in err
+    assert "eval_step_<k>.jsonl (during training)" in err
     summary = json.loads((run / "summary.json").read_text())
     assert summary["resumed_from_version"] == 2
     assert summary["eval_accuracy_by_step"] == first  # the tiny model's answers repeat
