@@ -11,8 +11,10 @@ way the engine pauses in its pause mode only for the install, and the worker ans
 :class:`~areal_fast.controller.messages.WeightsUpdated`.
 
 An evaluation of a given version (:meth:`WorkerWeights.evaluate_at`) pins the weights: it
-starts once that version is served, and every newer version waits (in order) until it is done
-(:meth:`WorkerWeights.evaluated`), so its samples all run on the weights they evaluate.
+starts once that version (or a newer one) is served, and from its start every newer version
+waits (in order) until it is done (:meth:`WorkerWeights.evaluated`), so its samples all run on
+the weights it started on. One that has not started holds nothing back: a worker that never
+gets its version (restarted, or a link that skipped it) runs it on the next one.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class WorkerWeights:
         self.served = 0  # the version installed last
         self.announced = 0  # the newest version an UpdateWeights named
         self._held: list[Callable[[], None]] = []  # work that waits for `announced`
-        self._pins: list[int] = []  # versions of the evaluations not done: newer ones wait
+        self._pins: list[int] = []  # version of the evaluation started, not done (one)
         self._waiting: list[Callable[[], None]] = []  # installs of versions past a pin
         self._evals: list[tuple[int, Callable[[], None]]] = []  # (version, start) not started
 
@@ -85,13 +87,14 @@ class WorkerWeights:
         self._held.clear()
 
     def evaluate_at(self, version: Optional[int], start: Callable[[], None]) -> None:
-        """Run ``start`` (an evaluation's groups) once this worker serves ``version`` (at once
-        if it serves it or a newer one already); no newer version is installed until
-        :meth:`evaluated` (``version``). ``version`` None: as :meth:`when_current`, no pin."""
+        """Run ``start`` (an evaluation's groups) once this worker serves ``version`` or a
+        newer one (at once if it does already); from then until :meth:`evaluated`
+        (``version``) no newer version is installed. ``version`` None: as
+        :meth:`when_current`, no pin. Evaluations run one at a time, in order of arrival
+        among those whose version is served."""
         if version is None:
             self.when_current(start)
             return
-        self._pins.append(version)
         self._evals.append((version, start))
         self._start_evals()
 
@@ -104,15 +107,20 @@ class WorkerWeights:
         waiting, self._waiting = self._waiting, []
         for install in waiting:
             install()  # each re-checks the pins: an evaluation it starts may pin again
+        self._start_evals()
 
     def _start_evals(self) -> None:
-        due = [(v, start) for v, start in self._evals if self.served >= v]
-        self._evals = [e for e in self._evals if self.served < e[0]]
-        for _, start in due:
-            start()
+        """Start the first waiting evaluation whose version is served, one at a time."""
+        while not self._pins:
+            due = next(((v, s) for v, s in self._evals if self.served >= v), None)
+            if due is None:
+                return
+            self._evals.remove(due)
+            self._pins.append(due[0])
+            due[1]()
 
     def _pinned(self, version: int, install: Callable[[], None]) -> bool:
-        """Whether an evaluation holds ``version`` back (then ``install`` waits for it)."""
+        """Whether a running evaluation holds ``version`` back (then ``install`` waits)."""
         if self._pins and version > min(self._pins):
             self._waiting.append(install)
             return True

@@ -83,9 +83,23 @@ def test_an_evaluation_runs_on_its_version_and_holds_newer_ones_back(monkeypatch
 
     weights.evaluate_at(2, lambda: started.append((2, weights.served)))  # older than served
     assert started[-1] == (2, 3)  # at once, on what it serves
+    weights.evaluate_at(3, lambda: started.append((3, weights.served)))  # one at a time
+    assert started[-1] == (2, 3)
+    weights.evaluated(2)
+    assert started[-1] == (3, 3)
+    weights.evaluated(3)
     weights.evaluate_at(None, lambda: started.append((None, weights.served)))
     assert started[-1] == (None, 3)
     weights.evaluated(None)
+    # one that waits for a version this worker never gets (restarted; a link skipped it)
+    # holds nothing back and runs on the next one
+    weights.evaluate_at(5, lambda: started.append((5, weights.served)))
+    weights.on_update(_update(7))
+    assert engine.installed[-1] == 7 and started[-1] == (5, 7)
+    weights.on_update(_update(8))  # held back until it is done
+    assert engine.installed[-1] == 7
+    weights.evaluated(5)
+    assert engine.installed[-1] == 8
 
 
 def _requests(n: int) -> list[msg.GroupRequest]:
