@@ -299,3 +299,45 @@ def test_resumed_files_kept_deleted_or_torn(tmp_path):
     assert evals.accuracy == {2: 1.0}  # 4 was torn by a crash, 6 is trained again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval_step_2.jsonl", "eval_step_x.jsonl"]
     assert evals.due(4) and 4 not in evals.accuracy  # the resumed run evaluates it first
+
+
+def test_rollout_worker_killed_during_evaluations(tiny_model_dir, tmp_path):
+    """A rollout worker killed while the evaluations of every step run: its replacement
+    gets its share of each unanswered one, and every step's file is written."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = _args(
+        tiny_model_dir,
+        tmp_path,
+        "kill",
+        "eval.every_steps=1",
+        "rollout.num_workers=2",
+        "rollout.max_head_offpolicyness=1",
+        "data.eval_size=24",
+        "launcher.startup_timeout=120",
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "areal_fast.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
+    run = tmp_path / "grpo-arith" / "kill"
+    deadline = time.monotonic() + 240
+    while not ((run / "eval_step_1.jsonl").is_file() and (run / "workers.json").is_file()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()[-3000:]
+        time.sleep(0.02)
+    os.kill(json.loads((run / "workers.json").read_text())["rollout-1"], signal.SIGKILL)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert "restarting it" in out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["rollout_worker_restarts"] == 1
+    assert list(summary["eval_accuracy_by_step"]) == [str(k) for k in range(1, STEPS + 1)]
+    for k in range(1, STEPS + 1):
+        assert len(_lines(run / f"eval_step_{k}.jsonl")) == 24
