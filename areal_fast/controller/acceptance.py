@@ -39,6 +39,17 @@ class Acceptance:
     failed_in_a_row: int = 0  # agent groups in a row whose sessions were all dropped
     reward_drops_in_a_row: int = 0  # groups in a row the worker dropped (failed rewards)
 
+    @classmethod
+    def from_plan(cls, dynamic_filter: bool, plan) -> "Acceptance":
+        """The acceptance of a run: ``rollout.dynamic_filter`` and the limits of ``plan`` (a
+        :class:`~areal_fast.controller.config.RunPlan`)."""
+        return cls(
+            dynamic_filter,
+            plan.max_filtered_in_a_row,
+            plan.max_failed_agent_groups_in_a_row,
+            plan.max_reward_drops_in_a_row,
+        )
+
     def drop_reason(self, done: msg.GroupDone, stale: bool) -> Optional[str]:
         """The ledger's drop reason of ``done`` (None: keep it); ``stale``: it would be
         trained more than η versions after it started.

@@ -33,6 +33,7 @@ from areal_fast.controller.ledger import Ledger, RunCounts
 from areal_fast.controller.recovery import Recovery
 from areal_fast.controller.shards import DistributedBatch
 from areal_fast.controller.staleness import StalenessManager
+from areal_fast.controller.step_evals import StepEvals
 from areal_fast.controller.step_record import step_record
 from areal_fast.controller.weight_tracker import WeightTracker
 from areal_fast.controller.workers import MessageWaiter, WorkerError, WorkerHandle
@@ -73,6 +74,8 @@ class AsyncController:
     resume : dict, optional
         ``controller.json`` of the checkpoint this run resumes from; the trainer must have
         loaded its trainer state (its version is the checkpoint's).
+    step_evals : StepEvals, optional
+        Held-out evaluations during training (``eval.every_steps``; None: none).
     """
 
     def __init__(
@@ -90,11 +93,12 @@ class AsyncController:
         restart_rollout: Optional[Callable[[str], WorkerHandle]] = None,
         checkpoints: Optional[CheckpointManager] = None,
         resume: Optional[dict] = None,
+        step_evals: Optional[StepEvals] = None,
     ):
         self.workers, self.trainer, self.buffers = rollout_workers, trainer, weight_buffers
         self.trainer_ranks = trainer_ranks or [trainer]
         self.next_request, self.plan = next_request, plan
-        self.rollout, self.on_step = rollout, on_step
+        self.rollout, self.on_step, self.evals = rollout, on_step, step_evals or StepEvals()
         eta = rollout.max_head_offpolicyness
         self.staleness = StalenessManager(
             plan.batch_size, eta, rollout.max_concurrent_rollouts or (eta + 1) * plan.batch_size
@@ -109,12 +113,7 @@ class AsyncController:
         # per worker: when it last finished a group or went from idle to busy
         self.progress = {w.name: time.monotonic() for w in rollout_workers}
         self.agent_stats: dict[str, dict] = {}  # per worker: its agent running totals
-        self.acceptance = Acceptance(
-            rollout.dynamic_filter,
-            plan.max_filtered_in_a_row,
-            plan.max_failed_agent_groups_in_a_row,
-            plan.max_reward_drops_in_a_row,
-        )
+        self.acceptance = Acceptance.from_plan(rollout.dynamic_filter, plan)
         self.eval_records: dict[str, list] = {}
         self.eval_assignment: dict[str, list[msg.GroupRequest]] = {}
         self.cancelling: set[str] = set()  # rollout workers asked to cancel, not answered
@@ -217,7 +216,7 @@ class AsyncController:
             )
 
     def _on_step_done(self, done: msg.StepDone) -> None:
-        """A step is done: publish its weights to every rollout worker, record, checkpoint."""
+        """A step is done: publish its weights, evaluate them if due, record, checkpoint."""
         training = self.ledger.training
         if not training or done.group_ids != training[0].group_ids:
             raise WorkerError(
@@ -253,6 +252,7 @@ class AsyncController:
             elapsed=now - self.start + self.elapsed_before,
             agent_stats=self.agent_stats,
         )
+        record = self.evals.after_step(self, record)  # sent after the update: on version v
         self.last_step = now
         self.on_step(record)
         tmp = self.saves.after_step(
@@ -308,7 +308,7 @@ class AsyncController:
             self.ledger.cancelled(worker.name)
             self.cancelling.discard(worker.name)
         elif isinstance(message, msg.EvalDone):
-            self.eval_records[worker.name] = message.records
+            self.evals.on_eval_done(self, worker.name, message)
         else:
             raise WorkerError(f"worker {worker.name!r} sent an unexpected {type(message).__name__}")
 

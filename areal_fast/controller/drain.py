@@ -44,21 +44,25 @@ def drain(
 
 
 def wind_down(c: "AsyncController") -> None:
-    """End training: cancel running rollouts, drop unused ones, wait until every worker
-    serves the final weights and the last checkpoint is saved. Each discarded group is
+    """End training: cancel running rollouts, drop unused ones, let the evaluations during
+    training finish (:class:`~areal_fast.controller.step_evals.StepEvals`), wait until every
+    worker serves the final weights and the last checkpoint is saved. Each discarded group is
     counted with its reason (:meth:`Ledger.close`, :meth:`Ledger.cancelled`).
 
     Raises
     ------
     WorkerError
         A rollout worker did not cancel and load the final weights within
-        ``timeouts.weight_update`` (or another deadline passed).
+        ``timeouts.weight_update``, or an evaluation missed ``timeouts.evaluate`` (or another
+        deadline passed).
     """
     c.ledger.close()
     c.free_released()
     c.cancelling = {w.name for w in c.workers}
     for worker in c.workers:
         c.send_rollout(worker, msg.CancelAll())
+    # their deadline is Recovery.check_deadlines' (timeouts.evaluate)
+    drain(c, lambda: not c.evals.running, list, 0.0, WorkerError, "while evaluating")
     seconds = c.timeouts.weight_update
 
     def late() -> list[str]:

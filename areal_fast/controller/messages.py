@@ -65,9 +65,14 @@ class DropShards:
 
 @dataclass
 class Evaluate:
-    """Run these greedy evaluation groups; answer with :class:`EvalDone`."""
+    """Run these greedy evaluation groups; answer with :class:`EvalDone`.
+
+    With ``version`` set, they run on weights ``version``: the worker starts them once it
+    serves that version and installs no newer one until they are done (newer updates wait).
+    """
 
     groups: list[GroupRequest]
+    version: Optional[int] = None
 
 
 @dataclass
@@ -127,9 +132,13 @@ class WeightsUpdated:
 
 @dataclass
 class EvalDone:
-    """One record per evaluation group (uid, answer, completion, correct, reward)."""
+    """One record per evaluation group (uid, answer, completion, correct, reward);
+    ``version`` repeats the :class:`Evaluate`'s, ``served`` is the weights version the
+    groups ran on."""
 
     records: list[dict]
+    version: Optional[int] = None
+    served: int = 0
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Optional
 
 
 class MetricsLog:
@@ -40,7 +41,11 @@ class MetricsLog:
 
 
 def plot_progress(
-    records: list[dict], eval_points: dict[str, tuple[int, float]], path: Path, title: str = ""
+    records: list[dict],
+    eval_points: dict[str, tuple[int, float]],
+    path: Path,
+    title: str = "",
+    eval_steps: Optional[dict[int, float]] = None,
 ):
     """PNG of training reward, sample accuracy and solve rate per step, with held-out accuracy.
 
@@ -59,6 +64,9 @@ def plot_progress(
         Output PNG file.
     title : str, optional
         Figure title (the launcher gives the experiment/trial name and the model).
+    eval_steps : dict, optional
+        Step -> held-out accuracy of the evaluations during training (``eval.every_steps``),
+        drawn as one line of points.
 
     Returns
     -------
@@ -86,6 +94,14 @@ def plot_progress(
         linestyle=":",
         label="train solve rate (≥1 correct per group)",
     )
+    if eval_steps:
+        ax.plot(
+            sorted(eval_steps),
+            [eval_steps[k] for k in sorted(eval_steps)],
+            marker="o",
+            linestyle="-.",
+            label="held-out greedy accuracy (during training)",
+        )
     for label, (step, acc) in eval_points.items():
         ax.scatter([step], [acc], s=60, zorder=3, label=f"held-out greedy accuracy ({label})")
         last = bool(steps) and step >= max(steps)  # at the right edge: text to the left

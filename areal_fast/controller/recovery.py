@@ -105,6 +105,7 @@ class Recovery:
             c.send_rollout(new, msg.CancelAll())
         if name in c.eval_assignment and name not in c.eval_records:
             c.send_rollout(new, msg.Evaluate(c.eval_assignment[name]))
+        c.evals.resend(c, new)
 
     def end_warm_up(self, name: str) -> None:
         """A restarted worker takes rollouts once it serves the version current at its
@@ -122,8 +123,10 @@ class Recovery:
 
     def check_deadlines(self) -> None:
         """Raise a :class:`WorkerError` naming the first worker past its deadline: the
-        trainer's step or save (``train_step``), a weight update (``weight_update``), a
-        rollout worker with running groups that finishes none (``rollout_stall``)."""
+        trainer's step or save (``train_step``), a weight update (``weight_update``; counted
+        from the end of a worker's evaluation during training if later, as newer weights wait
+        for it), an evaluation during training (``evaluate``), a rollout worker with running
+        groups that finishes none (``rollout_stall``)."""
         c, t, now = self.c, self.timeouts, time.monotonic()
         if now - self._checked < DEADLINE_CHECK_SECONDS:
             return
@@ -136,8 +139,13 @@ class Recovery:
                 c.trainer.name,
             )
         late = [
-            w.name for w in c.workers if c.acked[w.name] < c.version and w.name not in self.warming
+            w.name
+            for w in c.workers
+            if c.acked[w.name] < c.version
+            and w.name not in self.warming
+            and not c.evals.excused(w.name, now, t.weight_update)
         ]
+        c.evals.check_deadline(now)
         warming = [
             name
             for name, (_, _, started) in self.warming.items()

@@ -9,6 +9,12 @@ link into a node-local buffer of the same layout
 (:class:`~areal_fast.sync.slot_broadcast.SlotSubscriber`) and ignores the slot names. Either
 way the engine pauses in its pause mode only for the install, and the worker answers
 :class:`~areal_fast.controller.messages.WeightsUpdated`.
+
+An evaluation of a given version (:meth:`WorkerWeights.evaluate_at`) pins the weights: it
+starts once that version (or a newer one) is served, and from its start every newer version
+waits (in order) until it is done (:meth:`WorkerWeights.evaluated`), so its samples all run on
+the weights it started on. One that has not started holds nothing back: a worker that never
+gets its version (restarted, or a link that skipped it) runs it on the next one.
 """
 
 from __future__ import annotations
@@ -57,6 +63,9 @@ class WorkerWeights:
         self.served = 0  # the version installed last
         self.announced = 0  # the newest version an UpdateWeights named
         self._held: list[Callable[[], None]] = []  # work that waits for `announced`
+        self._pins: list[int] = []  # version of the evaluation started, not done (one)
+        self._waiting: list[Callable[[], None]] = []  # installs of versions past a pin
+        self._evals: list[tuple[int, Callable[[], None]]] = []  # (version, start) not started
 
     def ready(self, name: str, address: str) -> msg.WorkerReady:
         """The worker's :class:`WorkerReady`: its shard-server ``address``, node and GPU."""
@@ -73,14 +82,55 @@ class WorkerWeights:
             self._held.append(work)
 
     def drop_held(self) -> None:
-        """Forget the work still waiting for a version (the end of training cancels it)."""
+        """Forget the work still waiting for a version (the end of training cancels it);
+        evaluations waiting for theirs are kept."""
         self._held.clear()
+
+    def evaluate_at(self, version: Optional[int], start: Callable[[], None]) -> None:
+        """Run ``start`` (an evaluation's groups) once this worker serves ``version`` or a
+        newer one (at once if it does already); from then until :meth:`evaluated`
+        (``version``) no newer version is installed. ``version`` None: as
+        :meth:`when_current`, no pin. Evaluations run one at a time, in order of arrival
+        among those whose version is served."""
+        if version is None:
+            self.when_current(start)
+            return
+        self._evals.append((version, start))
+        self._start_evals()
+
+    def evaluated(self, version: Optional[int]) -> None:
+        """The evaluation of ``version`` is done: install the versions it held back (None:
+        an evaluation without a pin, nothing to do)."""
+        if version is None:
+            return
+        self._pins.remove(version)
+        waiting, self._waiting = self._waiting, []
+        for install in waiting:
+            install()  # each re-checks the pins: an evaluation it starts may pin again
+        self._start_evals()
+
+    def _start_evals(self) -> None:
+        """Start the first waiting evaluation whose version is served, one at a time."""
+        while not self._pins:
+            due = next(((v, s) for v, s in self._evals if self.served >= v), None)
+            if due is None:
+                return
+            self._evals.remove(due)
+            self._pins.append(due[0])
+            due[1]()
+
+    def _pinned(self, version: int, install: Callable[[], None]) -> bool:
+        """Whether a running evaluation holds ``version`` back (then ``install`` waits)."""
+        if self._pins and version > min(self._pins):
+            self._waiting.append(install)
+            return True
+        return False
 
     def on_update(self, message: msg.UpdateWeights) -> None:
         """Install ``message.version`` from the trainer's slot (a linked worker gets it over
-        its link instead and ignores this)."""
+        its link instead and ignores this); it waits while an evaluation pins older weights."""
         self.announced = max(self.announced, message.version)
-        if self.link is not None:
+        if self.link is not None or self._pinned(message.version, lambda: self.on_update(message)):
             return
         spec, start = message.buffer, time.perf_counter()
         if cuda_slots_usable(self.transport, self.gpu, slot_gpu(spec)):
@@ -114,6 +164,8 @@ class WorkerWeights:
         """Install a version the link delivered: ``(version, node-local buffer, seconds the
         transfer took)``; the link may then reuse the buffer."""
         version, buffer, received = item
+        if self._pinned(version, lambda: self.install_received(item)):
+            return  # the link sends nothing more until this one is installed
         start = time.perf_counter()
         self._install(version, buffer.spec, buffer)
         self._ack(version, received + time.perf_counter() - start, buffer)
@@ -134,6 +186,7 @@ class WorkerWeights:
         checksum = buffer_checksum(buffer) if self.checksum and buffer is not None else ""
         self.served = max(self.served, version)
         self.conn.send(msg.WeightsUpdated(version, seconds, checksum))
+        self._start_evals()
         if self.served >= self.announced:
             held, self._held = self._held, []
             for work in held:

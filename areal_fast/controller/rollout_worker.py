@@ -109,8 +109,7 @@ class RolloutWorker:
         self.groups: dict[int, Group] = {}
         self.scoring: dict[int, tuple[Group, list[str]]] = {}  # with the reward pool
         self.running: dict[int, Sample] = {}
-        self.eval_records: Optional[list[dict]] = None
-        self.eval_pending = 0
+        self.eval_records, self.eval_pending, self.eval_of = None, 0, None
         self.weights = WorkerWeights(self.engine, conn, self.inbox.put, spec.host, spec.sync)
         self.rids = itertools.count()
         self.stopped = False
@@ -213,8 +212,8 @@ class RolloutWorker:
     def _handle_control(self, message) -> None:
         if isinstance(message, msg.SubmitGroups):
             self.weights.when_current(lambda: self._start_groups(message.groups, False))
-        elif isinstance(message, msg.Evaluate):
-            self.weights.when_current(lambda: self._start_eval(message.groups))
+        elif isinstance(message, msg.Evaluate):  # version None: on the newest weights
+            self.weights.evaluate_at(message.version, lambda: self._start_eval(message))
         elif isinstance(message, msg.UpdateWeights):
             self.weights.on_update(message)
         elif isinstance(message, msg.ConnectWeights):
@@ -229,9 +228,9 @@ class RolloutWorker:
         elif isinstance(message, msg.Shutdown):
             self.stopped = True
 
-    def _start_eval(self, requests: list[msg.GroupRequest]) -> None:
-        self.eval_records, self.eval_pending = [], len(requests)
-        self._start_groups(requests, evaluation=True)
+    def _start_eval(self, m: msg.Evaluate) -> None:
+        self.eval_records, self.eval_pending, self.eval_of = [], len(m.groups), m.version
+        self._start_groups(m.groups, evaluation=True)
         self._maybe_finish_eval()
 
     def _start_groups(self, requests: list[msg.GroupRequest], evaluation: bool) -> None:
@@ -372,8 +371,9 @@ class RolloutWorker:
 
     def _maybe_finish_eval(self) -> None:
         if self.eval_pending == 0 and self.eval_records is not None:
-            self.conn.send(msg.EvalDone(self.eval_records))
+            self.conn.send(msg.EvalDone(self.eval_records, self.eval_of, self.weights.served))
             self.eval_records = None
+            self.weights.evaluated(self.eval_of)  # may start the next evaluation
 
     def _cancel_all(self) -> int:
         self.engine.pause(PAUSE_TIMEOUT_S, keep=False)  # running samples come back aborted
@@ -387,8 +387,9 @@ class RolloutWorker:
         cancelled += sum(not g.evaluation for g, _ in self.scoring.values())
         self.groups = {k: g for k, g in self.groups.items() if g.evaluation}
         self.scoring = {k: e for k, e in self.scoring.items() if e[0].evaluation}
-        self.running = {rid: s for rid, s in self.running.items() if s.group_id in self.groups}
-        self.engine.resume()
+        kept, self.running = [s for s in self.running.values() if s.group_id in self.groups], {}
+        self.engine.resume()  # evaluation samples go on under new ids (queued ones were dropped)
+        self.engine.submit([self._request(s) for s in kept], front=True)
         return cancelled
 
 

@@ -64,6 +64,12 @@ STEP_METRICS: dict[str, str] = {
     "rollouts_running": "prompt groups running (or waiting for a worker) now",
     "rollouts_ready": "finished prompt groups waiting for a batch now",
     "rollouts_dropped_total": "prompt groups dropped so far, every reason together",
+    # held-out evaluation during training (eval.every_steps) only
+    "eval_accuracy": "held-out greedy accuracy (fraction) of the weights of step eval_step; "
+    "only in the first record written after that evaluation finished, as it runs beside "
+    "training (one that finishes after the last record, e.g. the last step's, is in no "
+    "record: summary.json's eval_accuracy_by_step holds every one)",
+    "eval_step": "the step (policy version) whose weights eval_accuracy measured, <= step",
     # agent workloads only
     "agent/* and trajectory/*": "agent session and trajectory-store totals over the rollout "
     "workers (trajectory/compression_ratio from summed bytes)",

@@ -146,14 +146,18 @@ def _check_ipv4(name: str, value: str) -> None:
 
 @dataclass
 class EvalConfig:
-    """Greedy evaluation on the held-out set, before and after training."""
+    """Greedy evaluation on the held-out set, before, during and after training."""
 
     max_new_tokens: int = 32  # tokens each greedy held-out answer may have at most
     before: bool = True  # evaluate the starting model before the first step (eval_before.jsonl)
     after: bool = True  # evaluate the trained model after the last step (eval_after.jsonl)
+    # also evaluate the weights of every k-th step on the rollout workers while training goes
+    # on (eval_step_<k>.jsonl, eval_accuracy in metrics.jsonl; docs/async.md); 0: off
+    every_steps: int = 0
 
     def __post_init__(self):
         at_least("max_new_tokens", self.max_new_tokens, 1)
+        at_least("every_steps", self.every_steps, 0)
 
 
 WANDB_MODES = ("online", "offline", "disabled")

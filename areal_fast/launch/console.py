@@ -136,7 +136,8 @@ def end_summary(
     ----------
     summary : dict
         ``summary.json``'s content (``steps``, ``wall_seconds``: from the workers' start;
-        ``eval_before`` / ``eval_after`` / ``eval_problems`` when evaluated).
+        ``eval_before`` / ``eval_after`` / ``eval_problems`` / ``eval_accuracy_by_step``
+        when evaluated).
     run_dir : str or Path
     final_model : bool
         ``checkpoint.final_model``.
@@ -162,6 +163,8 @@ def end_summary(
     files = "metrics.jsonl (per step), progress.png (plot), summary.json"
     if before is not None or after is not None:
         files += ", eval_before.jsonl / eval_after.jsonl (per problem)"
+    if summary.get("eval_accuracy_by_step"):
+        files += ", eval_step_<k>.jsonl (during training)"
     lines.append(f"  {files}")
     lines.append(
         "  checkpoint/ (the trained model, HF format)"

@@ -21,6 +21,7 @@ from areal_fast.controller.checkpoint_manager import Checkpoint, CheckpointManag
 from areal_fast.controller.messages import SaveCheckpoint, Saved
 from areal_fast.controller.metrics import MetricsLog, plot_progress
 from areal_fast.controller.requests import ChatPrompts, MathRequests, ProblemStream, eval_requests
+from areal_fast.controller.step_evals import StepEvals
 from areal_fast.controller.workers import WorkerError, wait_messages
 from areal_fast.launch import console
 from areal_fast.launch.cluster import Cluster
@@ -87,7 +88,8 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
     Everything that can fail on bad input (data files, task names, model path) is loaded
     before the run directory is created and before any worker starts. The run directory gets
     ``config.yaml``, ``metrics.jsonl`` (one line per step), ``eval_before.jsonl`` /
-    ``eval_after.jsonl``, ``progress.png``, ``checkpoint/`` (the trained model, unless
+    ``eval_after.jsonl`` (and ``eval_step_<k>.jsonl`` with ``eval.every_steps``),
+    ``progress.png``, ``checkpoint/`` (the trained model, unless
     ``checkpoint.final_model`` is false) and, last of all, ``summary.json``: a run directory
     without ``summary.json`` did not finish (a failed run also gets ``FAILED`` with the
     error, an interrupted one ``INTERRUPTED``). With ``checkpoint.every_steps``, recoverable
@@ -349,6 +351,8 @@ def _run(
         progress.version = record["step"]
         bar.update(record)
 
+    held_out = eval_requests(eval_set, prompts, cfg.eval.max_new_tokens)
+    step_evals = _step_evals(cfg, run_dir, held_out, version, len(cluster.rollout_workers))
     stream = ProblemStream(train_set, cfg.seed)
     if latest:  # the problems drawn before the checkpoint are not drawn again
         stream.next_batch(latest.controller["counts"]["rollouts_submitted"])
@@ -366,9 +370,9 @@ def _run(
         restart_rollout=cluster.restart_rollout,
         checkpoints=checkpoints if cfg.checkpoint.every_steps else None,
         resume=latest.controller if latest else None,
+        step_evals=step_evals,
     )
     eval_points = {}
-    held_out = eval_requests(eval_set, prompts, cfg.eval.max_new_tokens)
     before_file = run_dir / "eval_before.jsonl"
     eval_seconds = 0.0
     try:
@@ -398,11 +402,29 @@ def _run(
             elapsed_before=elapsed_before,
             enabled=show_progress,
         )
+        if step_evals.due(version) and version not in step_evals.accuracy:
+            step_evals.start(controller, version)  # lost with the run that saved the checkpoint
         try:
             counts = controller.run()
         finally:
             bar.close()
-        if cfg.eval.after:
+        if step_evals.accuracy:
+            by_step = sorted(step_evals.accuracy.items())
+            summary["eval_accuracy_by_step"] = {str(k): a for k, a in by_step}
+            summary["eval_seconds_by_step"] = {
+                str(k): round(t, 3) for k, t in sorted(step_evals.seconds.items())
+            }
+        if cfg.eval.after and controller.version in step_evals.accuracy:  # the same weights
+            shutil.copyfile(
+                run_dir / f"eval_step_{controller.version}.jsonl", run_dir / "eval_after.jsonl"
+            )
+            summary["eval_after"] = step_evals.accuracy[controller.version]
+            console.say(
+                f"held-out accuracy after training (step {controller.version}): "
+                f"{summary['eval_after']:.1%}, the evaluation at step {controller.version}"
+            )
+            eval_points["after"] = (controller.version, summary["eval_after"])
+        elif cfg.eval.after:
             progress.phase = "evaluating after training"
             summary["eval_after"] = _evaluate(
                 controller,
@@ -419,6 +441,7 @@ def _run(
                 eval_points,
                 run_dir / "progress.png",
                 title=f"{cfg.experiment_name}/{cfg.trial_name} · {cfg.model.path}",
+                eval_steps=step_evals.accuracy,
             )
         if cfg.checkpoint.final_model:
             progress.phase = "saving the final model"
@@ -462,6 +485,41 @@ def _run(
     ):
         console.say(line)
     return summary
+
+
+def _step_evals(
+    cfg: ExperimentConfig, run_dir: Path, held_out: list, version: int, workers: int
+) -> StepEvals:
+    """The evaluations during training (``eval.every_steps``): each writes
+    ``eval_step_<k>.jsonl`` and prints its accuracy. A run resumed at ``version`` keeps the
+    files and accuracies of steps up to it and deletes later ones (trained again) and torn
+    ones (a crash while writing: evaluated again if due)."""
+
+    def done(step: int, records: list[dict], seconds: float) -> None:
+        correct = write_eval_records(run_dir / f"eval_step_{step}.jsonl", records)
+        console.say(console.eval_finished(f"at step {step}", correct, len(records), seconds))
+
+    evals = StepEvals(cfg.eval.every_steps, held_out, done, cfg.launcher.timeouts.evaluate)
+    for path in run_dir.glob("eval_step_*.jsonl"):
+        suffix = path.stem.rsplit("_", 1)[1]
+        if not suffix.isdigit():
+            continue
+        step = int(suffix)
+        try:
+            records = [json.loads(line) for line in path.read_text().splitlines()]
+        except ValueError:
+            records = []
+        if step > version or not records:
+            path.unlink()
+        else:
+            evals.accuracy[step] = _accuracy(records)
+    if evals.due(cfg.eval.every_steps):
+        console.say(
+            f"held-out evaluation every {cfg.eval.every_steps} steps during training: "
+            f"{len(held_out)} problems on {workers} rollout worker(s), greedy, on the "
+            f"weights of that step"
+        )
+    return evals
 
 
 def save_checkpoint(cluster: Cluster, path: str, timeout: float) -> None:
