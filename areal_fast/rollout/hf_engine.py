@@ -11,7 +11,6 @@ import torch
 from transformers import StoppingCriteria
 
 from areal_fast.rl.batch import Trajectory
-from areal_fast.rollout.lora_merge import AdapterMerger, is_adapter_update
 from areal_fast.rollout.engine import (
     GenOutput,
     GenRequest,
@@ -19,6 +18,7 @@ from areal_fast.rollout.engine import (
     check_requests,
     sample_seed,
 )
+from areal_fast.rollout.lora_merge import AdapterMerger, is_adapter_update
 from areal_fast.rollout.sampling import SeededSampler
 
 
