@@ -122,6 +122,8 @@ def run_program(
                 proc.wait()
             err.seek(0)
             stderr = err.read().decode(errors="replace")[-2000:]
+    # the CPU-seconds limit (SIGXCPU) may stop a busy loop before the wall-time limit does
+    timed_out = timed_out or proc.returncode == -signal.SIGXCPU
     return RunResult(proc.returncode, timed_out, stderr)
 
 

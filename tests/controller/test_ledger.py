@@ -23,6 +23,7 @@ from areal_fast.controller.ledger import Ledger, LedgerError, RunCounts, State
 from areal_fast.controller.recovery import Recovery
 from areal_fast.controller.shards import ShardMetadata
 from areal_fast.controller.staleness import StalenessManager
+from areal_fast.controller.step_evals import StepEvals
 from areal_fast.controller.workers import WorkerError
 from areal_fast.rollout.engine import SamplingParams
 
@@ -47,6 +48,7 @@ class FakeController:
         self.acked = {n: 0 for n in WORKERS}
         self.progress = {n: 0.0 for n in WORKERS}
         self.eval_assignment, self.eval_records = {}, {}
+        self.evals = StepEvals()  # no evaluation during training
         self.trainer, self.last_step = FakeHandle("trainer"), 0.0
 
     def replace_worker(self, new: FakeHandle) -> None:

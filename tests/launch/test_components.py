@@ -157,6 +157,9 @@ ALLOWED = {
     (TrainerWorkerSpec, "host"),
     (RolloutWorkerSpec, "threads"),
     (TrainerWorkerSpec, "threads"),
+    # the trainer's distributed rank, not actor.lora.rank
+    (TorchTrainerFactory, "rank"),
+    (TrainerWorkerSpec, "rank"),
 }
 
 

@@ -91,11 +91,14 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, name):
                 )
                 worst_stat = max(worst_stat, abs(got[key] - want[key]) / max(scale[key], 1e-3))
     worst = 0.0
+    # Adam moves a weight by up to lr a step whatever the size of its gradient, so the float32
+    # rounding of a near-zero gradient can show as a small fraction of lr (LoRA's lr = 1e-2)
+    atol = max(1e-6, 1e-3 * SCENARIOS[name]["optim"].lr)
     for rank in (0, 1):
         for pname, want in expected_weights.items():
             got = reports[rank]["weights"][pname]
             np.testing.assert_allclose(
-                got, want, rtol=1e-5, atol=1e-6, err_msg=f"seed {seed} {pname}"
+                got, want, rtol=1e-5, atol=atol, err_msg=f"seed {seed} {pname}"
             )
             worst = max(worst, float(np.abs(got - want).max()))
     print(f"{name}: max stat diff (relative) {worst_stat:.1e}, max |weight diff| {worst:.1e}")
