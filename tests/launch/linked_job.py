@@ -1,5 +1,7 @@
-"""The small job of the weight-link and multi-node tests: the tiny model, 2 rollout workers,
-4 steps of 4 prompts × 2 samples, checksums on (imported as ``from linked_job import ...``)."""
+"""The tiny model's jobs of the launch tests (imported as ``from linked_job import ...``):
+:func:`tiny_job_args`, what every such job sets, and :func:`job_args`, the job of the
+weight-link and multi-node tests (2 rollout workers, 4 steps of 4 prompts × 2 samples,
+checksums on)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 
 
-def job_args(model_dir, root, trial, *extra) -> list[str]:
-    """``areal-fast train`` arguments of the job; ``extra`` overrides come last (they win)."""
+def tiny_job_args(model_dir, root, trial, steps: int, *extra) -> list[str]:
+    """``areal-fast train`` arguments every tiny-model job shares (examples/arith.yaml, groups
+    of 2 samples of at most 6 tokens, one thread); ``extra`` comes last (it wins)."""
     return [
         "train",
         "--config",
@@ -19,18 +22,29 @@ def job_args(model_dir, root, trial, *extra) -> list[str]:
         f"model.path={model_dir}",
         f"fileroot={root}",
         f"trial_name={trial}",
-        f"total_steps={STEPS}",
-        "batch_size=4",
+        f"total_steps={steps}",
         "rollout.group_size=2",
         "rollout.max_new_tokens=6",
         "eval.max_new_tokens=6",
+        "threads=1",
+        *extra,
+    ]
+
+
+def job_args(model_dir, root, trial, *extra) -> list[str]:
+    """``areal-fast train`` arguments of the job; ``extra`` overrides come last (they win)."""
+    return tiny_job_args(
+        model_dir,
+        root,
+        trial,
+        STEPS,
+        "batch_size=4",
         "data.eval_size=4",
         "data.train_size=60",
         "rollout.num_workers=2",
-        "threads=1",
         "actor.loss.entropy_coef=0.5",
         "actor.optim.lr=1e-2",
         "sync.checksum=true",
         "checkpoint.final_model=false",
         *extra,
-    ]
+    )

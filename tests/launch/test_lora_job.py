@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from linked_job import tiny_job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
 
@@ -18,23 +19,15 @@ TARGETS = "[q_proj,v_proj]"
 
 
 def _args(model_dir, root, trial, *extra):
-    return [
-        "train",
-        "--config",
-        str(REPO / "examples" / "arith.yaml"),
-        "--no-progress",
-        f"model.path={model_dir}",
-        f"fileroot={root}",
-        f"trial_name={trial}",
-        f"total_steps={STEPS}",
+    return tiny_job_args(
+        model_dir,
+        root,
+        trial,
+        STEPS,
         "batch_size=4",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
-        "eval.max_new_tokens=6",
         "data.eval_size=4",
         "data.train_size=40",
         "rollout.max_head_offpolicyness=0",
-        "threads=1",
         "actor.loss.entropy_coef=0.5",
         "actor.optim.lr=5e-2",
         f"actor.lora.rank={RANK}",
@@ -43,7 +36,7 @@ def _args(model_dir, root, trial, *extra):
         "launcher.startup_timeout=120",
         "launcher.timeouts.train_step=120",
         *extra,
-    ]
+    )
 
 
 def _losses(run_dir: Path) -> list[tuple[int, float]]:

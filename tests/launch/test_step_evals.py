@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from linked_job import tiny_job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
 from areal_fast.controller import messages as msg
@@ -183,25 +184,17 @@ def test_plot_with_evaluations_during_training(tmp_path):
 
 # ---- the job end to end ------------------------------------------------------------------
 def _args(model_dir, root, trial, *extra):
-    return [
-        "train",
-        "--config",
-        str(REPO / "examples" / "arith.yaml"),
-        "--no-progress",
-        f"model.path={model_dir}",
-        f"fileroot={root}",
-        f"trial_name={trial}",
-        f"total_steps={STEPS}",
+    return tiny_job_args(
+        model_dir,
+        root,
+        trial,
+        STEPS,
         "batch_size=3",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
-        "eval.max_new_tokens=6",
         "data.eval_size=8",
         "data.train_size=50",
-        "threads=1",
         "checkpoint.final_model=false",
         *extra,
-    ]
+    )
 
 
 def _lines(path: Path) -> list[dict]:
