@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from linked_job import tiny_job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
 from areal_fast.launch.config import ConfigError, load_config
@@ -22,28 +23,21 @@ FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # must never reach a file
 
 
 def _args(model_dir, root, *extra):
-    return [
-        "train",
-        "--config",
-        str(REPO / "examples" / "arith.yaml"),
-        "--no-progress",
-        f"model.path={model_dir}",
-        f"fileroot={root}",
-        "total_steps=2",
+    return tiny_job_args(
+        model_dir,
+        root,
+        "trial0",
+        2,
         "batch_size=3",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
-        "eval.max_new_tokens=6",
         "data.eval_size=4",
         "data.train_size=50",
-        "threads=1",
         "checkpoint.every_steps=2",
         "checkpoint.final_model=false",
         "logging.tensorboard=true",
         "logging.wandb.mode=offline",
         "logging.wandb.project=sinks-test",
         *extra,
-    ]
+    )
 
 
 def _wandb_records(path: Path) -> list:
