@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from areal_fast.cli import main
+from areal_fast.data.user_reward import load_reward
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,25 +60,16 @@ def _tagged_reward(tmp_path: Path) -> Path:
     the records show that the row's columns reached it (the tiny model scores 0)."""
     path = tmp_path / "tagged_reward.py"
     path.write_text(
-        "import importlib.util\n"
-        f"spec = importlib.util.spec_from_file_location('c', {str(REPO / 'examples/custom_reward.py')!r})\n"
-        "example = importlib.util.module_from_spec(spec)\n"
-        "spec.loader.exec_module(example)\n\n\n"
+        "from areal_fast.data.user_reward import load_reward\n\n"
+        f"example = load_reward({str(REPO / 'examples' / 'custom_reward.py') + ':reward'!r})\n\n\n"
         "def reward(completion, sample):\n"
-        "    return example.reward(completion, sample) + 0.25 * len(sample['accept'])\n"
+        "    return example(completion, sample) + 0.25 * len(sample['accept'])\n"
     )
     return path
 
 
 def _custom_reward():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "custom_reward", REPO / "examples/custom_reward.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.reward
+    return load_reward(f"{REPO / 'examples' / 'custom_reward.py'}:reward")
 
 
 @pytest.mark.slow
