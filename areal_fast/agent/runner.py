@@ -19,19 +19,16 @@ import asyncio
 import concurrent.futures
 import contextvars
 import copy
-import importlib
-import importlib.util
 import inspect
 import json
 import logging
 import math
-import sys
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Callable, Dict, Optional
 
+from areal_fast._user_code import import_attribute
 from areal_fast.agent.client import AgentClient, SessionDefaults
 from areal_fast.agent.session import EXPORT_MODES, Session
 from areal_fast.rollout.engine import sample_seed
@@ -176,25 +173,8 @@ def load_agent(path: str, kwargs: Optional[dict] = None, construct: bool = True)
         is not an async function taking
         (data) or (data, client).
     """
-    where, _, name = path.rpartition(":")
-    try:
-        if where.endswith(".py"):
-            file = Path(where)
-            spec = importlib.util.spec_from_file_location(f"areal_fast_agent_{file.stem}", file)
-            if spec is None or not file.is_file():
-                raise FileNotFoundError(f"no file {file}")
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[spec.name] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's path
-        raise ValueError(
-            f"agent.path = {path!r}: cannot import {where!r} ({type(exc).__name__}: {exc})"
-        ) from exc
-    target = getattr(module, name, None)
-    if target is None:
-        raise ValueError(f"agent.path = {path!r}: {where!r} has no {name!r}")
+    target = import_attribute(path, "agent.path")
+    name = path.rpartition(":")[2]
     if kwargs and not inspect.isclass(target):
         raise ValueError(
             f"agent.kwargs = {kwargs!r} is set but agent.path = {path!r} names a "

@@ -16,16 +16,14 @@ or processes need.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from areal_fast._checks import at_least, positive_finite
+from areal_fast._user_code import import_attribute
 
 
 @dataclass
@@ -107,26 +105,8 @@ def load_reward(path: str) -> Callable:
         cannot be imported (its error), the name is not in it, it is not callable, or it
         cannot be called with two positional arguments.
     """
-    where, _, name = path.rpartition(":")
-    if not where or not name:
-        raise ValueError(f"reward.path = {path!r} must be 'module:function' or 'file.py:function'")
-    try:
-        if where.endswith(".py"):
-            module = _import_file(Path(where))
-        else:
-            module = importlib.import_module(where)
-    except FileNotFoundError:
-        raise ValueError(
-            f"reward.path = {path!r}: no file {where!r} (relative to {Path.cwd()})"
-        ) from None
-    except Exception as exc:  # noqa: BLE001 - any import failure is the user's module
-        message = str(exc).splitlines()[0] if str(exc) else ""
-        raise ValueError(
-            f"reward.path = {path!r}: cannot import {where!r} ({type(exc).__name__}: {message})"
-        ) from exc
-    if not hasattr(module, name):
-        raise ValueError(f"reward.path = {path!r}: {where!r} has no {name!r}")
-    fn = getattr(module, name)
+    fn = import_attribute(path, "reward.path")
+    name = path.rpartition(":")[2]
     if not callable(fn):
         raise ValueError(
             f"reward.path = {path!r}: {name!r} is a {type(fn).__name__}, not a function"
@@ -144,24 +124,6 @@ def load_reward(path: str) -> Callable:
             f"(two positional arguments)"
         ) from None
     return fn
-
-
-def _import_file(file: Path):
-    """The module of the Python file ``file``, imported once per process."""
-    if not file.is_file():
-        raise FileNotFoundError(file)
-    module_name = f"areal_fast_reward_{file.stem}_{abs(hash(str(file.resolve()))):x}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[module_name]
-        raise
-    return module
 
 
 def score(fn: Callable, completions: list[str], samples: list[dict]) -> list[float]:
