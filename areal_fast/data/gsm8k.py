@@ -6,12 +6,12 @@ line is ``#### <number>`` (the number may contain thousands commas, e.g. ``#### 
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from areal_fast.data.jsonl import jsonl_rows
 from areal_fast.data.problems import MathProblem
 from areal_fast.data.rewards import normalize_number
 
@@ -57,21 +57,10 @@ def _problem_from_row(row: Any, where: str, uid: str) -> MathProblem:
 
 
 def _read_jsonl(path: Path, split_label: str) -> list[MathProblem]:
-    problems: list[MathProblem] = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {line_no}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            uid = f"gsm8k/{split_label}/{len(problems)}"
-            problems.append(_problem_from_row(row, where, uid))
-    if not problems:
-        raise ValueError(f"{path}: file holds no rows")
-    return problems
+    return [
+        _problem_from_row(row, where, f"gsm8k/{split_label}/{i}")
+        for i, (where, row) in enumerate(jsonl_rows(path))
+    ]
 
 
 def _read_hub(dataset_id: str, split: str) -> list[MathProblem]:

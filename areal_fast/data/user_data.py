@@ -17,7 +17,6 @@ one raises one line naming the file, the row (the 1-based line of a ``.jsonl`` f
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from areal_fast.data.config import DataConfig
+from areal_fast.data.jsonl import jsonl_rows
 from areal_fast.data.problems import MathProblem
 from areal_fast.data.rewards import normalize_number
 
@@ -41,22 +41,7 @@ class _Split:
 
 
 def _read_jsonl(path: Path, name: str) -> _Split:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for line_no, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path} line {line_no}"
-            try:
-                row = json.loads(line.strip())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: invalid JSON ({e.msg} at column {e.colno})") from None
-            if not isinstance(row, dict):
-                raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-            rows.append((where, row))
-    if not rows:
-        raise ValueError(f"{path}: file holds no rows")
-    return _Split(str(path), name, rows)
+    return _Split(str(path), name, jsonl_rows(path))
 
 
 def _jsonl_splits(d: DataConfig) -> tuple[_Split, Optional[_Split]]:
