@@ -273,11 +273,8 @@ class ExperimentConfig:
                 f"is more than batch_size = {self.batch_size}: every trainer rank "
                 f"needs at least one prompt group per step"
             )
-        if self.actor.lora.enabled and self.rollout.engine != "hf":
-            raise ValueError(
-                f"actor.lora with rollout.engine = {self.rollout.engine!r} is not supported "
-                f"yet (adapter-only weight updates reach the hf engine only)"
-            )
+        if self.actor.lora.enabled:
+            self._check_lora_engine()
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other")
         if self.agent.path:
@@ -286,6 +283,20 @@ class ExperimentConfig:
             value = getattr(self, key)
             if not value or "/" in value or value.startswith("."):
                 raise ValueError(f"{key} = {value!r} must be a plain, non-empty folder name")
+
+    def _check_lora_engine(self) -> None:
+        engine = self.rollout.engine
+        if engine not in ("hf", "vllm"):
+            raise ValueError(
+                f"actor.lora with rollout.engine = {engine!r} is not supported: adapter-only "
+                f"weight updates reach the hf and vllm engines (use one of them)"
+            )
+        if engine == "vllm" and self.rollout.pause_mode == "keep":
+            raise ValueError(
+                "actor.lora with rollout.engine = 'vllm' needs rollout.pause_mode = 'abort': "
+                "vLLM binds a request to the adapter it was admitted with, so a kept request "
+                "would go on sampling with the old adapter under the new version's label"
+            )
 
     def _check_agent_lengths(self) -> None:
         """An agent's sequences must fit a micro-batch: a concat sequence is at most one

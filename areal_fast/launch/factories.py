@@ -63,12 +63,15 @@ class ServingEngineFactory:
     worker_index : int
         Which ``rollout.server_url`` this worker uses (set per worker by
         :meth:`for_worker`).
+    lora_rank : int
+        ``actor.lora.rank``: the vLLM engine serves the trainer's adapters (0: no LoRA).
     """
 
     model: ModelConfig
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     threads: Optional[int] = None
     worker_index: int = 0
+    lora_rank: int = 0
 
     def for_worker(self, name: str) -> "ServingEngineFactory":
         """This factory for rollout worker ``name`` (``rollout-<index>``)."""
@@ -107,7 +110,9 @@ class ServingEngineFactory:
             if r.engine == "vllm":
                 from areal_fast.rollout.vllm_async import AsyncVLLMEngine
 
-                engine = AsyncVLLMEngine(path, startup_timeout=v.startup_timeout, **kwargs)
+                engine = AsyncVLLMEngine(
+                    path, startup_timeout=v.startup_timeout, lora_rank=self.lora_rank, **kwargs
+                )
             else:
                 from areal_fast.rollout.vllm_server import VLLMServerEngine
 
@@ -121,12 +126,17 @@ class ServingEngineFactory:
         return engine, decode
 
 
-def engine_factory(model: ModelConfig, rollout: RolloutConfig, threads: Optional[int] = None):
+def engine_factory(
+    model: ModelConfig,
+    rollout: RolloutConfig,
+    threads: Optional[int] = None,
+    lora_rank: int = 0,
+):
     """The factory of ``rollout.engine``: :class:`HFEngineFactory` or
-    :class:`ServingEngineFactory`."""
+    :class:`ServingEngineFactory` (``lora_rank``: ``actor.lora.rank``, for a vLLM engine)."""
     if rollout.engine == "hf":
         return HFEngineFactory(model, rollout)
-    return ServingEngineFactory(model, rollout, threads)
+    return ServingEngineFactory(model, rollout, threads, lora_rank=lora_rank)
 
 
 @dataclass

@@ -70,7 +70,7 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
     ``cfg.scheduler``, ``cfg.launcher``), so every worker uses the values set there.
     """
     trainer_threads, rollout_threads = worker_threads(cfg)
-    engine = engine_factory(cfg.model, cfg.rollout, rollout_threads)
+    engine = engine_factory(cfg.model, cfg.rollout, rollout_threads, cfg.actor.lora.rank)
     trainer = TorchTrainerFactory(
         cfg.model, cfg.actor, cfg.rollout, seed=cfg.seed, total_steps=cfg.total_steps
     )

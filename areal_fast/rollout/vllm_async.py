@@ -24,20 +24,30 @@ complete update arrives. The prefix cache is cleared on every aborting pause, an
 request is salted by the version it started under, so a kept pause never serves old KV to a
 new request.
 
+LoRA (``lora_rank`` > 0, the trainer's ``actor.lora``): an update of adapter tensors only is
+written as a PEFT adapter folder named by its version (:mod:`areal_fast.rollout.vllm_lora`)
+and loaded with vLLM's ``add_lora``; every request after it carries that version's
+``LoRARequest`` and the previous adapter is removed. The base weights stay as loaded.
+
 Source: vLLM 0.32 ``vllm/v1/engine/async_llm.py`` (``generate``, ``pause_generation(mode,
 clear_cache)``, ``resume_generation``, the weight-transfer methods), ``vllm/outputs.py``
-(``WeightVersionSpan``), ``vllm/config/model.py`` (``logprobs_mode``).
+(``WeightVersionSpan``), ``vllm/config/model.py`` (``logprobs_mode``), the LoRA methods
+``add_lora`` / ``remove_lora`` and ``generate(lora_request=...)``.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
+
+import torch
 
 from areal_fast.rollout.engine import GenOutput, GenRequest
 from areal_fast.rollout.loop_engine import EngineError, LoopEngine, spans_to_versions
-from areal_fast.sync.shared_memory import WeightBufferSpec
+from areal_fast.rollout.lora_merge import is_adapter_update
+from areal_fast.rollout.vllm_lora import VersionedAdapters, vllm_lora_args
+from areal_fast.sync.shared_memory import SharedWeightBuffer, WeightBufferSpec
 
 VLLM_MISSING = (
     "rollout.engine = {engine!r} needs vLLM, which is not installed: `pip install vllm` on a "
@@ -113,6 +123,9 @@ class AsyncVLLMEngine(LoopEngine):
         Seconds a pause, resume or weight update may take.
     startup_timeout : float, optional
         Seconds vLLM may take to start (default: ``call_timeout``).
+    lora_rank : int
+        Rank of the LoRA adapters the trainer sends (``actor.lora.rank``); 0: no LoRA, every
+        update is a complete set of weights.
     engine_kwargs : dict, optional
         More ``AsyncEngineArgs`` fields.
 
@@ -120,6 +133,8 @@ class AsyncVLLMEngine(LoopEngine):
     ------
     ImportError
         vLLM is not installed (the message says what to install).
+    ValueError
+        ``lora_rank`` is above the largest rank vLLM serves (512).
     """
 
     def __init__(
@@ -138,6 +153,7 @@ class AsyncVLLMEngine(LoopEngine):
         threads: Optional[int] = None,
         call_timeout: float = 600.0,
         startup_timeout: Optional[float] = None,
+        lora_rank: int = 0,
         engine_kwargs: Optional[dict[str, Any]] = None,
     ):
         super().__init__(
@@ -165,6 +181,10 @@ class AsyncVLLMEngine(LoopEngine):
         )
         if max_model_len is not None:
             self._args["max_model_len"] = int(max_model_len)
+        self._adapters = None  # LoRA: the adapter folders and the served LoRARequest
+        if lora_rank:
+            self._args.update(vllm_lora_args(int(lora_rank)))
+            self._adapters = VersionedAdapters(model_path)
         self._kv_cache_gib = kv_cache_gib
         self._threads = threads
         self._llm = None
@@ -210,7 +230,9 @@ class AsyncVLLMEngine(LoopEngine):
         )
         prompt = {"prompt_token_ids": list(request.input_ids), "cache_salt": salt}
         final = None
-        async for output in self._llm.generate(prompt, params, f"{request.rid}-{salt}"):
+        lora = self._adapters.current if self._adapters else None
+        rid = f"{request.rid}-{salt}"
+        async for output in self._llm.generate(prompt, params, rid, lora_request=lora):
             final = output
         if final is None or not final.outputs:
             return GenOutput(request.rid, [], [], [], "abort")
@@ -239,6 +261,14 @@ class AsyncVLLMEngine(LoopEngine):
     async def _engine_load_buffer(self, spec: WeightBufferSpec, version: int) -> None:
         from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
 
+        if is_adapter_update(entry.name for entry in spec.entries):
+            buffer = SharedWeightBuffer.attach(spec)
+            try:
+                await self._load_adapter(buffer.named_tensors(), version)
+            finally:
+                buffer.close()
+            return
+
         from areal_fast.sync.receivers.vllm import buffer_spec_to_dict
 
         info = {"expected_version": version, "shared_buffer": buffer_spec_to_dict(spec)}
@@ -257,6 +287,46 @@ class AsyncVLLMEngine(LoopEngine):
             )
         await self._llm.update_weight_version(str(version))
         await self._llm.collective_rpc("areal_fast_after_update")
+        if self._adapters is not None and self._adapters.current is not None:
+            # new base weights: the adapter trained on the old ones no longer applies
+            await self._llm.remove_lora(self._adapters.current.lora_int_id)
+            self._adapters.current = None
+
+    async def _engine_load_tensors(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        named_tensors = list(named_tensors)
+        if not is_adapter_update(name for name, _ in named_tensors):
+            raise NotImplementedError(
+                f"{self.name} takes complete weights from a shared-memory buffer only"
+            )
+        await self._load_adapter(named_tensors, version)
+
+    async def _load_adapter(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
+        """Write the adapter update as version ``version``'s folder, add it to vLLM, serve
+        it from now on and remove the previous one."""
+        if self._adapters is None:
+            raise EngineError(
+                f"{self.name}: an adapter-only update (v{version}) reached an engine built "
+                "without LoRA (lora_rank = 0)"
+            )
+        try:
+            folder = self._adapters.write(named_tensors, version)
+        except ValueError as exc:
+            raise EngineError(f"{self.name}: {exc}") from None
+        request = self._adapters.request(folder, version)
+        try:
+            added = await self._llm.add_lora(request)
+        except Exception as exc:  # vLLM's loader names the problem (rank, module, file)
+            raise EngineError(f"{self.name}: adapter v{version} not loaded: {exc}") from exc
+        if not added:
+            raise EngineError(f"{self.name}: vLLM refused adapter v{version}")
+        previous = self._adapters.installed(request)
+        if previous is not None and previous.lora_int_id != request.lora_int_id:
+            await self._llm.remove_lora(previous.lora_int_id)
+        await self._llm.update_weight_version(str(version))
 
     def _engine_dead(self) -> Optional[str]:
         if self._llm is not None and self._llm.errored:
@@ -267,3 +337,5 @@ class AsyncVLLMEngine(LoopEngine):
         if self._llm is not None:
             llm, self._llm = self._llm, None
             llm.shutdown()
+        if self._adapters is not None:
+            self._adapters.close()

@@ -121,6 +121,26 @@ def test_main_job_on_vllm_server(tmp_path):
     assert summary["rollout_worker_restarts"] == 0
 
 
+def test_main_job_on_vllm_with_lora(tmp_path):
+    """2 steps with LoRA rank 8: each version reaches vLLM as an adapter (the trainer's
+    adapter bytes only) that the engine loads through vLLM's LoRA API; step 1's behaviour
+    log-probs are the base model's, which a fresh adapter (B = 0) leaves unchanged."""
+    extra = ["actor.lora.rank=8", "actor.optim.lr=1e-4", "sync.checksum=true"]
+    _run(_args(tmp_path, "lora", 2, *extra))
+    run_dir = tmp_path / "grpo-gsm8k" / "lora"
+    summary = _check_job(run_dir, 2)
+    assert summary["weight_versions"]["rollout-0"] == [1, 2]
+    # SmolLM2-135M: 30 layers, 7 adapted linears each of (in + out) · r elements, float32
+    dims = {"q": (576, 576), "k": (576, 192), "v": (576, 192), "o": (576, 576),
+            "gate": (576, 1536), "up": (576, 1536), "down": (1536, 576)}  # fmt: skip
+    params = 30 * 8 * sum(i + o for i, o in dims.values())
+    assert summary["trainable_parameters"] == params
+    assert summary["weight_update_bytes"] == 4 * params
+    for version in ("1", "2"):
+        crcs = summary["weight_checksums"][version]
+        assert set(crcs) == {"trainer", "rollout-0"} and len(set(crcs.values())) == 1, crcs
+
+
 def test_engine_core_death_restarts_the_worker(tmp_path):
     """Kill vLLM's engine-core process mid-run: the rollout worker fails naming the engine,
     recovery restarts it with the current weights, the job finishes and nothing accepted is

@@ -1,0 +1,163 @@
+"""LoRA adapter updates for vLLM: one PEFT adapter folder per weight version.
+
+A LoRA trainer publishes, per adapted linear module ``m``, ``m.lora_A`` = A [r, in] and
+``m.lora_B`` = B' = s · B [out, r] (:func:`areal_fast.train.lora.adapter_weights`).
+:class:`VersionedAdapters` writes such an update as a PEFT adapter folder
+(``adapter_config.json`` with ``lora_alpha = r``, so vLLM's scale alpha / r is 1 and B' is
+used as it is; ``adapter_model.safetensors`` under peft's names
+``base_model.model.<m>.lora_{A,B}.weight``) and names it by version: ``LoRARequest("v<k>",
+k + 1, <folder>)``. The engine loads it with vLLM's ``add_lora`` and every request after it
+carries that ``LoRARequest``; the base weights never change.
+
+Source: vLLM 0.32 ``vllm/lora/request.py`` (``LoRARequest``), ``vllm/lora/peft_helper.py``
+(the adapter config it reads), ``vllm/lora/utils.py`` (``parse_fine_tuned_lora_name``),
+``vllm/config/lora.py`` (``MaxLoRARanks``); peft's adapter folder format.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from areal_fast.rollout.lora_merge import is_adapter_update
+from areal_fast.train.lora import LORA_A, LORA_B
+
+# vLLM 0.32 accepts these max_lora_rank values only (vllm/config/lora.py MaxLoRARanks)
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+PEFT_PREFIX = "base_model.model."
+
+
+def vllm_lora_args(rank: int) -> dict[str, Any]:
+    """``AsyncEngineArgs`` fields that let vLLM serve adapters of rank ``rank``: LoRA on,
+    ``max_lora_rank`` the smallest rank vLLM accepts that holds ``rank``, one adapter at a
+    time in the batch (every request runs the newest version) and two kept loaded (the old
+    one is removed right after the new one is in).
+
+    Raises
+    ------
+    ValueError
+        ``rank`` < 1 or above vLLM's largest (512).
+    """
+    fits = [r for r in VLLM_LORA_RANKS if r >= rank]
+    if rank < 1 or not fits:
+        raise ValueError(
+            f"actor.lora.rank = {rank}: vLLM serves LoRA ranks 1..{VLLM_LORA_RANKS[-1]}"
+        )
+    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2}
+
+
+def _peft_names(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
+    """Adapter tensor name → peft's name, and the sorted short names of the adapted modules
+    (peft's ``target_modules``)."""
+    mapping, targets = {}, set()
+    for name in names:
+        suffix = LORA_A if name.endswith(LORA_A) else LORA_B
+        module = name[: -len(suffix)]
+        mapping[name] = f"{PEFT_PREFIX}{module}{suffix}.weight"
+        targets.add(module.rsplit(".", 1)[-1])
+    return mapping, sorted(targets)
+
+
+class VersionedAdapters:
+    """The adapter folders of one vLLM engine, newest first; each version's folder is kept
+    until the next one is installed.
+
+    Parameters
+    ----------
+    base_model : str
+        The served model's path (recorded as ``base_model_name_or_path``).
+    root : str, optional
+        Where the folders go (default: a new temporary folder, removed by :meth:`close`).
+    """
+
+    def __init__(self, base_model: str, root: Optional[str] = None):
+        self.base_model = base_model
+        self.root = Path(root or tempfile.mkdtemp(prefix="areal_fast_lora_"))
+        self.current = None  # the LoRARequest of the served version, None: the base model
+
+    def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
+        """Write an adapter update as the folder of ``version`` (``<root>/v<version>``, a
+        folder peft's ``PeftModel.from_pretrained`` loads too); returns the folder.
+
+        Raises
+        ------
+        ValueError
+            A tensor that is not an adapter tensor, or a module without both A [r, in] and
+            B' [out, r] of one rank (names the module); nothing is written then.
+        """
+        from safetensors.torch import save_file
+
+        tensors = {name: t.detach().contiguous() for name, t in named_tensors}
+        reason = check_adapter(tensors)
+        if reason:
+            raise ValueError(f"adapter update v{version}: {reason}")
+        mapping, targets = _peft_names(tensors)
+        rank = next(t.shape[0] for n, t in tensors.items() if n.endswith(LORA_A))
+        folder = self.root / f"v{version}"
+        if folder.exists():
+            shutil.rmtree(folder)
+        folder.mkdir(parents=True)
+        save_file({mapping[n]: t for n, t in tensors.items()}, folder / "adapter_model.safetensors")
+        config = {
+            "peft_type": "LORA",
+            "r": int(rank),
+            "lora_alpha": int(rank),  # vLLM scales by alpha / r = 1: B' already holds s · B
+            "target_modules": targets,
+            "bias": "none",
+            "lora_dropout": 0.0,
+            "use_rslora": False,
+            "use_dora": False,
+            "base_model_name_or_path": self.base_model,
+        }
+        (folder / "adapter_config.json").write_text(json.dumps(config, indent=1))
+        return folder
+
+    @staticmethod
+    def request(folder: Path, version: int):
+        """vLLM's ``LoRARequest`` of ``version``'s folder: name ``v<version>``, id
+        ``version + 1`` (vLLM's ids start at 1)."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"v{version}", int(version) + 1, str(folder))
+
+    def installed(self, request) -> Optional[Any]:
+        """Record ``request`` as the served adapter; returns the one it replaces (whose
+        folder is removed here; the caller removes it from vLLM)."""
+        previous, self.current = self.current, request
+        if previous is not None and previous.lora_path != request.lora_path:
+            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        return previous
+
+    def close(self) -> None:
+        """Remove every folder."""
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.current = None
+
+
+def check_adapter(tensors: dict[str, torch.Tensor]) -> str:
+    """'' if ``tensors`` is an adapter update (every module with A [r, in] and B' [out, r]
+    of one r, all modules of the same r), else a one-line reason naming the tensor/module."""
+    if not is_adapter_update(tensors):
+        bad = next((n for n in tensors if not n.endswith((LORA_A, LORA_B))), None)
+        return f"tensor {bad!r} is not an adapter tensor" if bad else "no adapter tensors"
+    modules: dict[str, dict[str, tuple]] = {}
+    for name, t in tensors.items():
+        suffix = LORA_A if name.endswith(LORA_A) else LORA_B
+        modules.setdefault(name[: -len(suffix)], {})[suffix] = tuple(t.shape)
+    ranks = set()
+    for module, parts in modules.items():
+        if set(parts) != {LORA_A, LORA_B}:
+            missing = LORA_A if LORA_A not in parts else LORA_B
+            return f"adapter for {module!r}: {module}{missing} is missing"
+        a, b = parts[LORA_A], parts[LORA_B]
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            return f"adapter for {module!r}: A {a} and B {b} are not [r, in] and [out, r]"
+        ranks.add(a[0])
+    if len(ranks) > 1:
+        return f"adapter ranks differ between modules: {sorted(ranks)}"
+    return ""
