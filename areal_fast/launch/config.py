@@ -291,6 +291,10 @@ class ExperimentConfig:
                 f"actor.lora with rollout.engine = {engine!r} is not supported: adapter-only "
                 f"weight updates reach the hf and vllm engines (use one of them)"
             )
+        if engine == "vllm":
+            from areal_fast.rollout.vllm_lora import vllm_lora_rank
+
+            vllm_lora_rank(self.actor.lora.rank)  # a rank vLLM cannot serve: one line here
         if engine == "vllm" and self.rollout.pause_mode == "keep":
             raise ValueError(
                 "actor.lora with rollout.engine = 'vllm' needs rollout.pause_mode = 'abort': "

@@ -134,7 +134,9 @@ class AsyncVLLMEngine(LoopEngine):
     ImportError
         vLLM is not installed (the message says what to install).
     ValueError
-        ``lora_rank`` is above the largest rank vLLM serves (512).
+        ``lora_rank`` is above the largest rank vLLM serves (512), or comes with
+        ``pause_mode="keep"`` (vLLM binds a request to the adapter it was admitted with: a
+        kept request would sample with the removed adapter).
     """
 
     def __init__(
@@ -183,7 +185,11 @@ class AsyncVLLMEngine(LoopEngine):
             self._args["max_model_len"] = int(max_model_len)
         self._adapters = None  # LoRA: the adapter folders and the served LoRARequest
         if lora_rank:
-            self._args.update(vllm_lora_args(int(lora_rank)))
+            if pause_mode == "keep":
+                raise ValueError("lora_rank > 0 needs pause_mode = 'abort' (vLLM binds a "
+                                 "request to the adapter it was admitted with)")  # fmt: skip
+            for key, value in vllm_lora_args(int(lora_rank)).items():
+                self._args.setdefault(key, value)  # engine_kwargs may set max_loras etc.
             self._adapters = VersionedAdapters(model_path)
         self._kv_cache_gib = kv_cache_gib
         self._threads = threads
@@ -289,8 +295,7 @@ class AsyncVLLMEngine(LoopEngine):
         await self._llm.collective_rpc("areal_fast_after_update")
         if self._adapters is not None and self._adapters.current is not None:
             # new base weights: the adapter trained on the old ones no longer applies
-            await self._llm.remove_lora(self._adapters.current.lora_int_id)
-            self._adapters.current = None
+            await self._llm.remove_lora(self._adapters.installed(None).lora_int_id)
 
     async def _engine_load_tensors(
         self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int
@@ -320,8 +325,10 @@ class AsyncVLLMEngine(LoopEngine):
         try:
             added = await self._llm.add_lora(request)
         except Exception as exc:  # vLLM's loader names the problem (rank, module, file)
+            self._adapters.discard(folder)
             raise EngineError(f"{self.name}: adapter v{version} not loaded: {exc}") from exc
         if not added:
+            self._adapters.discard(folder)
             raise EngineError(f"{self.name}: vLLM refused adapter v{version}")
         previous = self._adapters.installed(request)
         if previous is not None and previous.lora_int_id != request.lora_int_id:

@@ -32,11 +32,8 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 PEFT_PREFIX = "base_model.model."
 
 
-def vllm_lora_args(rank: int) -> dict[str, Any]:
-    """``AsyncEngineArgs`` fields that let vLLM serve adapters of rank ``rank``: LoRA on,
-    ``max_lora_rank`` the smallest rank vLLM accepts that holds ``rank``, one adapter at a
-    time in the batch (every request runs the newest version) and two kept loaded (the old
-    one is removed right after the new one is in).
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds adapters of rank ``rank``.
 
     Raises
     ------
@@ -48,7 +45,26 @@ def vllm_lora_args(rank: int) -> dict[str, Any]:
         raise ValueError(
             f"actor.lora.rank = {rank}: vLLM serves LoRA ranks 1..{VLLM_LORA_RANKS[-1]}"
         )
-    return {"enable_lora": True, "max_lora_rank": fits[0], "max_loras": 1, "max_cpu_loras": 2}
+    return fits[0]
+
+
+def vllm_lora_args(rank: int) -> dict[str, Any]:
+    """``AsyncEngineArgs`` fields that let vLLM serve adapters of rank ``rank``: LoRA on,
+    ``max_lora_rank`` the smallest rank vLLM accepts that holds ``rank``, one adapter at a
+    time in the batch (every request runs the newest version) and two kept loaded (the old
+    one is removed right after the new one is in).
+
+    Raises
+    ------
+    ValueError
+        ``rank`` < 1 or above vLLM's largest (512).
+    """
+    return {
+        "enable_lora": True,
+        "max_lora_rank": vllm_lora_rank(rank),
+        "max_loras": 1,
+        "max_cpu_loras": 2,
+    }
 
 
 def _peft_names(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
@@ -72,13 +88,21 @@ class VersionedAdapters:
     base_model : str
         The served model's path (recorded as ``base_model_name_or_path``).
     root : str, optional
-        Where the folders go (default: a new temporary folder, removed by :meth:`close`).
+        Where the folders go (default: a new temporary folder made at the first
+        :meth:`write`); removed by :meth:`close`.
     """
 
     def __init__(self, base_model: str, root: Optional[str] = None):
         self.base_model = base_model
-        self.root = Path(root or tempfile.mkdtemp(prefix="areal_fast_lora_"))
+        self._root = Path(root) if root else None
         self.current = None  # the LoRARequest of the served version, None: the base model
+
+    @property
+    def root(self) -> Path:
+        """The folder that holds the version folders (made on first use)."""
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="areal_fast_lora_"))
+        return self._root
 
     def write(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> Path:
         """Write an adapter update as the folder of ``version`` (``<root>/v<version>``, a
@@ -126,16 +150,24 @@ class VersionedAdapters:
         return LoRARequest(f"v{version}", int(version) + 1, str(folder))
 
     def installed(self, request) -> Optional[Any]:
-        """Record ``request`` as the served adapter; returns the one it replaces (whose
-        folder is removed here; the caller removes it from vLLM)."""
+        """Record ``request`` (None: the base model, no adapter) as the served adapter;
+        returns the one it replaces (whose folder is removed here; the caller removes it from
+        vLLM)."""
         previous, self.current = self.current, request
-        if previous is not None and previous.lora_path != request.lora_path:
+        kept = request.lora_path if request is not None else None
+        if previous is not None and previous.lora_path != kept:
             shutil.rmtree(previous.lora_path, ignore_errors=True)
         return previous
 
+    def discard(self, folder: Path) -> None:
+        """Remove a version's folder that vLLM did not take (the served one stays)."""
+        if self.current is None or Path(self.current.lora_path) != Path(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+
     def close(self) -> None:
         """Remove every folder."""
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
         self.current = None
 
 

@@ -108,6 +108,7 @@ def test_lora_target_naming_no_module_fails_at_once(tiny_model_dir, tmp_path, ca
             ["rollout.engine=vllm", "rollout.pause_mode=keep"],
             "actor.lora with rollout.engine = 'vllm' needs rollout.pause_mode = 'abort'",
         ),
+        (["rollout.engine=vllm", "actor.lora.rank=600"], "vLLM serves LoRA ranks 1..512"),
     ],
 )
 def test_lora_with_an_engine_that_cannot_serve_it_is_refused_in_one_line(overrides, start):

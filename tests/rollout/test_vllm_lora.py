@@ -134,3 +134,11 @@ def test_an_adapter_update_to_an_engine_without_lora_is_refused():
     update = [("model.layers.0.mlp.up_proj.lora_A", torch.zeros(8, 576))]
     with pytest.raises(EngineError, match=r"adapter-only update \(v3\).*without LoRA"):
         asyncio.run(plain._load_adapter(update, 3))
+
+
+def test_lora_with_a_kept_pause_is_refused():
+    from areal_fast.models.loading import demo_model_dir
+    from areal_fast.rollout.vllm_async import AsyncVLLMEngine
+
+    with pytest.raises(ValueError, match=r"lora_rank > 0 needs pause_mode = 'abort'"):
+        AsyncVLLMEngine(str(demo_model_dir()), max_running=1, pause_mode="keep", lora_rank=8)

@@ -4,6 +4,7 @@ peft loads each folder back to the trainer's model, and bad updates are refused.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,6 +79,12 @@ def test_the_previous_folder_goes_when_a_new_version_is_installed(tiny_model_dir
     second = Request(adapters.write(trainer.named_weights(), 2))
     assert adapters.installed(second) is first
     assert sorted(p.name for p in adapters.root.iterdir()) == ["v2"]
+    refused = adapters.write(trainer.named_weights(), 3)  # vLLM did not take it
+    adapters.discard(refused)
+    adapters.discard(Path(second.lora_path))  # the served folder stays
+    assert sorted(p.name for p in adapters.root.iterdir()) == ["v2"]
+    assert adapters.installed(None) is second  # full weights: no adapter served
+    assert list(adapters.root.iterdir()) == []
     adapters.close()
     assert not adapters.root.exists() and adapters.current is None
 
