@@ -80,8 +80,8 @@ def _peft_names(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
 
 
 class VersionedAdapters:
-    """The adapter folders of one vLLM engine, newest first; each version's folder is kept
-    until the next one is installed.
+    """The adapter folders of one vLLM engine: each version's folder is kept until the next
+    version is installed.
 
     Parameters
     ----------
