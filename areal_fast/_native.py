@@ -5,7 +5,9 @@ the extension is optional: :func:`load_native` returns the module, or ``None``
 when it is missing (e.g. a source checkout that was never built) or disabled.
 
 Set ``AREAL_FAST_DISABLE_NATIVE=1`` to force the Python implementations, for
-example to compare the two or to rule the extension out while debugging.
+example to compare the two or to rule the extension out while debugging. Set
+``AREAL_FAST_REQUIRE_NATIVE=1`` to make a missing extension an ``ImportError`` instead of a
+warning (CI does, so that a broken build cannot pass as skips and fallbacks).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 DISABLE_ENV = "AREAL_FAST_DISABLE_NATIVE"
+REQUIRE_ENV = "AREAL_FAST_REQUIRE_NATIVE"
 _TRUE_VALUES = frozenset({"1", "true", "yes", "on"})
 
 
@@ -25,11 +28,19 @@ def native_disabled() -> bool:
     return os.environ.get(DISABLE_ENV, "").strip().lower() in _TRUE_VALUES
 
 
+def native_required() -> bool:
+    """True when ``AREAL_FAST_REQUIRE_NATIVE`` is set to 1/true/yes/on (read on every call)."""
+    return os.environ.get(REQUIRE_ENV, "").strip().lower() in _TRUE_VALUES
+
+
 @functools.lru_cache(maxsize=None)
 def _import_native() -> ModuleType | None:
     try:
         from areal_fast import _C
     except ImportError as exc:
+        if native_required():
+            message = unavailable_message(exc, fallback=False)
+            raise ImportError(f"{REQUIRE_ENV}=1: {message}") from exc
         warnings.warn(unavailable_message(exc), RuntimeWarning, stacklevel=3)
         return None
     return _C
@@ -52,7 +63,7 @@ def installed_package_dir() -> Path | None:
     return path if (path / "__init__.py").is_file() else None
 
 
-def unavailable_message(exc: BaseException) -> str:
+def unavailable_message(exc: BaseException, fallback: bool = True) -> str:
     """Why ``areal_fast._C`` could not be imported and what to do, in one line.
 
     Names the folder this process imported ``areal_fast`` from. When that folder is not the
@@ -64,13 +75,17 @@ def unavailable_message(exc: BaseException) -> str:
     ----------
     exc : BaseException
         The import error.
+    fallback : bool
+        Say that the Python implementations run instead (a warning); False when the import
+        error is raised (``AREAL_FAST_REQUIRE_NATIVE``).
     """
     import areal_fast
 
     imported = Path(areal_fast.__file__).resolve().parent
+    instead = "; using the slower Python implementations." if fallback else "."
     head = (
-        f"areal_fast native extension is unavailable ({exc!r}); using the slower Python "
-        f"implementations. areal_fast was imported from {imported}"
+        f"areal_fast native extension is unavailable ({exc!r}){instead} areal_fast was "
+        f"imported from {imported}"
     )
     installed = installed_package_dir()
     if installed is not None and installed.resolve() != imported and _has_extension(installed):
@@ -91,6 +106,12 @@ def load_native() -> ModuleType | None:
     ``None`` when ``AREAL_FAST_DISABLE_NATIVE`` is set (silently) or when the
     import fails; the failure is reported once per process with a
     ``RuntimeWarning`` that carries the import error.
+
+    Raises
+    ------
+    ImportError
+        The import failed and ``AREAL_FAST_REQUIRE_NATIVE`` is set (the message says why and
+        which folder ``areal_fast`` came from). Not cached: every call raises again.
     """
     if native_disabled():
         return None

@@ -15,6 +15,23 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def pytest_sessionstart(session):
+    """With ``AREAL_FAST_REQUIRE_NATIVE=1`` (CI), a missing ``areal_fast._C`` ends the run at
+    once with the reason, instead of turning every native test into a skip."""
+    from areal_fast._native import load_native, native_required
+
+    if not native_required():
+        return
+    try:
+        native = load_native()
+    except ImportError as exc:
+        pytest.exit(str(exc), returncode=1)
+    if native is None:  # AREAL_FAST_DISABLE_NATIVE is set as well
+        pytest.exit("AREAL_FAST_REQUIRE_NATIVE=1 but AREAL_FAST_DISABLE_NATIVE disables it", 1)
+
+
 GSM8K_DIR = REPO.parent / "shared" / "data" / "gsm8k"
 
 _CHAT_TEMPLATE = (

@@ -191,15 +191,22 @@ def test_existing_run_dir_is_not_overwritten(tiny_model_dir, tmp_path, capsys):
     assert (tmp_path / "grpo-arith" / "trial0" / "keep.txt").exists()
 
 
-def test_console_script_help():
+def test_console_script_help(tmp_path):
+    # run outside the checkout: its areal_fast/ would shadow the installed package
     out = subprocess.run(
-        [sys.executable, "-m", "areal_fast.cli", "train", "--help"], capture_output=True, text=True
+        [sys.executable, "-m", "areal_fast.cli", "train", "--help"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert out.returncode == 0 and "--config" in out.stdout
     assert "`areal-fast config` prints each" in out.stdout
     assert "  actor.optim: lr, weight_decay," in out.stdout and "max_seconds" in out.stdout
     listing = subprocess.run(
-        [sys.executable, "-m", "areal_fast.cli", "config"], capture_output=True, text=True
+        [sys.executable, "-m", "areal_fast.cli", "config"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
     )
     assert listing.returncode == 0
     assert "  actor.optim.lr  (float) = 1e-05\n" in listing.stdout

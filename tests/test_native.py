@@ -29,6 +29,7 @@ def test_warning_names_the_shadowing_source_tree(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "areal_fast._C", None)  # the import fails
     monkeypatch.delattr("areal_fast._C", raising=False)
     monkeypatch.delenv(_native.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(_native.REQUIRE_ENV, raising=False)
     _native._import_native.cache_clear()
     try:
         with pytest.warns(RuntimeWarning) as caught:
@@ -42,6 +43,26 @@ def test_warning_names_the_shadowing_source_tree(tmp_path, monkeypatch):
     )
     assert f"remove {IMPORTED.parent} from sys.path" in message
     assert "C++ compiler" not in message and "\n" not in message
+
+
+def test_a_required_extension_that_fails_to_import_raises(tmp_path, monkeypatch):
+    installed = _fake_install(tmp_path, with_extension=True)
+    monkeypatch.setattr(_native, "installed_package_dir", lambda: installed)
+    monkeypatch.setitem(sys.modules, "areal_fast._C", None)  # the import fails
+    monkeypatch.delattr("areal_fast._C", raising=False)
+    monkeypatch.delenv(_native.DISABLE_ENV, raising=False)
+    monkeypatch.setenv(_native.REQUIRE_ENV, "1")
+    _native._import_native.cache_clear()
+    try:
+        with pytest.raises(
+            ImportError, match="AREAL_FAST_REQUIRE_NATIVE=1: areal_fast native"
+        ) as err:
+            _native.load_native()
+        with pytest.raises(ImportError):  # not cached: every call raises
+            _native.load_native()
+    finally:
+        _native._import_native.cache_clear()
+    assert "slower Python" not in str(err.value) and "shadows the installed" in str(err.value)
 
 
 @pytest.mark.parametrize("install", ["none", "without extension", "same folder"])

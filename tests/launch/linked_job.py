@@ -5,10 +5,14 @@ checksums on)."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
+# The working directory of job subprocesses (``python -m areal_fast...``): never the checkout,
+# whose areal_fast/ (no compiled extension) would shadow the installed package under test.
+JOB_CWD = tempfile.gettempdir()
 
 
 def tiny_job_args(model_dir, root, trial, steps: int, *extra) -> list[str]:

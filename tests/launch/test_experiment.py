@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from linked_job import tiny_job_args  # noqa: E402 - beside this file
+from linked_job import JOB_CWD, tiny_job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
 
@@ -58,7 +58,7 @@ def _start(args, module: str = "areal_fast.cli") -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=REPO,
+        cwd=JOB_CWD,
     )
 
 

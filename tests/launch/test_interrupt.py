@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from linked_job import JOB_CWD  # noqa: E402 - beside this file
 
 from areal_fast.controller.checkpoint_manager import CheckpointManager
 from areal_fast.launch import console
@@ -52,7 +53,7 @@ def _start(args) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        cwd=REPO,
+        cwd=JOB_CWD,
         start_new_session=True,
     )
 
@@ -125,7 +126,7 @@ def test_ctrl_c_stops_cleanly_and_resume_continues(tiny_model_dir, tmp_path, cap
         ],
         capture_output=True,
         text=True,
-        cwd=REPO,
+        cwd=JOB_CWD,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from linked_job import REPO, STEPS, job_args  # noqa: E402 - beside this file
+from linked_job import JOB_CWD, STEPS, job_args  # noqa: E402 - beside this file
 from two_node_ray import two_node_ray  # noqa: F401, F811 - the fixture
 
 from areal_fast.cli import main
@@ -61,7 +61,7 @@ def _start(args, env) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=REPO,
+        cwd=JOB_CWD,
         env=env,
     )
 

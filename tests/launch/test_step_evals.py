@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from linked_job import tiny_job_args  # noqa: E402 - beside this file
+from linked_job import JOB_CWD, tiny_job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
 from areal_fast.controller import messages as msg
@@ -318,7 +318,7 @@ def test_rollout_worker_killed_during_evaluations(tiny_model_dir, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=REPO,
+        cwd=JOB_CWD,
     )
     run = tmp_path / "grpo-arith" / "kill"
     deadline = time.monotonic() + 240

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from linked_job import REPO, STEPS, job_args  # noqa: E402 - beside this file
+from linked_job import JOB_CWD, REPO, STEPS, job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
 
@@ -94,7 +94,7 @@ def test_a_killed_linked_worker_gets_the_current_weights_over_its_new_link(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        cwd=REPO,
+        cwd=JOB_CWD,
     )
     metrics, workers = run_dir / "metrics.jsonl", run_dir / "workers.json"
     deadline = time.monotonic() + 240
