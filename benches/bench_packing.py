@@ -13,6 +13,7 @@ Usage::
 
     pytest benches/bench_packing.py              # pytest-benchmark
     python benches/bench_packing.py [--repeats 5] [--n 100000]   # markdown table
+    python benches/bench_packing.py --check ...   # exit 1 unless native beats Python
 """
 
 from __future__ import annotations
@@ -113,18 +114,9 @@ def _time(fn, repeats: int) -> list[float]:
     return times
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--n", type=int, default=NUM_SEQS, help="number of sequences")
-    args = parser.parse_args(argv)
-
-    native = _native.load_native()
+def _table_header(n: int, repeats: int, native) -> None:
     info = native.build_info() if native is not None else {}
-    print(
-        f"# partition_balanced, {args.n} sequences, lengths U[1, {MAX_LEN}], "
-        f"median of {args.repeats}"
-    )
+    print(f"# partition_balanced, {n} sequences, lengths U[1, {MAX_LEN}], median of {repeats}")
     print(
         f"{datetime.date.today()} | {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} CPUs | Python {platform.python_version()} | numpy {np.__version__} "
@@ -135,39 +127,67 @@ def main(argv=None) -> None:
         "| max load | min load | speedup |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for workload, (budget, grouped) in WORKLOADS.items():
-        seqlens, group_ids, budget = make_workload(workload, args.n)
-        for method in METHODS:
+
+
+def _measure(workload: str, method: str, impl: str, n: int, repeats: int):
+    """(median seconds, [p20, p80], micro-batches) of one packing case."""
+    seqlens, group_ids, budget = make_workload(workload, n)
+    with implementation(impl):
+
+        def run():
+            return partition_balanced(seqlens, budget, method=method, group_ids=group_ids)
+
+        mbs = run()
+        times = _time(run, repeats if impl == "cpp" else max(1, min(repeats, 3)))
+    q = statistics.quantiles(times, n=5) if len(times) > 1 else [times[0]] * 4
+    return statistics.median(times), (q[0], q[3]), summarize(mbs, seqlens)
+
+
+def main(argv=None) -> int:
+    """Print the markdown table; with ``--check``, return 1 unless native beats Python."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--n", type=int, default=NUM_SEQS, help="number of sequences")
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when the extension is missing or the native packer is not faster than "
+        "the Python one in every row",
+    )
+    args = parser.parse_args(argv)
+    native = _native.load_native()
+    if args.check and native is None:
+        print("--check: areal_fast._C is not importable: the native packer was not measured")
+        return 1
+    _table_header(args.n, args.repeats, native)
+    slower = []
+    for workload in args.workloads:
+        budget, grouped = WORKLOADS[workload]
+        label = f"{workload}{' (groups of 8)' if grouped else ''}"
+        for method in args.methods:
             medians = {}
-            for impl in IMPLS:
-                if impl == "cpp" and native is None:
-                    continue
-                with implementation(impl):
-
-                    def run():
-                        return partition_balanced(
-                            seqlens, budget, method=method, group_ids=group_ids
-                        )
-
-                    mbs = run()
-                    repeats = args.repeats if impl == "cpp" else max(1, min(args.repeats, 3))
-                    times = _time(run, repeats)
-                medians[impl] = statistics.median(times)
-                q = statistics.quantiles(times, n=5) if len(times) > 1 else [times[0]] * 4
-                num_mbs, max_load, min_load = summarize(mbs, seqlens)
-                speedup = (
-                    f"{medians['python'] / medians['cpp']:.1f}x"
-                    if impl == "python" and "cpp" in medians
-                    else ""
+            for impl in IMPLS if native is not None else ("python",):
+                medians[impl], (p20, p80), (num_mbs, max_load, min_load) = _measure(
+                    workload, method, impl, args.n, args.repeats
                 )
-                label = f"{workload}{' (groups of 8)' if grouped else ''}"
+                speedup = ""
+                if impl == "python" and "cpp" in medians:
+                    speedup = f"{medians['python'] / medians['cpp']:.1f}x"
+                    if medians["cpp"] >= medians["python"]:
+                        slower.append(f"{label} {method}")
                 print(
                     f"| {label} | {budget} | {method} | {impl} | {medians[impl]:.4f} "
-                    f"| {q[0]:.4f} | {q[3]:.4f} | {num_mbs} | {max_load} | {min_load} "
+                    f"| {p20:.4f} | {p80:.4f} | {num_mbs} | {max_load} | {min_load} "
                     f"| {speedup} |"
                 )
                 sys.stdout.flush()
+    if args.check and slower:
+        print(f"--check: the native packer is not faster than Python in: {', '.join(slower)}")
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
