@@ -132,13 +132,16 @@ def run_case(shapes, transport: str, workers: int, steps: int, step_seconds: flo
     }
 
 
-def controller_bench(models: list[str], model_shapes, steps: int, step_seconds: float) -> list:
-    """Every case for every model, in one run (rows for the JSON and the table)."""
+def controller_bench(
+    models: list[str], model_shapes, steps: int, step_seconds: float, cases=tuple(CASES)
+) -> list:
+    """Each of ``cases`` ((transport, workers) pairs; default every case) for every model,
+    in one run (rows for the JSON and the table)."""
     rows = []
     for model in models:
         shapes = model_shapes(model)
         gbytes = sum(torch.Size(s).numel() for _, s in shapes) * 2 / 1e9
-        for transport, workers in CASES:
+        for transport, workers in cases:
             row = run_case(shapes, transport, workers, steps, step_seconds)
             row.update(model=model, gbytes=gbytes)
             rows.append(row)

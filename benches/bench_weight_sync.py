@@ -429,6 +429,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--steps", type=int, default=4, help="--controller: training steps")
     parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="--controller: rollout workers of the cases (shm and broadcast each)",
+    )
+    parser.add_argument(
         "--step-seconds", type=float, default=3.0, help="--controller: seconds per train step"
     )
     parser.add_argument("--json", type=Path)
@@ -464,9 +471,12 @@ def main(argv=None) -> int:
 
 def controller_main(args) -> int:
     """``--controller``: every case of :mod:`_weight_sync_loop` for ``--models``."""
-    from _weight_sync_loop import controller_bench
+    from _weight_sync_loop import CASES, controller_bench
 
-    rows = controller_bench(args.models, model_shapes, args.steps, args.step_seconds)
+    cases = [(t, w) for t, w in CASES if w in args.workers]
+    if not cases:
+        raise SystemExit(f"--workers {args.workers}: no case (cases have 1 or 2 workers)")
+    rows = controller_bench(args.models, model_shapes, args.steps, args.step_seconds, cases)
     by = {(r["model"], r["transport"], r["workers"]): r for r in rows}
     body = []
     for r in rows:
