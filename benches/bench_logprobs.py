@@ -1,24 +1,27 @@
 """Benchmark of token log-probs through the LM head, and of the fused linear GRPO loss.
 
-Implementations compared in one run (time and extra peak memory side by side):
+Implementations compared in one run (time and extra peak memory side by side; the cases,
+inputs and ops are in ``_lm_head_ops.py``, the baselines in ``_lm_head_baselines.py``):
 
 - ``ours``: ``areal_fast.linear_logprobs`` (default dispatch); ``ours[NAME]`` passes
   ``impl=NAME`` (auto | torch | native | triton) and is skipped where that keyword is absent;
 - ``naive``: logits = hidden @ weightᵀ materialised as [T, V] fp32, ``log_softmax``, gather at
   the labels; autograd backward;
-- ``torch_lce``: ``-torch.nn.functional.linear_cross_entropy(..., reduction="none",
-  options=LinearCrossEntropyOptions())``, torch's chunked path (``options=None`` would
-  materialise the logits);
+- ``torch_lce``: ``-torch.nn.functional.linear_cross_entropy(..., reduction="none")`` in the
+  form the installed torch has (chunked with ``options=LinearCrossEntropyOptions()``; the
+  reference implementation, which materialises the logits, where it has no ``options=``;
+  skipped where it has none);
 - ``matmul``: ``hidden @ weightᵀ`` alone (forward only), the rate the others are read against;
 - loss rows (forward + backward of the scalar loss only): ``fused_loss``
   (``areal_fast.fused_linear_grpo_loss`` with a default ``LossConfig``), ``ours_loss``
   (``linear_logprobs`` then ``grpo_loss``), ``naive_loss`` (naive log-probs then
-  ``grpo_loss``) and, on CUDA when importable, ``liger_grpo``
+  ``grpo_loss``), ``compiled_loss`` (the same loss in plain torch, chunked, each chunk under
+  ``torch.compile``) and, with every case in one process when importable, ``liger_grpo``
   (``liger_kernel.chunked_loss.LigerFusedLinearGRPOLoss``, token-mean "dapo" loss, no KL).
 
 Modes: ``fwd`` (under ``torch.no_grad``) and ``fwd_bwd`` (backward of a random per-token
 upstream gradient for the log-prob rows; of the scalar loss for the loss rows, which run
-fwd_bwd only, except ``fused_loss`` on CUDA, also timed ``fwd``: the loss value). Every
+fwd_bwd only, except ``fused_loss`` in one process, also timed ``fwd``: the loss value). Every
 backward produces ``hidden.grad`` and ``weight.grad``; they are dropped between repeats.
 
 CPU (``--device cpu``): each (impl, shape, mode) runs in a fresh child process. The child
@@ -28,12 +31,16 @@ extra = VmHWM − baseline; it then times ``--repeats`` further calls (measuring
 again around the first of them, "warm") and prints one JSON line. Children run with
 ``MALLOC_MMAP_THRESHOLD_`` fixed, so freed tensors leave the resident set. With ``--rounds R``
 the whole list of cases runs R times in turn and each case reports the times of all its
-rounds (memory from the first), so a load that drifts during the run reaches every case alike.
+rounds (memory from the first), so a load that drifts during the run reaches every case alike,
+and the ratios to the references are also computed round by round (paired ratios: median and
+range, beside the ratio of the medians).
 
-CUDA (``--device cuda``): one process; bf16 inputs; warm-up calls, then the extra peak from
-``torch.cuda.max_memory_allocated`` over ``memory_allocated`` before one call, then timed calls
-with CUDA events. Throughput is reported as model TFLOP/s (2·T·H·V per forward, 6·T·H·V per
-forward + backward, whatever an implementation recomputes) and as a fraction of the bf16
+One process (``--device cuda``, bf16, CUDA events, ``torch.cuda.max_memory_allocated``; or
+``--device cpu --in-process``, float32, wall clock, resident-set peak): see
+``_lm_head_inprocess.py``: warnings recorded per case, cases that fell back or materialised
+the logits flagged, the compiled baselines warmed up apart (``--warmup-only``,
+``--warmup-json``). Throughput is reported as model FLOP/s (2·T·H·V per forward, 6·T·H·V per
+forward + backward, whatever an implementation recomputes) and as a fraction of the
 ``torch.mm`` rate of the same shape measured in the same run.
 
 Usage::
@@ -42,6 +49,9 @@ Usage::
         [--shape T,H,V] [--repeats N] [--rounds R] [--threads N] [--impls ours,naive,...]
         [--modes fwd,fwd_bwd] [--snapshot]
     python benches/bench_logprobs.py --device cuda --json OUT.json [--shapes small|large]
+        [--warmup-json WARM.json]
+    python benches/bench_logprobs.py --device cuda --warmup-only --json WARM.json
+    python benches/bench_logprobs.py --device cpu --in-process --shape 512,64,2003
     python benches/bench_logprobs.py --table OUT.json   # table of an earlier/partial run
     pytest benches/bench_logprobs.py          # pytest-benchmark, small CPU shape
 """
