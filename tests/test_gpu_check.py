@@ -479,3 +479,59 @@ def test_cpu_rehearsal_runs_every_section(tmp_path):
     assert len(names) <= 8
     assert proc.stdout.rstrip().splitlines()[-1].startswith("sections (seconds used / budget)")
     assert _ignored_and_untracked(REPO / "areal_fast") == before
+
+
+def _tiny_llama_gguf(path: Path) -> Path:
+    """A GGUF file of a 2-layer Llama with a byte-level BPE tokenizer and one tensor."""
+    import gguf
+    import numpy as np
+
+    tokens = ["<|im_start|>", "<|im_end|>"] + [chr(c) for c in range(ord("a"), ord("z") + 1)]
+    tokens += ["Ġ", "ab", "Ġa"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(64)
+    writer.add_embedding_length(32)
+    writer.add_block_count(2)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL] * 2 + [gguf.TokenType.NORMAL] * 29)
+    writer.add_token_merges(["a b", "Ġ a"])
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(1)
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    writer.add_tensor("token_embd.weight", np.zeros((len(tokens), 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_demo_model_from_gguf_metadata_without_tensors(tmp_path):
+    """gpu_check_prepare.sh without a demo cache: the GGUF's metadata, no tensors, carried;
+    demo_model_stub.py builds the random-weight model and tokenizer from it."""
+    import demo_model_stub
+    import gguf
+    import gguf_metadata
+
+    src = _tiny_llama_gguf(tmp_path / "full.gguf")
+    (tmp_path / "meta").mkdir()
+    meta = tmp_path / "meta" / "tiny.metadata.gguf"
+    assert gguf_metadata.write_metadata_gguf(src, meta) > 10
+    full, only = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(meta))
+    assert len(full.tensors) == 1 and len(only.tensors) == 0
+    assert set(full.fields) == set(only.fields)
+    out = demo_model_stub.make_stub(tmp_path / "meta", tmp_path / "model")
+    from areal_fast.models.loading import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(str(out))
+    assert (model.config.hidden_size, model.config.num_hidden_layers) == (32, 2)
+    assert model.config.tie_word_embeddings  # no output.weight: tied, as the demo is
+    assert load_tokenizer(str(out))("ab a")["input_ids"]
+    with pytest.raises(ValueError, match="not a readable GGUF file"):
+        gguf_metadata.write_metadata_gguf(tmp_path / "nowhere.gguf", tmp_path / "x.gguf")
