@@ -134,25 +134,38 @@ print(json.dumps(result))
 """
 
 
-def import_check(modules: list[str], site: Path) -> dict:
-    """``{module: None or the error}`` of importing each module in a child process whose path
-    starts with ``site``."""
+def start_import_check(modules: list[str], site: Path) -> subprocess.Popen | None:
+    """Import each module in a child process whose path starts with ``site`` (started now,
+    read by :func:`finish_import_check`; it runs while this process reads the versions)."""
     if not modules:
-        return {}
+        return None
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])
     )
+    return subprocess.Popen(
+        [sys.executable, "-c", _IMPORT_PROBE, *modules],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def finish_import_check(proc: subprocess.Popen | None, modules: list[str]) -> dict:
+    """``{module: None or the error}`` from :func:`start_import_check`'s child."""
+    if proc is None:
+        return {}
     try:
-        proc = subprocess.run(
-            [sys.executable, "-c", _IMPORT_PROBE, *modules],
-            capture_output=True,
-            text=True,
-            timeout=PROBE_TIMEOUT_S,
-            env=env,
-        )
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        out, _ = proc.communicate(timeout=PROBE_TIMEOUT_S)
+        return json.loads(out.strip().splitlines()[-1])
     except (subprocess.TimeoutExpired, ValueError, IndexError) as exc:
+        proc.kill()
         return {m: f"the import probe failed: {type(exc).__name__}" for m in modules}
+
+
+def import_check(modules: list[str], site: Path) -> dict:
+    """``{module: None or the error}`` of importing each module with ``site`` first."""
+    return finish_import_check(start_import_check(modules, site), modules)
 
 
 def _run(cmd: list[str], last: bool = False) -> str | None:
@@ -221,8 +234,9 @@ def preflight(args) -> dict:
     wheel_modules = [
         e["module"] for e in entries if e["module"] != "-" and e["file"].endswith(".whl")
     ]
-    record["imports"] = import_check(wheel_modules, args.site)
+    probe = start_import_check(wheel_modules, args.site)
     record["versions"] = versions()
+    record["imports"] = finish_import_check(probe, wheel_modules)
     if not (args.rehearse or record["versions"]["gpu_available"]):
         raise Refused(
             f"torch {record['versions']['torch']} sees no CUDA device "
