@@ -87,7 +87,7 @@ export REPO work wheels site rehearse
 lm_impls=matmul,fused_loss,compiled_loss,liger_grpo,ours,ours_loss,naive,torch_lce
 if [ "$rehearse" = 1 ]; then
   lm_shape=512,64,2003
-  lm_device=(--device cpu --in-process --compile-backend eager --repeats 2)
+  lm_device=(--device cpu --in-process --compile-backend eager --repeats 1)
   train_args=(--device cpu --tiny --layers 2 --steps 1 --warmup 0)
   fsdp_args=(--fsdp gloo)
   attn_args=(--device cpu --seqs 4 --max-len 64 --repeats 2 --warmup 0)
