@@ -58,6 +58,7 @@ class Probe:
         self.cuda = device == "cuda"
 
     def sync(self) -> None:
+        """Wait for the device's queued work (nothing to wait for on the CPU)."""
         if self.cuda:
             self.torch.cuda.synchronize()
 
@@ -91,6 +92,7 @@ class Probe:
         return start.elapsed_time(end) / 1e3
 
     def release(self) -> None:
+        """Free what the last case left (and the CUDA allocator's cached blocks)."""
         gc.collect()
         if self.cuda:
             self.torch.cuda.empty_cache()
