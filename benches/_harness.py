@@ -111,7 +111,8 @@ def cpu_model() -> str:
 
 def git_commit() -> str | None:
     """Short commit of the checkout, with ``-dirty`` when tracked files under areal_fast/ or
-    csrc/ differ from it; None outside a git checkout."""
+    csrc/ differ from it; outside a git checkout (a copy of the tree, as on the GPU machine)
+    ``$AREAL_FAST_COMMIT`` when set, else None."""
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
@@ -121,7 +122,7 @@ def git_commit() -> str | None:
             timeout=10,
         )
         if commit.returncode != 0:
-            return None
+            return os.environ.get("AREAL_FAST_COMMIT") or None
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", "areal_fast", "csrc"],
             cwd=REPO_ROOT,
@@ -132,7 +133,7 @@ def git_commit() -> str | None:
         suffix = "-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else ""
         return commit.stdout.strip() + suffix
     except (OSError, subprocess.SubprocessError):
-        return None
+        return os.environ.get("AREAL_FAST_COMMIT") or None
 
 
 def code_fingerprint(package: str = "areal_fast") -> str | None:

@@ -28,16 +28,23 @@ measured in the same run (an 8192³ ``torch.mm`` on random data).
 Defaults on CUDA: 16 sequences of up to 2048 tokens (about 24 600 tokens per step) in
 micro-batches of at most 16384 tokens; on the CPU 4 sequences of up to 64.
 
-``--fsdp-nccl`` runs the same step through :class:`areal_fast.train.fsdp.FSDPTrainEngine`
-sharded over a one-rank NCCL group (CUDA only). ``--device cpu --tiny`` builds the same layer
-structure at 1/16 of the width (hidden, intermediate and vocabulary; heads and KV heads kept)
-in float32, for a check without a GPU.
+``--fsdp nccl`` runs the same step through :class:`areal_fast.train.fsdp.FSDPTrainEngine`
+sharded over a one-rank NCCL group (CUDA); ``--fsdp gloo`` over a one-rank gloo group (the
+CPU). The weights are drawn from ``--seed`` right before the model is built, so a plain and an
+FSDP run of the same arguments start from the same weights and batch: their first gradient
+norm (step 0, before any update) and recomputed behaviour log-probs, both computed through
+FSDP in the second run, must agree. The record carries what that comparison needs:
+``weights_checksum`` (float64 sum of every parameter at the start), ``grad_norms`` and
+``behav_logprobs_sample`` (256 evenly spaced trained tokens' log-probs, float32, and their
+positions). ``--device cpu --tiny`` builds the same layer structure at 1/16 of the width
+(hidden, intermediate and vocabulary; heads and KV heads kept) in float32, for a check
+without a GPU.
 
 Usage::
 
     python benches/bench_train_step.py --device cuda --json OUT.json      # 1.5B shape
-    python benches/bench_train_step.py --device cuda --fsdp-nccl --json OUT.json
-    python benches/bench_train_step.py --device cpu --tiny --steps 1 --warmup 0
+    python benches/bench_train_step.py --device cuda --fsdp nccl --json OUT.json
+    python benches/bench_train_step.py --device cpu --tiny --steps 1 --warmup 0 [--fsdp gloo]
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ H200_BF16_DENSE_TFLOPS = 989.4  # NVIDIA H200 SXM datasheet, dense bf16
 TINY_FACTOR = 16
 GROUP_SIZE = 4
 SEED = 0
+LOGPROB_SAMPLE = 256  # trained tokens whose behaviour log-probs the record keeps
 
 
 # ---------------------------------------------------------------------------
@@ -106,6 +114,17 @@ def tiny_config(config, factor: int = TINY_FACTOR):
         if data.get(key) is not None and data[key] >= data["vocab_size"]:
             data[key] = data["vocab_size"] - 1
     for key in ("model_type", "transformers_version", "head_dim"):
+        data.pop(key, None)
+    return Qwen2Config(**data)
+
+
+def with_layers(config, layers: int):
+    """``config`` with ``layers`` decoder layers (per-layer settings rebuilt)."""
+    from transformers import Qwen2Config
+
+    data = config.to_dict()
+    data["num_hidden_layers"] = layers
+    for key in ("model_type", "transformers_version", "head_dim", "layer_types"):
         data.pop(key, None)
     return Qwen2Config(**data)
 
@@ -243,18 +262,37 @@ def _free_port() -> int:
 
 
 def make_engine(model, args):
-    """The trainer engine: TorchTrainEngine, or FSDPTrainEngine over a 1-rank NCCL group."""
+    """The trainer engine: TorchTrainEngine, or FSDPTrainEngine over a one-rank group of
+    ``args.fsdp`` (nccl or gloo; 120 s timeout on the rendezvous and every collective)."""
     from areal_fast.train.config import ActorConfig, OptimizerConfig
 
     actor = ActorConfig(max_tokens_per_mb=args.max_tokens_per_mb, optim=OptimizerConfig(lr=args.lr))
-    if not args.fsdp_nccl:
+    if not args.fsdp:
         from areal_fast.train.torch_engine import TorchTrainEngine
 
         return TorchTrainEngine(model, actor, temperature=1.0)
     from areal_fast.train.fsdp import FSDPTrainEngine, init_trainer_group
 
-    mesh = init_trainer_group(0, 1, f"tcp://127.0.0.1:{_free_port()}", "nccl", 120.0)
+    mesh = init_trainer_group(0, 1, f"tcp://127.0.0.1:{_free_port()}", args.fsdp, 120.0)
     return FSDPTrainEngine(model, actor, mesh=mesh, temperature=1.0)
+
+
+def weights_checksum(model) -> float:
+    """float64 sum of every parameter (a tied tensor once): equal for equal weights."""
+    import torch
+
+    with torch.no_grad():
+        return float(sum(p.detach().double().sum() for p in model.parameters()))
+
+
+def logprob_sample(logprobs, loss_mask, n: int = LOGPROB_SAMPLE) -> dict:
+    """``n`` evenly spaced trained tokens' log-probs ([T] float, [T] bool mask): positions
+    and values, for comparing two runs on the same batch."""
+    import torch
+
+    trained = loss_mask.nonzero().squeeze(1)
+    pick = trained[torch.linspace(0, trained.numel() - 1, min(n, trained.numel())).long()]
+    return {"positions": pick.tolist(), "values": logprobs[pick].float().tolist()}
 
 
 def zero_grad_params(model) -> list[str]:
@@ -271,33 +309,10 @@ def zero_grad_params(model) -> list[str]:
     return names
 
 
-def run(args) -> dict:
-    """Build, warm up, time; the result record (see the module docstring)."""
+def _train(engine, batch, args) -> tuple[list, list, list]:
+    """``--warmup`` untimed then ``--steps`` timed train steps: (warm-up seconds, timed
+    seconds, every step's stats)."""
     import torch
-
-    torch.manual_seed(args.seed)
-    config = load_config(args.config)
-    if args.tiny:
-        config = tiny_config(config)
-    precision = resolve_precision(args.precision, args.device)
-    meta = hx.base_metadata(torch.get_num_threads())
-    meta.update(device=args.device, precision=precision)
-    if args.device.startswith("cuda"):
-        meta.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
-    matmul_tflops = measure_matmul_tflops() if args.device.startswith("cuda") else None
-
-    start = time.perf_counter()
-    model = build_model(config, args.device, precision)
-    engine = make_engine(model, args)
-    build_s = time.perf_counter() - start
-    n_matmul = matmul_params(model)
-    n_params = sum(p.numel() for p in model.parameters())
-
-    batch = synthetic_batch(config.vocab_size, args.seqs, args.seq_len, args.seed)
-    behav = engine.recompute_logprobs(batch)  # the model's own: every ratio starts at 1
-    batch.behav_logprobs = (behav.float().cpu() * batch.loss_mask).contiguous()
-    seq_lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
-    flops = step_flops(config, n_matmul, seq_lens)
 
     warmup_s, step_s, stats_seen = [], [], []
     for i in range(args.warmup + args.steps):
@@ -315,30 +330,63 @@ def run(args) -> dict:
             f"grad_norm {stats['grad_norm']:.4g}, "
             f"micro-batches {stats.get('num_micro_batches', float('nan')):.0f}"
         )
+    return warmup_s, step_s, stats_seen
+
+
+CONFIG_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "tie_word_embeddings",
+)
+
+
+def run(args) -> dict:
+    """Build, warm up, time; the result record (see the module docstring)."""
+    import torch
+
+    config = load_config(args.config)
+    if args.tiny:
+        config = tiny_config(config)
+    if args.layers is not None:
+        config = with_layers(config, args.layers)
+    precision = resolve_precision(args.precision, args.device)
+    meta = hx.base_metadata(torch.get_num_threads())
+    meta.update(device=args.device, precision=precision)
+    if args.device.startswith("cuda"):
+        meta.update(gpu=torch.cuda.get_device_name(), cuda=torch.version.cuda)
+    matmul_tflops = measure_matmul_tflops() if args.device.startswith("cuda") else None
+
+    start = time.perf_counter()
+    torch.manual_seed(args.seed)  # the same weights in a plain and an FSDP run
+    model = build_model(config, args.device, precision)
+    checksum = weights_checksum(model)
+    engine = make_engine(model, args)
+    build_s = time.perf_counter() - start
+    n_matmul = matmul_params(model)
+
+    batch = synthetic_batch(config.vocab_size, args.seqs, args.seq_len, args.seed)
+    behav = engine.recompute_logprobs(batch)  # the model's own: every ratio starts at 1
+    batch.behav_logprobs = (behav.float().cpu() * batch.loss_mask).contiguous()
+    seq_lens = (batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]).tolist()
+    flops = step_flops(config, n_matmul, seq_lens)
+    warmup_s, step_s, stats_seen = _train(engine, batch, args)
     median = statistics.median(step_s) if step_s else None
     zero = zero_grad_params(model)
     losses = [float(s["loss"]) for s in stats_seen]
     grad_norms = [float(s["grad_norm"]) for s in stats_seen]
     record = {
         "metadata": meta,
-        "mode": "fsdp_nccl_1rank" if args.fsdp_nccl else "plain",
+        "mode": f"fsdp_{args.fsdp}_1rank" if args.fsdp else "plain",
         "precision": precision,
         "engine": type(engine).__name__,
         "config_file": str(args.config),
         "tiny": bool(args.tiny),
-        "config": {
-            k: getattr(config, k)
-            for k in (
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "num_key_value_heads",
-                "vocab_size",
-                "tie_word_embeddings",
-            )
-        },
-        "n_params": n_params,
+        "config": {k: getattr(config, k) for k in CONFIG_KEYS},
+        "n_params": sum(p.numel() for p in model.parameters()),
         "n_matmul_params": n_matmul,
         "batch": {
             "seqs": batch.num_seqs,
@@ -360,6 +408,8 @@ def run(args) -> dict:
         "matmul_tflops_measured": matmul_tflops,
         "losses": losses,
         "grad_norms": grad_norms,
+        "weights_checksum": checksum,
+        "behav_logprobs_sample": logprob_sample(batch.behav_logprobs, batch.loss_mask),
         "num_micro_batches": stats_seen[-1].get("num_micro_batches") if stats_seen else None,
         "zero_grad_params": zero,
         "checks": {
@@ -368,17 +418,24 @@ def run(args) -> dict:
             "nonzero_grads": bool(grad_norms) and min(grad_norms) > 0 and not zero,
         },
     }
+    _finish(record, args, flops, median, matmul_tflops)
+    return record
+
+
+def _finish(record: dict, args, flops: float, median, matmul_tflops) -> None:
+    """MFU and peak memory into ``record``; the process group of an FSDP run destroyed."""
+    import torch
+
     if median:
         record["mfu_vs_peak"] = flops / median / (args.peak_tflops * 1e12)
         if matmul_tflops:
             record["mfu_vs_measured_matmul"] = flops / median / (matmul_tflops * 1e12)
     if args.device.startswith("cuda"):
         record["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    if args.fsdp_nccl:
+    if args.fsdp:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    return record
 
 
 def render(record: dict) -> str:
@@ -424,6 +481,9 @@ def parse_args(argv=None):
     parser.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     parser.add_argument("--tiny", action="store_true", help="1/16 of the width, same layers")
     parser.add_argument(
+        "--layers", type=int, default=None, help="this many decoder layers instead (quick checks)"
+    )
+    parser.add_argument(
         "--precision",
         choices=PRECISIONS,
         default="auto",
@@ -438,7 +498,12 @@ def parse_args(argv=None):
     parser.add_argument("--max-tokens-per-mb", type=int, default=None)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS)
-    parser.add_argument("--fsdp-nccl", action="store_true", help="FSDP2 over 1 NCCL rank")
+    parser.add_argument(
+        "--fsdp",
+        choices=("nccl", "gloo"),
+        default=None,
+        help="FSDP2 over a one-rank group of this backend (nccl: CUDA; gloo: the CPU)",
+    )
     parser.add_argument("--seed", type=int, default=SEED)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -447,10 +512,12 @@ def parse_args(argv=None):
         parser.error(f"--device {args.device!r}: use cuda or cpu")
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers must be >= 1")
     if not on_cuda and args.precision in ("bf16", "mixed"):
         parser.error(f"--precision {args.precision} needs --device cuda")
-    if args.fsdp_nccl and not on_cuda:
-        parser.error("--fsdp-nccl needs --device cuda (NCCL)")
+    if args.fsdp == "nccl" and not on_cuda:
+        parser.error("--fsdp nccl needs --device cuda")
     if args.seqs is None:
         args.seqs = 16 if on_cuda else 4
     if args.seq_len is None:

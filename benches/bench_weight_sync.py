@@ -62,7 +62,10 @@ MODELS = {
     # name: (vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, qkv_bias, tied)
     "135m": (49152, 576, 1536, 30, 9, 3, 64, False, True),
     "1.5b": (151936, 1536, 8960, 28, 12, 2, 128, True, True),
+    # 2 layers of width 64: the GPU check's CPU rehearsal (seconds, not a measurement)
+    "toy": (1024, 64, 128, 2, 4, 2, 16, True, True),
 }
+DEFAULT_MODELS = ["135m", "1.5b"]
 
 
 def model_shapes(name: str) -> list[tuple[str, tuple[int, ...]]]:
@@ -399,7 +402,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transport", choices=["gloo", "shm", "cuda-ipc"], default="gloo")
     parser.add_argument("--engines", type=int, default=2, help="engine processes (ranks 1..)")
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=DEFAULT_MODELS)
     parser.add_argument("--bucket-mb", type=int, default=64)
     parser.add_argument(
         "--solo-mb",

@@ -129,3 +129,17 @@ def available_impls() -> list[str]:
 def impl_device(impl: str) -> str:
     """Device the tests run ``impl`` on: CUDA for Triton when a GPU exists, else the CPU."""
     return "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
+
+
+def impl_params(impls: list[str]) -> list:
+    """``impls`` as ``parametrize`` values, those that run on a CUDA device marked ``cuda``
+    (``pytest -m cuda`` selects them; benches/gpu_check.sh runs those)."""
+    return [
+        pytest.param(i, marks=pytest.mark.cuda) if impl_device(i) == "cuda" else i for i in impls
+    ]
+
+
+def cuda_when_present(test):
+    """Decorator of a test that runs on a CUDA device where one exists and on the CPU
+    elsewhere: marked ``cuda`` only on a machine with a GPU."""
+    return pytest.mark.cuda(test) if torch.cuda.is_available() else test

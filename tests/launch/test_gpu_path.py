@@ -148,6 +148,7 @@ def test_the_trainer_factory_keeps_float32_master_weights_on_cuda_only():
         assert gpu.mixed_precision and gpu.weights_dtype == "bfloat16"
 
 
+@pytest.mark.cuda
 @CUDA
 def test_a_two_step_job_on_cuda_sends_every_version_by_cuda_ipc(tiny_model_dir, tmp_path):
     args = job_args(

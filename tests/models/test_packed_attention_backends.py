@@ -394,6 +394,7 @@ def _skip_unless_runs(backend, dim=64, dropout=0.0):
         pytest.skip(f"{backend}: {reason}")
 
 
+@pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("backend", ["flash_attn", "varlen", "sdpa"])
 @pytest.mark.parametrize("kv_heads", [8, 2])
@@ -416,6 +417,7 @@ def test_cuda_backend_equals_per_sequence_sdpa_bf16(backend, kv_heads, monkeypat
         assert (g.float() - r).abs().max().item() <= 3e-2 * r.abs().max().item()
 
 
+@pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize("backend", ["flash_attn", "varlen"])
 def test_cuda_varlen_backends_never_synchronise(backend, monkeypatch):
@@ -440,6 +442,7 @@ def test_cuda_varlen_backends_never_synchronise(backend, monkeypatch):
     assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+@pytest.mark.cuda
 @requires_cuda
 def test_cuda_auto_picks_the_first_runnable_varlen_kernel(monkeypatch):
     monkeypatch.delenv(ab.ATTN_ENV, raising=False)

@@ -22,7 +22,10 @@ from areal_fast.ops.loss import fused_linear_grpo_loss
 from areal_fast.rl.config import LossConfig
 from areal_fast.rl.objectives import grpo_loss
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
 
 BIG = (16384, 64, 151936)  # T, H, V: 2.49e9 logits
 LONG = (70_000, 32, 128)  # T, H, V: one launch of 70 000 row programs

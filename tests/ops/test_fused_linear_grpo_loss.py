@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import available_impls, impl_device
+from conftest import available_impls, impl_device, impl_params
 
 from areal_fast import LossConfig, fused_linear_grpo_loss, grpo_loss, linear_logprobs
 from areal_fast.ops import logprobs as lp_mod
@@ -60,7 +60,7 @@ def _composed(hidden, weight, labels, old, adv, mask, cu, cfg, extras):
     )
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 @pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: repr(c)[11:60])
 def test_fused_equals_composed(impl, cfg, fresh_seed):
     hidden, weight, labels, old, adv, mask, cu, extras = _batch()
@@ -129,7 +129,7 @@ def test_fused_is_exact_in_float64(fresh_seed):
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-14)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 def test_several_chunks(impl, monkeypatch, fresh_seed):
     monkeypatch.setattr(lp_mod, "_CHUNK_BYTES", 8 * 301 * 4)
     monkeypatch.setattr(lp_mod, "_MIN_CHUNK_ROWS", 1)
@@ -407,6 +407,7 @@ def test_bad_options_are_named(kwargs, error, match):
         )
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_host_sync_on_cuda(fresh_seed):
     """With trained_positions and upstream_grad the loss, its stats and its backward make

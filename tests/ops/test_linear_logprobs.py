@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import available_impls, impl_device
+from conftest import available_impls, cuda_when_present, impl_device, impl_params
 
 from areal_fast.ops import logprobs as lp_mod
 from areal_fast.ops import logprobs_tiled
@@ -60,7 +60,7 @@ CASES = [  # (T, H, V, dtype, rtol)
 ]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 @pytest.mark.parametrize("T,H,V,dtype,rtol", CASES)
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("small_chunks", [False, True])
@@ -99,7 +99,7 @@ def test_values_and_grads_match_float64(
     assert torch.all(grads[0][ignored] == 0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 3e-5), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("with_entropy", [0.0, 1.0])
 def test_confident_rows_keep_true_class_gradient(impl, dtype, rtol, with_entropy, fresh_seed):
@@ -133,7 +133,7 @@ def test_confident_rows_keep_true_class_gradient(impl, dtype, rtol, with_entropy
     assert label_rows / ref_w.grad[labels].abs().max() < rtol
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 def test_masked_vocabulary_gives_finite_entropy_and_grads(impl, fresh_seed):
     """Logits of −inf (a masked vocabulary, via the bias) must not produce NaN."""
     T, H, V = 12, 16, 300
@@ -155,7 +155,7 @@ def test_masked_vocabulary_gives_finite_entropy_and_grads(impl, fresh_seed):
     assert torch.all(grads[2][~torch.isfinite(bias)] == 0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 def test_all_ignored_gives_zero_and_intact_graph(impl):
     hidden, weight = torch.randn(4, 8), torch.randn(11, 8)
     labels = torch.full((4,), -100)
@@ -164,7 +164,7 @@ def test_all_ignored_gives_zero_and_intact_graph(impl):
     assert torch.all(grads[0] == 0) and torch.all(grads[1] == 0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 def test_large_common_offset_is_stable(impl, fresh_seed):
     """+1e4 on every logit: softmax is shift-invariant, so results match the unshifted ones
     up to the fp32 rounding of logits near 1e4 (ulp ≈ 1e-3)."""
@@ -187,7 +187,7 @@ def test_large_common_offset_is_stable(impl, fresh_seed):
     assert (ent.double() - ref_ent).abs().max() < 5e-3
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 def test_temperature_applies_to_logprobs_and_entropy(impl, fresh_seed):
     T, H, V = 7, 8, 50
     hidden, weight = torch.randn(T, H), torch.randn(V, H)
@@ -201,7 +201,7 @@ def test_temperature_applies_to_logprobs_and_entropy(impl, fresh_seed):
     assert (plain - logp).abs().max() > 1e-2  # temperature really changed the values
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 def test_custom_ignore_index(impl, fresh_seed):
     hidden, weight = torch.randn(5, 8), torch.randn(13, 8)
     labels = torch.tensor([3, -1, 7, -1, 0])
@@ -219,6 +219,7 @@ def test_no_grad_path_matches(fresh_seed):
     assert _rel_err(logp, _reference(hidden, weight, labels, 1.0, None)[0]) < 1e-5
 
 
+@cuda_when_present
 def test_impls_agree_and_env_var_forces_one(monkeypatch, fresh_seed):
     hidden, weight = torch.randn(20, 16), torch.randn(99, 16)
     labels = torch.randint(0, 99, (20,))
@@ -230,6 +231,7 @@ def test_impls_agree_and_env_var_forces_one(monkeypatch, fresh_seed):
         linear_logprobs(hidden, weight, labels)
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_more_than_2_to_31_logits_on_gpu(fresh_seed):
     """T·V > 2³¹: 32-bit index arithmetic would overflow in the kernels."""
@@ -288,7 +290,7 @@ def test_impl_is_checked_for_float64_too():
         linear_logprobs(hidden, weight, torch.zeros(4, dtype=torch.int64), impl="bogus")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 def test_non_contiguous_labels(impl, fresh_seed):
     hidden, weight = torch.randn(10, 8), torch.randn(30, 8)
     labels = torch.randint(0, 30, (10, 3))[:, 1]  # stride 3

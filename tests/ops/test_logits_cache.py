@@ -4,7 +4,7 @@ float64 with the cache off, partly filled and holding every block."""
 
 import pytest
 import torch
-from conftest import available_impls, impl_device
+from conftest import available_impls, impl_device, impl_params
 
 from areal_fast.ops import logits_cache, logprobs_tiled
 from areal_fast.ops import logprobs as lp_mod
@@ -124,7 +124,7 @@ def _num_blocks(impl, T, V):
     return -(-T // lp_mod._chunk_size(T, V))
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 @pytest.mark.parametrize("mode", ["off", "partial", "full"])
 @pytest.mark.parametrize(
     "T,H,V,with_bias", [(37, 16, 1003, False), (45, 23, 777, True), (1, 8, 17, True)]
@@ -166,7 +166,7 @@ def test_values_and_grads_match_float64_with_the_cache(
     assert torch.all(logp[ignored] == 0) and torch.all(grads[0][ignored] == 0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 def test_nothing_is_kept_without_a_backward(impl, fresh_seed, monkeypatch):
     _small_blocks(monkeypatch)
     monkeypatch.setenv(CACHE_ENV, "1024")
@@ -184,7 +184,7 @@ def test_nothing_is_kept_without_a_backward(impl, fresh_seed, monkeypatch):
     assert made == [0, 0, 1024 * MIB]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", impl_params(IMPLS))
 def test_kept_blocks_are_freed_and_a_second_backward_recomputes(impl, fresh_seed, monkeypatch):
     _small_blocks(monkeypatch)
     monkeypatch.setenv(CACHE_ENV, "1024")

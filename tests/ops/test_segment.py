@@ -23,7 +23,9 @@ try:
 except ImportError:
     _C = None
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu"] + (
+    [pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else []
+)
 # (dtype, rtol, atol) for comparing with a float64 sum of the same (rounded) inputs.
 DTYPES = [(torch.float32, 1e-5, 1e-4), (torch.float16, 1e-5, 1e-3), (torch.bfloat16, 1e-5, 1e-3)]
 LENGTH_CASES = [
@@ -232,12 +234,14 @@ def test_cuda_launcher_passes_pointers_codes_and_stream(monkeypatch, dtype, fres
     assert empty.shape == (0,) and len(fake.calls) == 1
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_device_mismatch_raises():
     with pytest.raises(ValueError, match="cu_seqlens_B1 is on cpu"):
         segment_sum(torch.ones(4, device="cuda"), torch.tensor([0, 4], dtype=torch.int32))
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_path_uses_native_kernel(monkeypatch, fresh_seed):
     if _C is None or not _C.has_cuda:

@@ -31,6 +31,9 @@ else:
         allow_module_level=True,
     )
 
+# compiled for the GPU, every test here runs on CUDA (benches/gpu_check.sh: -m cuda)
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+
 RTOL = 1e-5  # normalised by the reference's max |value|
 MAX_ERR: dict[str, float] = {}
 EXTRAS = ("prox_logprobs", "ref_logprobs", "engine_logprobs", "entropy")

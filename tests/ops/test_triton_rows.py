@@ -25,6 +25,9 @@ else:
         allow_module_level=True,
     )
 
+# compiled for the GPU, every test here runs on CUDA (benches/gpu_check.sh: -m cuda)
+pytestmark = [pytest.mark.cuda] if DEVICE == "cuda" else []
+
 RTOL = 1e-5  # normalised by the reference's max |value|
 LABEL_RTOL = 1e-4  # per element, confident rows
 MAX_ERR: dict[str, float] = {}  # largest error seen per quantity (printed with -s)

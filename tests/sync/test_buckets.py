@@ -819,6 +819,7 @@ def _cuda_kernel_available() -> bool:
     return _C is not None and getattr(_C, "has_cuda", False) and hasattr(_C, "bucket_copy_cuda")
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("wire", ["float32", "bfloat16", "float16", "int64"])
 def test_cuda_pack_unpack_matches_cpu(wire, fresh_seed, monkeypatch):
@@ -869,6 +870,7 @@ def test_cuda_pack_unpack_matches_cpu(wire, fresh_seed, monkeypatch):
             assert torch.equal(b.cpu(), a)
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_many_chunks_and_misaligned_sources(fresh_seed, monkeypatch):
     """More chunks than one kernel launch carries, sources at unaligned addresses (scalar
@@ -912,6 +914,7 @@ def test_cuda_many_chunks_and_misaligned_sources(fresh_seed, monkeypatch):
             assert torch.equal(out.cpu(), expect)
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_cuda_device_mismatch_names_the_tensor():
     plan = plan_buckets([TensorSpec("w", (4,), "float32")], 512)

@@ -290,6 +290,7 @@ def _crc(named) -> str:
     return f"{value:08x}"
 
 
+@pytest.mark.cuda
 @CUDA
 def test_trainer_cuda_slots_without_host_readers_write_the_device_only():
     named = [(n, t.cuda()) for n, t in _weights(7)]
@@ -310,6 +311,7 @@ def test_trainer_cuda_slots_without_host_readers_write_the_device_only():
         slots.close()
 
 
+@pytest.mark.cuda
 @CUDA
 def test_an_hf_engine_in_another_process_installs_cuda_slots_bit_exactly(tiny_model_dir):
     from cuda_slot_procs import engine_installs

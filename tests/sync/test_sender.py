@@ -69,6 +69,7 @@ def test_solo_tensors_travel_unpacked_bit_exact(wire, tmp_path):
         assert engine["versions"] == [1, 2] and engine["mismatch"] == []
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
 def test_cuda_ipc_same_gpu_bit_exact(tmp_path):
     # the engine reads the trainer's buckets in place on the same GPU (device keyed by UUID)

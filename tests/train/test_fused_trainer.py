@@ -226,6 +226,7 @@ def _cuda_engine(model_dir, fields, fused, dtype):
     )
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("name", list(CUDA_SCENARIOS))
 def test_cuda_fused_equals_composed(tiny_model_dir, name, fresh_seed):
@@ -241,6 +242,7 @@ def test_cuda_fused_equals_composed(tiny_model_dir, name, fresh_seed):
         assert err < 1e-3, err
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("name", list(CUDA_SCENARIOS))
