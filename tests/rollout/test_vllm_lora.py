@@ -1,7 +1,7 @@
 """AsyncVLLMEngine with LoRA (``actor.lora`` + ``rollout.engine: vllm``) against a real vLLM
 on the demo model: adapter-only updates loaded through vLLM's LoRA API, one per version.
 
-Run in the vLLM venv of .ci/run: ``pytest -m vllm tests/rollout/test_vllm_lora.py``.
+Run in the vLLM venv of .ci/vllm_lane: ``pytest -m vllm tests/rollout/test_vllm_lora.py``.
 """
 
 from __future__ import annotations

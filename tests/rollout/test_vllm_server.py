@@ -2,7 +2,7 @@
 every request against a copy of vLLM's route schemas (tests/rollout/vllm_server_schema.py),
 and live tests (marked ``vllm``) against a real server the engine starts on the demo model.
 
-Live: ``pytest -m vllm tests/rollout/test_vllm_server.py`` in the vLLM venv (see .ci/run).
+Live: ``pytest -m vllm tests/rollout/test_vllm_server.py`` in the vLLM venv (see .ci/vllm_lane).
 One server is started for the whole module (about 20 s on 2 cores).
 """
 
@@ -413,7 +413,7 @@ def test_bad_arguments_are_refused():
 # ------------------------------------------------------------------ live vLLM server
 
 live = pytest.mark.skipif(
-    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (see .ci/run)"
+    importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (see .ci/vllm_lane)"
 )
 TEMPERATURE = 0.8
 
@@ -495,7 +495,7 @@ def test_live_keep_pause_and_shared_memory_update_switch_versions_mid_sample(ser
     buffer = SharedWeightBuffer.create(named, directory=str(tmp_path))
     buffer.write(named)
     try:
-        served.submit([GenRequest(20, PROMPT, 300, temperature=1.0, seed=3)])
+        served.submit([GenRequest(20, PROMPT, 200, temperature=1.0, seed=3)])
         time.sleep(2.0)
         served.pause(60, keep=True)
         start = time.monotonic()
