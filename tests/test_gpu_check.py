@@ -472,7 +472,10 @@ def test_cpu_rehearsal_runs_every_section(tmp_path):
         cases["fused_loss"]["checks"]["loss"], rel=1e-4
     )
     assert cases["liger_grpo"]["liger_compiled"] is True
-    assert cases["naive"]["materialised_logits"] is True
+    # on the CPU the extra peak is the process's resident-set high-water mark, which earlier
+    # cases may already have raised: the flag is recorded, its logic is tested on made-up
+    # records (tests/test_bench_lm_head.py); on CUDA the allocator's peak is reset per case
+    assert isinstance(cases["naive"]["materialised_logits"], bool)
     names = {p.name for p in out.iterdir()}
     assert {"gpu_check.log", "summary.md", "preflight.json", "gpu_check_results.tar.gz"} <= names
     assert {"bench_logprobs_cuda.json", "train_step_1p5b.json", "train_step_fsdp.json"} <= names

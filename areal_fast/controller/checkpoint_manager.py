@@ -204,6 +204,7 @@ class PendingSaves:
         self.manager = manager
         self.snapshots: dict[int, dict] = {}  # version -> controller state at that step
         self.saving: dict[str, tuple[int, float]] = {}  # temp dir -> (version, asked at)
+        self.answered: dict[str, int] = {}  # temp dir -> version: saved, not yet committed
 
     def after_step(self, version: int, state: dict) -> Optional[str]:
         """Remember the controller ``state`` of ``version``; returns the temporary directory
@@ -222,15 +223,58 @@ class PendingSaves:
 
     def commit(self, path: str, version: int) -> Optional[Path]:
         """The trainer saved ``version`` into ``path``: write the checkpoint; returns its
-        directory, or None if no save into ``path`` was asked for."""
-        if self.saving.pop(path, None) is None:
+        directory, or None if no save into ``path`` was asked for.
+
+        The save stays in :attr:`saving` until its folder is renamed, and is recorded in
+        :attr:`answered` meanwhile: a Ctrl-C that cuts the commit short leaves it to
+        :meth:`finish_answered` instead of losing a checkpoint whose files are complete.
+
+        Raises
+        ------
+        RuntimeError
+            The controller recorded no state for ``version``.
+        """
+        if path not in self.saving:
             return None
         if version not in self.snapshots:
             raise RuntimeError(
                 f"the trainer saved policy version {version} into {path} before the "
                 f"controller recorded that step"
             )
-        final = self.manager.commit(Path(path), version, self.snapshots[version])
+        self.answered[path] = version
+        return self._commit_answered(path)
+
+    def finish_answered(self) -> list[Path]:
+        """Commit the saves the trainer answered whose commit was cut short (by Ctrl-C);
+        returns their directories."""
+        return [self._commit_answered(path) for path in list(self.answered)]
+
+    def commit_written(self) -> list[Path]:
+        """Commit the saves whose trainer files are complete on disk (its ``train_state.json``
+        is written last) though its answer was not handled (a Ctrl-C between receiving and
+        handling it), under the version that file names, once the controller has recorded
+        that step; returns their directories."""
+        done = []
+        for path in list(self.saving):
+            state = Path(path) / STATE_FILE
+            if not state.is_file():
+                continue
+            try:
+                version = json.loads(state.read_text()).get("version")
+            except ValueError:  # the trainer is writing it right now
+                continue
+            if version in self.snapshots:
+                done.append(self.commit(path, version))
+        return done
+
+    def _commit_answered(self, path: str) -> Path:
+        version = self.answered[path]
+        if Path(path).exists():
+            final = self.manager.commit(Path(path), version, self.snapshots[version])
+        else:  # renamed already: the commit was cut short after its last step
+            final = self.manager.root / f"step-{version:08d}"
+        del self.answered[path]
+        del self.saving[path]
         log.info("checkpoint of policy version %d written to %s", version, final)
         return final
 

@@ -104,14 +104,19 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
         True when nothing is left uncommitted; False when the wait ran out, the trainer
         failed, or a second Ctrl-C came (the folders are then deleted by the caller).
     """
-    saving = controller.saves.saving
-    if not saving:
+    saves = controller.saves
+    try:
+        saves.finish_answered()  # a commit the signal cut short
+        saves.commit_written()  # an answer the signal kept from being handled
+    except (KeyboardInterrupt, ValueError, OSError):
+        return False
+    if not saves.saving:
         return True
-    versions = ", ".join(f"step-{v}" for v, _ in sorted(saving.values()))
+    versions = ", ".join(f"step-{v}" for v, _ in sorted(saves.saving.values()))
     say(f"finishing checkpoint {versions} (at most {timeout:g} s; Ctrl-C again to discard it)")
     deadline = time.monotonic() + timeout
     try:
-        while saving:
+        while saves.saving:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
@@ -119,9 +124,13 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
                 trainer_ranks, min(left, 1.0), "while finishing a checkpoint"
             ):
                 # a step the trainer finished meanwhile is recorded first: a save asked for
-                # before it holds that step's weights and is committed under its version
-                if isinstance(message, (StepDone, StateSaved)):
+                # before it holds that step's weights and is committed under its version;
+                # an answer for a save committed from its files already is dropped
+                if isinstance(message, StepDone) or (
+                    isinstance(message, StateSaved) and message.path in saves.saving
+                ):
                     controller.handle([(handle, message)])
+            saves.commit_written()
     except (KeyboardInterrupt, WorkerError, ValueError, OSError):
         return False
     return True

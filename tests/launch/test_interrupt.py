@@ -41,6 +41,8 @@ def _args(model_dir, root, *extra):
         "rollout.max_head_offpolicyness=0",
         "threads=1",
         "checkpoint.every_steps=2",
+        # step-4 stays until the end: the test's wait for it cannot miss it on a busy machine
+        "checkpoint.keep=100",
         "launcher.startup_timeout=120",
         *extra,
     ]
@@ -229,7 +231,7 @@ def test_eta_leaves_out_the_first_steps_warm_up(monkeypatch):
 
 def test_finishing_a_checkpoint_records_a_step_trained_meanwhile(tmp_path, monkeypatch):
     """The trainer trains step 6 (sent ahead) before it answers the save asked at step 5:
-    its answer says version 6, so the StepDone of step 6 must be recorded before the save is
+    its files say version 6, so the StepDone of step 6 must be recorded before the save is
     committed (as the controller's loop does), and the checkpoint is step-6."""
     from areal_fast.controller import messages as msg
     from areal_fast.controller.checkpoint_manager import PendingSaves
@@ -258,5 +260,84 @@ def test_finishing_a_checkpoint_records_a_step_trained_meanwhile(tmp_path, monke
     monkeypatch.setattr(interrupt, "wait_messages", lambda *a: replies.pop(0) if replies else [])
     controller = Controller()
     assert interrupt.finish_checkpoints(controller, [], timeout=5.0, say=lambda line: None)
-    assert controller.handled == ["StepDone", "StateSaved"]
+    # step 6 recorded first; the save is then committed from its complete files, and the
+    # trainer's answer for it, arriving after, is dropped
+    assert controller.handled == ["StepDone"]
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000006"]
+
+
+@pytest.mark.parametrize("cut", ["before the rename", "after the rename"])
+def test_a_commit_cut_short_by_ctrl_c_is_finished(tmp_path, monkeypatch, cut):
+    """Ctrl-C while the controller commits a save the trainer answered (writing
+    controller.json, renaming the folder): the save is not forgotten, finish_checkpoints
+    completes it, and the checkpoint is there."""
+    from areal_fast.controller.checkpoint_manager import PendingSaves
+    from areal_fast.launch import interrupt
+    from areal_fast.train.checkpoint import FORMAT, STATE_FILE
+
+    manager = CheckpointManager(tmp_path / "checkpoints", every_steps=2)
+    saves = PendingSaves(manager)
+    tmp4 = saves.after_step(4, {"version": 4, "counts": {}})
+    state = {"format": FORMAT, "version": 4, "world_size": 1, "scheduler": {}, "files": {}}
+    (Path(tmp4) / STATE_FILE).write_text(json.dumps(state))
+    commit = manager.commit
+
+    def interrupted(tmp, version, controller_state):
+        if cut == "after the rename":
+            commit(tmp, version, controller_state)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(manager, "commit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        saves.commit(tmp4, 4)
+    assert tmp4 in saves.saving and saves.answered == {tmp4: 4}
+    monkeypatch.setattr(manager, "commit", commit)
+    monkeypatch.setattr(interrupt, "wait_messages", lambda *a: pytest.fail("nothing to wait"))
+
+    class Controller:
+        pass
+
+    controller = Controller()
+    controller.saves = saves
+    assert interrupt.finish_checkpoints(controller, [], timeout=5.0, say=lambda line: None)
+    assert not saves.saving and not saves.answered
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]
+    assert (
+        json.loads((tmp_path / "checkpoints" / "step-00000004" / "controller.json").read_text())[
+            "version"
+        ]
+        == 4
+    )
+
+
+def test_a_save_whose_answer_was_lost_is_committed_from_its_files(tmp_path, monkeypatch):
+    """Ctrl-C between receiving the trainer's StateSaved and handling it: the save's files
+    are complete (train_state.json, written last, names the version), so finish_checkpoints
+    commits it without waiting for an answer that will not come; a half-written state file
+    is waited for."""
+    from areal_fast.controller.checkpoint_manager import PendingSaves
+    from areal_fast.launch import interrupt
+    from areal_fast.train.checkpoint import FORMAT, STATE_FILE
+
+    saves = PendingSaves(CheckpointManager(tmp_path / "checkpoints", every_steps=2))
+    tmp4 = saves.after_step(4, {"version": 4, "counts": {}})
+    state = {"format": FORMAT, "version": 4, "world_size": 1, "scheduler": {}, "files": {}}
+    (Path(tmp4) / STATE_FILE).write_text(json.dumps(state)[:20])  # being written
+    assert saves.commit_written() == [] and tmp4 in saves.saving
+    waits = []
+
+    def wait_messages(*args):
+        waits.append(args)
+        (Path(tmp4) / STATE_FILE).write_text(json.dumps(state))  # the trainer is done
+        return []
+
+    monkeypatch.setattr(interrupt, "wait_messages", wait_messages)
+
+    class Controller:
+        pass
+
+    controller = Controller()
+    controller.saves = saves
+    assert interrupt.finish_checkpoints(controller, [], timeout=5.0, say=lambda line: None)
+    assert len(waits) == 1 and not saves.saving
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step-00000004"]

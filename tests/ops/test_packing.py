@@ -442,6 +442,7 @@ def test_disable_env_forces_python(monkeypatch):
 
 def test_failed_import_warns_once(monkeypatch):
     monkeypatch.delenv(_native.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(_native.REQUIRE_ENV, raising=False)  # CI sets it
     monkeypatch.setitem(sys.modules, "areal_fast._C", None)  # makes the import fail
     monkeypatch.delattr("areal_fast._C", raising=False)
     _native._import_native.cache_clear()
