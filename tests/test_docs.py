@@ -203,7 +203,9 @@ def _anchors(markdown: str) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
 
 
-@pytest.mark.parametrize("path", [p.relative_to(ROOT).as_posix() for p in DOC_FILES])
+@pytest.mark.parametrize(
+    "path", [p.relative_to(ROOT).as_posix() for p in DOC_FILES] + ["benches/README.md"]
+)
 def test_relative_links_exist(path):
     doc = ROOT / path
     missing = []
@@ -262,6 +264,11 @@ def test_tour_opens_at_most_eight_files():
 
 def test_readme_is_a_front_door():
     assert len((ROOT / "README.md").read_bytes()) <= 15_000
+
+
+def test_benches_readme_is_compact():
+    """One current table per benchmark; earlier runs live in benches/results/ and CHANGELOG.md."""
+    assert len((ROOT / "benches" / "README.md").read_bytes()) <= 25_000
 
 
 def _config_keys() -> tuple[set[str], set[str], set[str]]:
