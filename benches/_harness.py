@@ -7,6 +7,7 @@ runs stays small.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -26,6 +27,29 @@ MIB = 1024 * 1024
 # ---------------------------------------------------------------------------
 # Timing
 # ---------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    """argparse type: a whole number ≥ 1 (a count of calls, sequences, steps); else an
+    argparse error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a whole number >= 1, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """argparse type: a number ≥ 0 (seconds); else an argparse error naming the value."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"a number >= 0, got {text!r}")
+    return value
 
 
 def time_calls(fn, repeats: int, *, between=None) -> list[float]:

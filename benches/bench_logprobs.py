@@ -623,6 +623,8 @@ def parse_args(argv=None):
             args.shape = ()
         if len(args.shape) != 3 or min(args.shape) < 1:
             parser.error(f"--shape takes three positive integers T,H,V, got {raw!r}")
+    if args.table and not Path(args.table).is_file():
+        parser.error(f"--table {args.table}: no such file")
     if args.child:
         if not (args.impl and args.mode in MODES and args.shape):
             parser.error("--child needs --impl, --mode and --shape")
@@ -640,7 +642,7 @@ def parse_args(argv=None):
         where = "in one process" if args.in_process else "in CPU children"
         parser.error(f"unknown implementation(s) {where} (--device {args.device}): {bad}")
     args.impls = impls
-    modes = args.modes.split(",")
+    modes = list(dict.fromkeys(args.modes.split(",")))  # each mode once
     if any(m not in MODES for m in modes):
         parser.error(f"--modes takes a subset of {MODES}")
     args.modes = modes

@@ -32,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import native_disabled  # noqa: E402
+from _harness import native_disabled, positive_int  # noqa: E402
 
 from areal_fast import _native  # noqa: E402
 from areal_fast.ops.packing import partition_balanced  # noqa: E402
@@ -146,8 +146,8 @@ def _measure(workload: str, method: str, impl: str, n: int, repeats: int):
 def main(argv=None) -> int:
     """Print the markdown table; with ``--check``, return 1 unless native beats Python."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--n", type=int, default=NUM_SEQS, help="number of sequences")
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument("--n", type=positive_int, default=NUM_SEQS, help="number of sequences")
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
     parser.add_argument(

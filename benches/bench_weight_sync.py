@@ -56,7 +56,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _harness import base_metadata, eprint, fmt, markdown_table, write_json  # noqa: E402
+from _harness import (  # noqa: E402
+    base_metadata,
+    eprint,
+    fmt,
+    markdown_table,
+    non_negative_float,
+    positive_int,
+    write_json,
+)
 
 MODELS = {
     # name: (vocab, hidden, intermediate, layers, heads, kv_heads, head_dim, qkv_bias, tied)
@@ -418,7 +426,7 @@ def main(argv=None) -> int:
         help="tensors allocated one by one instead of views of one layout buffer (needs "
         "twice the memory: the single-buffer baseline has its own buffer)",
     )
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument(
         "--threads",
         type=int,
@@ -430,7 +438,9 @@ def main(argv=None) -> int:
         action="store_true",
         help="latency inside the running loop: shm vs network links, 1 and 2 workers",
     )
-    parser.add_argument("--steps", type=int, default=4, help="--controller: training steps")
+    parser.add_argument(
+        "--steps", type=positive_int, default=4, help="--controller: training steps"
+    )
     parser.add_argument(
         "--workers",
         type=int,
@@ -439,7 +449,10 @@ def main(argv=None) -> int:
         help="--controller: rollout workers of the cases (shm and broadcast each)",
     )
     parser.add_argument(
-        "--step-seconds", type=float, default=3.0, help="--controller: seconds per train step"
+        "--step-seconds",
+        type=non_negative_float,
+        default=3.0,
+        help="--controller: seconds per train step",
     )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -36,7 +36,9 @@
 #   ipc_sync        40 [~20] bench_weight_sync.py: 1.5B state dict by CUDA IPC
 #   tests          100 [~90] pytest -m cuda over the GPU tests, -W error::RuntimeWarning
 #   demo_job        60 [~45] areal-fast train examples/arith_cuda.yaml, 3 steps
-# Knobs: GPU_CHECK_DEADLINE (s), GPU_CHECK_DIR (work folder), GPU_CHECK_ONLY (the sections to
+# Knobs (checked first: a bad one is refused in one line, exit 2): GPU_CHECK_DEADLINE (s),
+# GPU_CHECK_DIR (work folder: a new one, or one this script made, since it is emptied),
+# GPU_CHECK_ONLY (the sections to
 # run, e.g. "lm_head tests" for a second, shorter run; the preflight and the kernels link
 # always), GPU_CHECK_WHEELS (the carried folder), GPU_CHECK_CACHE (compile caches, kept
 # across runs on one machine; default /tmp/gpu_check_cache), GPU_CHECK_REHEARSE=1,
@@ -49,8 +51,25 @@ src="$PWD"
 rehearse="${GPU_CHECK_REHEARSE:-0}"
 work="${GPU_CHECK_DIR:-/tmp/gpu_check}"
 scale="${GPU_CHECK_BUDGET_SCALE:-$([ "$rehearse" = 1 ] && echo 2 || echo 1)}"
+
+# The knobs are checked before anything is removed or started: a typo must not cost a run.
+refuse() { echo "gpu_check: $1" >&2; exit 2; }
+all_sections="build lm_head train_1p5b fsdp_nccl attention ipc_sync tests demo_job"
+[[ "$rehearse" =~ ^[01]$ ]] || refuse "GPU_CHECK_REHEARSE must be 0 or 1, got '$rehearse'"
+[[ "$scale" =~ ^[1-9][0-9]*$ ]] \
+  || refuse "GPU_CHECK_BUDGET_SCALE must be a positive whole number, got '$scale'"
+[[ "${GPU_CHECK_DEADLINE:-400}" =~ ^[1-9][0-9]*$ ]] \
+  || refuse "GPU_CHECK_DEADLINE must be a positive whole number of seconds, got '${GPU_CHECK_DEADLINE}'"
+for name in ${GPU_CHECK_ONLY:-}; do
+  [[ " $all_sections " == *" $name "* ]] \
+    || refuse "GPU_CHECK_ONLY: no section '$name' (sections: $all_sections)"
+done
+# the work folder is emptied: only one this script made (its marker file), or a new one
+if [ -e "$work" ] && [ ! -e "$work/.gpu_check_dir" ]; then
+  refuse "GPU_CHECK_DIR=$work exists and was not made by gpu_check.sh: name a new folder"
+fi
 deadline=$((${GPU_CHECK_DEADLINE:-400} * scale))
-rm -rf "$work" && mkdir -p "$work"
+rm -rf "$work" && mkdir -p "$work" && : > "$work/.gpu_check_dir"
 log="$work/gpu_check.log"
 sections="$work/sections.tsv"
 : > "$sections"
@@ -291,6 +310,9 @@ fi
 
 {
   echo "=== preflight: exit $preflight_rc in $((SECONDS - t0)) s (${SECONDS} s elapsed) ==="
+  # a crash or a timeout (124) is no refusal: the sections still run (a slow first import of
+  # torch must not cost the lease), and the summary's preflight row says FAIL
+  [ "$preflight_rc" -eq 0 ] || echo "gpu_check: WARNING: the preflight failed (exit $preflight_rc); going on"
   cat "$work/preflight.log"
   # The Triton sources where the wheel puts them (areal_fast.kernels), whatever happens to
   # the build: the working tree comes first on PYTHONPATH. Git ignores the link, and the

@@ -379,6 +379,41 @@ def test_preflight_refuses_in_one_line_without_the_carried_folder(tmp_path):
     assert rows == [rows[0]] and rows[0].startswith("preflight\t2\t")
 
 
+@pytest.mark.parametrize(
+    ("knobs", "says"),
+    [
+        ({"GPU_CHECK_ONLY": "lm-head tests"}, "GPU_CHECK_ONLY: no section 'lm-head'"),
+        ({"GPU_CHECK_DEADLINE": "5s"}, "GPU_CHECK_DEADLINE must be a positive whole number"),
+        ({"GPU_CHECK_DEADLINE": "-10"}, "GPU_CHECK_DEADLINE must be a positive whole number"),
+        ({"GPU_CHECK_BUDGET_SCALE": "0.5"}, "GPU_CHECK_BUDGET_SCALE must be a positive whole"),
+        ({"GPU_CHECK_REHEARSE": "yes"}, "GPU_CHECK_REHEARSE must be 0 or 1"),
+    ],
+)
+def test_bad_knobs_are_refused_before_anything_runs(tmp_path, knobs, says):
+    """A typo in a knob: one line naming it, exit 2, the work folder neither made nor
+    emptied (a section name that matched nothing once skipped K1 without a word)."""
+    proc = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=_env(tmp_path, **knobs),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0], proc.stderr
+    assert not (tmp_path / "work").exists()
+
+
+def test_a_work_folder_the_script_did_not_make_is_not_emptied(tmp_path):
+    """GPU_CHECK_DIR naming an existing folder without the script's marker: refused, kept."""
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "mine.txt").write_text("keep me")
+    proc = subprocess.run(
+        ["bash", str(SCRIPT)], cwd=tmp_path, env=_env(tmp_path),
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "was not made by gpu_check.sh" in proc.stderr, proc.stderr
+    assert (tmp_path / "work" / "mine.txt").read_text() == "keep me"
+
+
 def test_deadline_cuts_a_hung_section_and_skips_the_rest(tmp_path):
     """Stand-in tools (python3 does nothing, except the LM-head benchmark, which hangs, and
     the summary), on the rehearsal's copy of the checkout: the hung section is cut at the
