@@ -6,7 +6,7 @@ The controller holds no tensors. Every prompt group is a record of its
 :class:`~areal_fast.controller.ledger.Ledger`. The loop requests rollouts as the
 :class:`~areal_fast.controller.staleness.StalenessManager` allows, hands every batch_size
 finished groups (in acceptance order) to the trainer as a
-:class:`~areal_fast.controller.shards.DistributedBatch`, and after each step tells every
+:class:`~areal_fast.wire.shards.DistributedBatch`, and after each step tells every
 rollout worker to load the new weights (they interrupt and resume their running samples).
 
 Faults (:mod:`~areal_fast.controller.recovery`): a rollout worker that dies is restarted and
@@ -23,21 +23,21 @@ import logging
 import time
 from typing import Callable, Optional
 
-from areal_fast.controller import messages as msg
 from areal_fast.controller.acceptance import Acceptance
 from areal_fast.controller.checkpoint_manager import CheckpointManager, PendingSaves
-from areal_fast.controller.codec import Encoded, encode_message
 from areal_fast.controller.config import RecoveryConfig, RunPlan, Timeouts
 from areal_fast.controller.drain import evaluate, wind_down
 from areal_fast.controller.ledger import Ledger, RunCounts
 from areal_fast.controller.recovery import Recovery
-from areal_fast.controller.shards import DistributedBatch
 from areal_fast.controller.staleness import StalenessManager
 from areal_fast.controller.step_evals import StepEvals
 from areal_fast.controller.step_record import step_record
 from areal_fast.controller.weight_tracker import WeightTracker
-from areal_fast.controller.workers import MessageWaiter, WorkerError, WorkerHandle
 from areal_fast.rollout.config import RolloutConfig
+from areal_fast.wire import messages as msg
+from areal_fast.wire.codec import Encoded, encode_message
+from areal_fast.wire.handles import MessageWaiter, WorkerError, WorkerHandle
+from areal_fast.wire.shards import DistributedBatch
 
 TRAIN_PIPELINE = 2  # batches handed to the trainer ahead of completion (prefetch depth)
 log = logging.getLogger("areal_fast.controller")

@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Callable
 
-from areal_fast.controller import messages as msg
-from areal_fast.controller.workers import WorkerError
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError
 
 if TYPE_CHECKING:
     from areal_fast.controller.async_loop import AsyncController

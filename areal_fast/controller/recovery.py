@@ -15,9 +15,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Callable, Optional
 
-from areal_fast.controller import messages as msg
 from areal_fast.controller.config import RecoveryConfig, Timeouts
-from areal_fast.controller.workers import WorkerError, WorkerHandle
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError, WorkerHandle
 
 if TYPE_CHECKING:
     from areal_fast.controller.async_loop import AsyncController

@@ -1,7 +1,7 @@
 """Held-out evaluation during training (``eval.every_steps``).
 
 After every k-th step the controller sends each rollout worker its share of the held-out
-requests right behind that step's weights (:class:`~areal_fast.controller.messages.Evaluate`
+requests right behind that step's weights (:class:`~areal_fast.wire.messages.Evaluate`
 with ``version`` k). A worker runs them on exactly those weights: newer versions wait on the
 worker until its share is done (:meth:`WorkerWeights.evaluate_at`), while the training
 rollouts it already runs go on beside them. The trainer goes on as the staleness bound and
@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Optional
 
-from areal_fast.controller import messages as msg
-from areal_fast.controller.workers import WorkerError
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError
 
 if TYPE_CHECKING:
     from areal_fast.controller.async_loop import AsyncController

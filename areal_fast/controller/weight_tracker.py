@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from areal_fast.controller import messages as msg
+from areal_fast.wire import messages as msg
 
 
 class WeightTracker:

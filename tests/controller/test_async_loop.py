@@ -21,10 +21,6 @@ import pytest
 
 from areal_fast.controller.async_loop import AsyncController, RunPlan
 from areal_fast.controller.config import Timeouts
-from areal_fast.controller.messages import GroupRequest
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
-from areal_fast.controller.workers import WorkerError
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster
 from areal_fast.launch.config import LauncherConfig
 from areal_fast.rollout.config import RolloutConfig
@@ -37,6 +33,10 @@ from areal_fast.rollout.simulated import (
     sim_reward,
 )
 from areal_fast.train.simulated import SimulatedTrainEngine
+from areal_fast.wire.handles import WorkerError
+from areal_fast.wire.messages import GroupRequest
+from areal_fast.workers.rollout_worker import RolloutWorkerSpec
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec
 
 PROMPT = [7] * 8
 FLAT = "flat"  # answer of groups whose samples all get reward 1

@@ -17,15 +17,15 @@ from hypothesis.stateful import (
     rule,
 )
 
-from areal_fast.controller import messages as msg
 from areal_fast.controller.config import RecoveryConfig, Timeouts
 from areal_fast.controller.ledger import Ledger, LedgerError, RunCounts, State
 from areal_fast.controller.recovery import Recovery
-from areal_fast.controller.shards import ShardMetadata
 from areal_fast.controller.staleness import StalenessManager
 from areal_fast.controller.step_evals import StepEvals
-from areal_fast.controller.workers import WorkerError
 from areal_fast.rollout.engine import SamplingParams
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError
+from areal_fast.wire.shards import ShardMetadata
 
 WORKERS = ("rollout-0", "rollout-1", "rollout-2")
 MAX_CONCURRENT, PIPELINE = 7, 2

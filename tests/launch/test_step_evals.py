@@ -12,12 +12,12 @@ import pytest
 from linked_job import JOB_CWD, tiny_job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
-from areal_fast.controller import messages as msg
 from areal_fast.controller.metrics import plot_progress
-from areal_fast.controller.rollout_weights import WorkerWeights
 from areal_fast.controller.step_evals import StepEvals
-from areal_fast.controller.workers import WorkerError
 from areal_fast.rollout.engine import SamplingParams
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError
+from areal_fast.workers.rollout_weights import WorkerWeights
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -57,7 +57,7 @@ def _update(version: int) -> msg.UpdateWeights:
 
 
 def test_an_evaluation_runs_on_its_version_and_holds_newer_ones_back(monkeypatch):
-    import areal_fast.controller.rollout_weights as rw
+    import areal_fast.workers.rollout_weights as rw
 
     monkeypatch.setattr(rw, "cuda_slots_usable", lambda *a: False)
     monkeypatch.setattr(rw, "slot_gpu", lambda spec: "")
