@@ -53,6 +53,10 @@ class WeightTracker:
         for version in [v for v in self._published if v <= everyone]:
             self.latency_seconds.append(time.monotonic() - self._published.pop(version))
 
+    def restarted(self, worker: str) -> None:
+        """``worker`` was restarted: it serves no version until it acknowledges one."""
+        self.acked[worker] = 0
+
     def summary(self) -> dict:
         """The JSON-able record for ``summary.json``."""
         return {

@@ -403,7 +403,8 @@ def _run(
             enabled=show_progress,
         )
         if step_evals.due(version) and version not in step_evals.accuracy:
-            step_evals.start(controller, version)  # lost with the run that saved the checkpoint
+            # lost with the run that saved the checkpoint
+            step_evals.start(version, controller.fleet)
         try:
             counts = controller.run()
         finally:
