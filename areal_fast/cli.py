@@ -96,9 +96,9 @@ def main(argv: list[str] | None = None) -> int:
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
-    from areal_fast.controller.workers import WorkerError
     from areal_fast.launch.config import load_config
     from areal_fast.launch.interrupt import RunInterrupted
+    from areal_fast.wire.handles import WorkerError
 
     # SIGTERM (schedulers, `timeout`) stops like Ctrl-C: one line, INTERRUPTED, exit 128 + N
     signal.signal(signal.SIGTERM, _raise_interrupted)

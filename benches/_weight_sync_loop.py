@@ -24,9 +24,6 @@ import torch
 
 from areal_fast.controller.async_loop import AsyncController
 from areal_fast.controller.config import RunPlan
-from areal_fast.controller.messages import GroupRequest
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster
 from areal_fast.rollout.config import RolloutConfig
 from areal_fast.rollout.engine import SamplingParams, sample_seed
@@ -37,6 +34,9 @@ from areal_fast.rollout.simulated import (
     sim_reward,
 )
 from areal_fast.sync.config import SyncConfig
+from areal_fast.wire.messages import GroupRequest
+from areal_fast.workers.rollout_worker import RolloutWorkerSpec
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec
 
 CASES = [("shm", 1), ("broadcast", 1), ("shm", 2), ("broadcast", 2)]
 

@@ -29,7 +29,7 @@ from _harness import write_json  # noqa: E402
 
 from areal_fast.agent.session import Session  # noqa: E402
 from areal_fast.agent.store import TrajectoryConfig, TrajectoryWriter, read_trajectories  # noqa: E402
-from areal_fast.controller.shard_io import shard_tensors  # noqa: E402
+from areal_fast.wire.shard_io import shard_tensors  # noqa: E402
 
 
 def groups_of(sessions: list[Session], size: int) -> list[list[Session]]:

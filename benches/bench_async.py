@@ -39,9 +39,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import base_metadata, eprint, fmt, markdown_table  # noqa: E402
 
 from areal_fast.controller.async_loop import AsyncController, RunPlan  # noqa: E402
-from areal_fast.controller.messages import GroupRequest  # noqa: E402
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec  # noqa: E402
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec  # noqa: E402
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster  # noqa: E402
 from areal_fast.rollout.config import RolloutConfig  # noqa: E402
 from areal_fast.rollout.engine import SamplingParams, sample_seed  # noqa: E402
@@ -51,6 +48,9 @@ from areal_fast.rollout.simulated import (  # noqa: E402
     sim_reward,
 )
 from areal_fast.train.simulated import SimulatedTrainerFactory  # noqa: E402
+from areal_fast.wire.messages import GroupRequest  # noqa: E402
+from areal_fast.workers.rollout_worker import RolloutWorkerSpec  # noqa: E402
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec  # noqa: E402
 
 WORKLOAD = dict(
     workers=4,

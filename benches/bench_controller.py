@@ -4,13 +4,13 @@ Drives the real :class:`~areal_fast.controller.async_loop.AsyncController` with 
 rollout workers and a stand-in trainer that are not engines: they live in one (``--helpers``)
 forked helper process, so their CPU is not charged to the controller. Every stand-in worker
 has its own duplex ``multiprocessing.Pipe``; the controller's end is a
-:class:`~areal_fast.controller.codec.MessageChannel` inside a :class:`WorkerHandle` subclass,
+:class:`~areal_fast.wire.codec.MessageChannel` inside a :class:`WorkerHandle` subclass,
 so the controller encodes, decodes and waits exactly as in a real run. Each handle's
 ``sentinel`` is its own ``dup`` of the helper's process sentinel, so ``wait_messages`` waits
 on two descriptors per worker, as with one process per worker.
 
 The stand-ins send the bytes of production messages: the helper builds each reply as the
-plain msgpack map that :func:`~areal_fast.controller.codec.encode_message` writes
+plain msgpack map that :func:`~areal_fast.wire.codec.encode_message` writes
 (checked byte for byte at start-up) and reads requests with plain ``msgpack.unpackb``, which
 keeps the helper at a fraction of the controller's CPU.
 
@@ -66,14 +66,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import msgpack  # noqa: E402
 from _harness import REPO_ROOT, base_metadata, eprint, fmt, markdown_table, write_json  # noqa: E402
 
-from areal_fast.controller import messages as msg  # noqa: E402
 from areal_fast.controller.async_loop import AsyncController, RunPlan  # noqa: E402
-from areal_fast.controller.codec import MessageChannel, encode_message  # noqa: E402
-from areal_fast.controller.shards import ShardMetadata, TensorMetadata  # noqa: E402
-from areal_fast.controller.workers import ProcessHandle  # noqa: E402
 from areal_fast.rollout.config import RolloutConfig  # noqa: E402
 from areal_fast.rollout.engine import SamplingParams  # noqa: E402
 from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry  # noqa: E402
+from areal_fast.wire import messages as msg  # noqa: E402
+from areal_fast.wire.codec import MessageChannel, encode_message  # noqa: E402
+from areal_fast.wire.handles import ProcessHandle  # noqa: E402
+from areal_fast.wire.shards import ShardMetadata, TensorMetadata  # noqa: E402
 
 DEFAULT_JSON = REPO_ROOT / "benches" / "results" / "controller_scaling_cpu.json"
 ETA = 2
@@ -528,8 +528,8 @@ PROFILE_CATEGORIES = (
             "_fileobj_to_fd",
             "<string>:<lambda>",
             "sentinel",
-            "workers.py:wait_messages",
-            "workers.py:<dictcomp>",
+            "handles.py:wait_messages",
+            "handles.py:<dictcomp>",
         ),
     ),
     (
@@ -555,11 +555,12 @@ PROFILE_CATEGORIES = (
             "ledger.py",
             "recovery.py",
             "drain.py",
+            "fleet.py",
             "step_record.py",
             "shards.py",
             "staleness.py",
             "statistics.py",
-            "workers.py",
+            "handles.py",
         ),
     ),
 )

@@ -1,7 +1,7 @@
 """The agent side of a rollout worker: groups of sessions in, trajectories and records out.
 
 A rollout worker whose spec names an agent hands each training
-:class:`~areal_fast.controller.messages.GroupRequest` to :meth:`AgentWorkload.submit`, which
+:class:`~areal_fast.wire.messages.GroupRequest` to :meth:`AgentWorkload.submit`, which
 starts ``n`` sessions of the request's ``data`` on the :class:`AgentRunner`. The sessions'
 model calls go to the worker's engine through an :class:`EngineBridge`; the worker routes the
 engine's outputs back with :meth:`AgentWorkload.route`. When every session of a group has

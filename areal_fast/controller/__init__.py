@@ -1,1 +1,2 @@
-"""The RL loop: rollout, training, weight updates, metrics."""
+"""The driver process: the async loop, the rollout-group ledger, staleness, acceptance,
+recovery, evaluations during training, step records, checkpoints and metrics."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from areal_fast.controller import messages as msg
+from areal_fast.wire import messages as msg
 
 # what to check for an agent drop reason (the start of the error)
 _AGENT_HINTS = {

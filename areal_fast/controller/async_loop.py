@@ -6,7 +6,7 @@ The controller holds no tensors. Every prompt group is a record of its
 :class:`~areal_fast.controller.ledger.Ledger`. The loop requests rollouts as the
 :class:`~areal_fast.controller.staleness.StalenessManager` allows, hands every batch_size
 finished groups (in acceptance order) to the trainer as a
-:class:`~areal_fast.controller.shards.DistributedBatch`, and after each step tells every
+:class:`~areal_fast.wire.shards.DistributedBatch`, and after each step tells every
 rollout worker to load the new weights (they interrupt and resume their running samples).
 
 Faults (:mod:`~areal_fast.controller.recovery`): a rollout worker that dies is restarted and
@@ -23,21 +23,22 @@ import logging
 import time
 from typing import Callable, Optional
 
-from areal_fast.controller import messages as msg
 from areal_fast.controller.acceptance import Acceptance
 from areal_fast.controller.checkpoint_manager import CheckpointManager, PendingSaves
-from areal_fast.controller.codec import Encoded, encode_message
 from areal_fast.controller.config import RecoveryConfig, RunPlan, Timeouts
-from areal_fast.controller.drain import evaluate, wind_down
+from areal_fast.controller.drain import Drain
+from areal_fast.controller.fleet import RolloutFleet
 from areal_fast.controller.ledger import Ledger, RunCounts
-from areal_fast.controller.recovery import Recovery
-from areal_fast.controller.shards import DistributedBatch
+from areal_fast.controller.recovery import Recovery, RecoveryScope
 from areal_fast.controller.staleness import StalenessManager
 from areal_fast.controller.step_evals import StepEvals
 from areal_fast.controller.step_record import step_record
 from areal_fast.controller.weight_tracker import WeightTracker
-from areal_fast.controller.workers import MessageWaiter, WorkerError, WorkerHandle
 from areal_fast.rollout.config import RolloutConfig
+from areal_fast.wire import messages as msg
+from areal_fast.wire.codec import Encoded, encode_message
+from areal_fast.wire.handles import MessageWaiter, WorkerError, WorkerHandle
+from areal_fast.wire.shards import DistributedBatch
 
 TRAIN_PIPELINE = 2  # batches handed to the trainer ahead of completion (prefetch depth)
 log = logging.getLogger("areal_fast.controller")
@@ -95,7 +96,8 @@ class AsyncController:
         resume: Optional[dict] = None,
         step_evals: Optional[StepEvals] = None,
     ):
-        self.workers, self.trainer, self.buffers = rollout_workers, trainer, weight_buffers
+        self.fleet = RolloutFleet(rollout_workers)
+        self.trainer, self.buffers = trainer, weight_buffers
         self.trainer_ranks = trainer_ranks or [trainer]
         self.next_request, self.plan = next_request, plan
         self.rollout, self.on_step, self.evals = rollout, on_step, step_evals or StepEvals()
@@ -105,24 +107,32 @@ class AsyncController:
         )
         self.ledger = Ledger(eta if rollout.drop_stale else None)
         self.timeouts = timeouts or Timeouts()
-        self.recovery = Recovery(self, restart_rollout, recovery or RecoveryConfig(), self.timeouts)
         self.saves = PendingSaves(checkpoints)
+        self.weights = WeightTracker(self.fleet.names)  # the weights version each serves
+        watched = RecoveryScope(
+            self.ledger, self.fleet, self.weights, self.evals, self.saves, trainer.name
+        )
+        self.recovery = Recovery(
+            watched, restart_rollout, recovery or RecoveryConfig(), self.timeouts
+        )
+        self.drain = Drain(self.ledger, self.fleet, self._pump, self.timeouts)
         self.version = 0
-        self.weights = WeightTracker([w.name for w in rollout_workers])
-        self.acked = self.weights.acked  # weights version each serves
-        # per worker: when it last finished a group or went from idle to busy
-        self.progress = {w.name: time.monotonic() for w in rollout_workers}
         self.agent_stats: dict[str, dict] = {}  # per worker: its agent running totals
         self.acceptance = Acceptance.from_plan(rollout.dynamic_filter, plan)
-        self.eval_records: dict[str, list] = {}
-        self.eval_assignment: dict[str, list[msg.GroupRequest]] = {}
-        self.cancelling: set[str] = set()  # rollout workers asked to cancel, not answered
         self.start = self.last_step = time.monotonic()
         self.trained_tokens = 0
         self.elapsed_before = 0.0  # training seconds of the run before a resume
         self._waiter: Optional[MessageWaiter] = None  # over every worker; rebuilt on change
         if resume is not None:
-            self.recovery.resume(resume)
+            point = self.recovery.resume(resume)
+            self.version, self.elapsed_before = point.version, point.elapsed_seconds
+            for worker in self.fleet.workers:
+                self.fleet.send(worker, self._current_weights())
+
+    @property
+    def workers(self) -> list[WorkerHandle]:
+        """The rollout workers now (a restarted one in the place of the dead one)."""
+        return self.fleet.workers
 
     # ---- the loop -------------------------------------------------------------------
     def run(self) -> RunCounts:
@@ -137,7 +147,7 @@ class AsyncController:
             ``dynamic_filter`` dropped ``max_filtered_in_a_row`` groups in a row.
         """
         self.start = self.last_step = time.monotonic()
-        self.progress = {w.name: self.start for w in self.workers}
+        self.fleet.restart_clocks(self.start)
         while self.version < self.plan.total_steps and not (
             self._out_of_time() and not self.ledger.training
         ):
@@ -147,8 +157,8 @@ class AsyncController:
             self.handle(
                 self.wait(1.0, f"at policy version {self.version} (step {self.version + 1})")
             )
-            self.recovery.check_deadlines()
-        wind_down(self)
+            self.recovery.check_deadlines(self.version, self.last_step)
+        self.drain.wind_down(self.version, self.weights.acked, self.evals, self.saves)
         return self.ledger.counts
 
     def _request_rollouts(self) -> None:
@@ -163,7 +173,7 @@ class AsyncController:
         waiting = ledger.waiting()
         if capacity == 0 and not waiting:
             return
-        ready = [w for w in self.workers if w.name not in self.recovery.warming]
+        ready = [w for w in self.fleet.workers if w.name not in self.recovery.warming]
         if not ready:
             return
         # (in flight, index, worker), least busy first, ties to the earlier worker: the
@@ -181,13 +191,13 @@ class AsyncController:
             per_worker.setdefault(name, []).append(request)
         for worker in ready:
             if worker.name in per_worker:
-                self.send_rollout(worker, msg.SubmitGroups(per_worker[worker.name]))
+                self.fleet.send(worker, msg.SubmitGroups(per_worker[worker.name]))
 
     def _least_busy(self, loads: list) -> str:
         """Pop the least busy worker of the heap ``loads`` and count one more group on it."""
         n, i, worker = heapq.heappop(loads)
         if n == 0:
-            self.progress[worker.name] = time.monotonic()
+            self.fleet.progressed(worker.name, time.monotonic())
         heapq.heappush(loads, (n + 1, i, worker))
         return worker.name
 
@@ -203,7 +213,7 @@ class AsyncController:
             if new_version > self.plan.total_steps:
                 return
             # its slot last held new_version - 2: every worker must have loaded that already
-            if min(self.acked.values(), default=self.version) < new_version - 2:
+            if min(self.weights.acked.values(), default=self.version) < new_version - 2:
                 return
             batch = self.ledger.take_batch(self.plan.batch_size, new_version - 1, time.monotonic())
             self.free_released()
@@ -231,14 +241,12 @@ class AsyncController:
         batch = self.ledger.trained(done.group_ids)
         self.version = done.version
         self.weights.published(done)
-        update = Encoded(
-            encode_message(msg.UpdateWeights(self.version, self.buffers[self.version % 2]))
-        )
-        for worker in self.workers:  # encoded once for all
-            self.send_rollout(worker, update)
+        update = Encoded(encode_message(self._current_weights()))
+        for worker in self.fleet.workers:  # encoded once for all
+            self.fleet.send(worker, update)
         # the trained groups' spool files are deleted only now that the step is done
         if batch.groups[0].done.shard.path:
-            self._drop_shards([g.done for g in batch.groups])
+            self.fleet.drop_shards(g.done for g in batch.groups)
         now = time.monotonic()
         self.trained_tokens += done.trained_tokens
         record = step_record(
@@ -252,7 +260,8 @@ class AsyncController:
             elapsed=now - self.start + self.elapsed_before,
             agent_stats=self.agent_stats,
         )
-        record = self.evals.after_step(self, record)  # sent after the update: on version v
+        # sent after the update: on version v
+        record = self.evals.after_step(self.version, record, self.fleet)
         self.last_step = now
         self.on_step(record)
         tmp = self.saves.after_step(
@@ -273,11 +282,33 @@ class AsyncController:
         replaced (and nothing returned this time) while restarts are left."""
         try:
             if self._waiter is None:
-                self._waiter = MessageWaiter([*self.workers, *self.trainer_ranks])
+                self._waiter = MessageWaiter([*self.fleet.workers, *self.trainer_ranks])
             return self._waiter.wait(timeout, doing)
         except WorkerError as exc:
-            self.recovery.on_worker_error(exc)
+            new = self.recovery.on_worker_error(exc, self.version)  # or raises
+            if self._waiter is not None:  # its handles include the dead one
+                self._waiter.close()
+                self._waiter = None
+            self._catch_up(new)
             return []
+
+    def _catch_up(self, new: WorkerHandle) -> None:
+        """Tell a restarted rollout worker what the dead one had been told: the current
+        weights, the cancel of a wind-down, its share of every unanswered evaluation."""
+        # slot version % 2 is being overwritten while version + 2 trains: then the new worker
+        # gets the next version with everyone else
+        if self.version > 0 and len(self.ledger.training) < 2:
+            self.fleet.send(new, self._current_weights())
+        if self.ledger.closing:
+            self.fleet.send(new, msg.CancelAll())
+        for evaluate in [*self.drain.owed(new.name), *self.evals.owed(new.name)]:
+            self.fleet.send(new, evaluate)
+
+    def _pump(self, doing: str) -> None:
+        """One round of message handling while draining: check the deadlines, then wait up
+        to 1 s for messages and act on each."""
+        self.recovery.check_deadlines(self.version, self.last_step)
+        self.handle(self.wait(1.0, doing))
 
     def handle(self, messages: list) -> None:
         """Act on each ``(worker, message)``; then free the shards of dropped groups."""
@@ -306,9 +337,11 @@ class AsyncController:
                 )
         elif isinstance(message, msg.Cancelled):
             self.ledger.cancelled(worker.name)
-            self.cancelling.discard(worker.name)
+            self.fleet.cancelled(worker.name)
+        elif isinstance(message, msg.EvalDone) and message.version is None:
+            self.drain.answered(worker.name, message.records)
         elif isinstance(message, msg.EvalDone):
-            self.evals.on_eval_done(self, worker.name, message)
+            self.evals.on_eval_done(worker.name, message)
         else:
             raise WorkerError(f"worker {worker.name!r} sent an unexpected {type(message).__name__}")
 
@@ -318,7 +351,7 @@ class AsyncController:
         if self.ledger.closing:  # finished before the cancel: not needed
             self.ledger.finish(done)
             return
-        self.progress[worker.name] = time.monotonic()
+        self.fleet.progressed(worker.name, time.monotonic())
         if done.agent_stats:
             self.agent_stats[worker.name] = done.agent_stats
         # the version that will train it: batches are formed from the ready groups in order
@@ -340,44 +373,20 @@ class AsyncController:
             done.group_id,
         )
         if done.shard is not None and self.ledger.state(done.group_id) is None:
-            self.send_rollout(worker, msg.DropShards([done.group_id]))
-
-    def send_rollout(self, worker: WorkerHandle, message) -> None:
-        """Send to a rollout worker; if it has died, the next wait notices (by its sentinel
-        or the end of its channel) and replaces it, so the send is only logged here."""
-        try:
-            worker.send(message)
-        except WorkerError as exc:
-            if not exc.died:
-                raise
-            log.warning("%s (while sending %s)", exc, type(message).__name__)
+            self.fleet.send(worker, msg.DropShards([done.group_id]))
 
     def _send_trainer(self, message) -> None:
         """Send ``message`` to every trainer rank (rank 0 answers)."""
         for rank in self.trainer_ranks:
             rank.send(message)
 
-    def _drop_shards(self, groups: list[msg.GroupDone]) -> None:
-        """Tell the workers holding these groups' shards to delete them."""
-        by_worker: dict[str, list[int]] = {}
-        for group in groups:
-            by_worker.setdefault(group.shard.node_id, []).append(group.group_id)
-        for worker in self.workers:
-            if worker.name in by_worker:
-                self.send_rollout(worker, msg.DropShards(by_worker[worker.name]))
-
     def free_released(self) -> None:
         """Tell the workers to delete the shards of the groups the ledger dropped."""
-        released = self.ledger.pop_released()
-        if released:
-            self._drop_shards([r.done for r in released])
+        self.fleet.drop_shards(r.done for r in self.ledger.pop_released())
 
-    def replace_worker(self, new: WorkerHandle) -> None:
-        """``new`` takes the place of the rollout worker of the same name."""
-        self.workers = [new if w.name == new.name else w for w in self.workers]
-        if self._waiter is not None:
-            self._waiter.close()
-            self._waiter = None
+    def _current_weights(self) -> msg.UpdateWeights:
+        """The update to the current policy version (in slot ``version % 2``)."""
+        return msg.UpdateWeights(self.version, self.buffers[self.version % 2])
 
     def _out_of_time(self) -> bool:
         return (
@@ -396,4 +405,4 @@ class AsyncController:
         RuntimeError
             Called while :meth:`run` has groups running or in training.
         """
-        return evaluate(self, requests)
+        return self.drain.evaluate(requests)

@@ -34,8 +34,8 @@ import enum
 from dataclasses import dataclass
 from typing import Optional
 
-from areal_fast.controller import messages as msg
 from areal_fast.controller.run_counts import RunCounts
+from areal_fast.wire import messages as msg
 
 
 class LedgerError(RuntimeError):

@@ -13,17 +13,47 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Callable, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
-from areal_fast.controller import messages as msg
+from areal_fast.controller.checkpoint_manager import PendingSaves
 from areal_fast.controller.config import RecoveryConfig, Timeouts
-from areal_fast.controller.workers import WorkerError, WorkerHandle
-
-if TYPE_CHECKING:
-    from areal_fast.controller.async_loop import AsyncController
+from areal_fast.controller.fleet import RolloutFleet
+from areal_fast.controller.ledger import Ledger
+from areal_fast.controller.step_evals import StepEvals
+from areal_fast.controller.weight_tracker import WeightTracker
+from areal_fast.wire.handles import WorkerError, WorkerHandle
 
 DEADLINE_CHECK_SECONDS = 0.1  # deadlines are checked at most this often (O(workers) each)
 log = logging.getLogger("areal_fast.controller")
+
+
+@dataclass
+class RecoveryScope:
+    """What :class:`Recovery` reads of a running controller and what it may change.
+
+    It changes ``ledger`` only through its transitions (requeue, lose_unspooled,
+    note_restart, note_recovery, restore), ``fleet`` only by putting a restarted worker in
+    the dead one's place (:meth:`RolloutFleet.replace`) and ``weights`` only by
+    :meth:`WeightTracker.restarted`; ``evals`` and ``saves`` it only reads, for their
+    deadlines. The policy version and the time of the last step are arguments of each call.
+    """
+
+    ledger: Ledger
+    fleet: RolloutFleet
+    weights: WeightTracker
+    evals: StepEvals
+    saves: PendingSaves
+    trainer: str  # the trainer's (rank 0) name, for error messages
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run starts: the checkpoint's policy version and the training seconds
+    the run had taken until then."""
+
+    version: int
+    elapsed_seconds: float
 
 
 class Recovery:
@@ -31,8 +61,8 @@ class Recovery:
 
     Parameters
     ----------
-    controller : AsyncController
-        Whose workers, weights and ledger this recovers.
+    scope : RecoveryScope
+        What it watches and may change.
     restart_rollout : callable (name) -> WorkerHandle, or None
         Replaces a dead rollout worker by a ready new one (None: a death fails the run).
     config : RecoveryConfig
@@ -42,20 +72,30 @@ class Recovery:
 
     def __init__(
         self,
-        controller: "AsyncController",
+        scope: RecoveryScope,
         restart_rollout: Optional[Callable[[str], WorkerHandle]],
         config: RecoveryConfig,
         timeouts: Timeouts,
     ):
-        self.c, self.restart_rollout, self.timeouts = controller, restart_rollout, timeouts
+        self.scope, self.restart_rollout, self.timeouts = scope, restart_rollout, timeouts
         self.max_restarts = config.max_rollout_restarts
         self.restarts_left = config.max_rollout_restarts  # in this attempt
         # restarted workers: (version to serve, death time, restart time)
         self.warming: dict[str, tuple[int, float, float]] = {}
         self._checked = 0.0  # time.monotonic() of the last deadline scan
 
-    def on_worker_error(self, exc: WorkerError) -> None:
+    def on_worker_error(self, exc: WorkerError, version: int) -> WorkerHandle:
         """Replace the dead rollout worker of ``exc`` if a restart is left; else re-raise.
+
+        The new worker is in the fleet in the dead one's place; its running groups wait in
+        the ledger for a worker, its finished ones stay (spooled) or are dropped; it takes
+        rollouts once it serves ``version`` (the policy version now). What it must be sent
+        to catch up (weights, a cancel, evaluations) is the caller's to send.
+
+        Returns
+        -------
+        WorkerHandle
+            The new worker.
 
         Raises
         ------
@@ -63,7 +103,7 @@ class Recovery:
             Not a dead rollout worker, no restart function, or no restart left (then the
             message names ``recovery.max_rollout_restarts``).
         """
-        rollout_died = exc.died and any(w.name == exc.worker for w in self.c.workers)
+        rollout_died = exc.died and exc.worker in self.scope.fleet.names
         if not rollout_died or self.restart_rollout is None:
             raise exc
         if self.restarts_left <= 0:
@@ -72,48 +112,46 @@ class Recovery:
                 exc.worker,
                 True,
             ) from exc
-        self._replace(exc)
+        name, died_at = exc.worker, time.monotonic()
+        new = self._restart(name, exc)
+        scope = self.scope
+        scope.fleet.replace(new, died_at)
+        scope.ledger.requeue(name)
+        scope.ledger.lose_unspooled(name)
+        scope.weights.restarted(name)
+        self.warming[name] = (version, died_at, time.monotonic())
+        self.end_warm_up(name)
+        return new
 
-    def _replace(self, exc: WorkerError) -> None:
-        """Start a new worker in place of the dead one (retried while restarts are left);
-        its running groups start again, its finished ones stay (spooled) or are dropped."""
-        c, name, died_at = self.c, exc.worker, time.monotonic()
+    def _restart(self, name: str, exc: WorkerError) -> WorkerHandle:
+        """A ready new worker named ``name``, which died with ``exc`` (retried while restarts
+        are left).
+
+        Raises
+        ------
+        WorkerError
+            The last restart left failed too.
+        """
         while True:
             self.restarts_left -= 1
-            c.ledger.note_restart()
+            self.scope.ledger.note_restart()
             log.warning(
                 "%s; restarting it (%d restarts left after this one)", exc, self.restarts_left
             )
             try:
-                new = self.restart_rollout(name)
-                break
+                return self.restart_rollout(name)
             except WorkerError as failed:
                 if self.restarts_left <= 0:
                     raise
                 exc = failed
-        c.replace_worker(new)
-        c.ledger.requeue(name)
-        c.ledger.lose_unspooled(name)
-        c.progress[name], c.acked[name] = died_at, 0
-        # slot version % 2 is being overwritten while version + 2 trains: then the new worker
-        # gets the next version with everyone else
-        if c.version > 0 and len(c.ledger.training) < 2:
-            c.send_rollout(new, msg.UpdateWeights(c.version, c.buffers[c.version % 2]))
-        self.warming[name] = (c.version, died_at, time.monotonic())
-        self.end_warm_up(name)
-        if c.ledger.closing:
-            c.send_rollout(new, msg.CancelAll())
-        if name in c.eval_assignment and name not in c.eval_records:
-            c.send_rollout(new, msg.Evaluate(c.eval_assignment[name]))
-        c.evals.resend(c, new)
 
     def end_warm_up(self, name: str) -> None:
         """A restarted worker takes rollouts once it serves the version current at its
         restart; the time since the death is recorded."""
-        acked = self.c.acked[name]
+        acked = self.scope.weights.acked[name]
         if name in self.warming and acked >= self.warming[name][0]:
             seconds = time.monotonic() - self.warming.pop(name)[1]
-            self.c.ledger.note_recovery(seconds)
+            self.scope.ledger.note_recovery(seconds)
             log.warning(
                 "rollout worker %r is back, serving weights version %d, %.1f s after its death",
                 name,
@@ -121,31 +159,39 @@ class Recovery:
                 seconds,
             )
 
-    def check_deadlines(self) -> None:
+    def check_deadlines(self, version: int, last_step: float) -> None:
         """Raise a :class:`WorkerError` naming the first worker past its deadline: the
         trainer's step or save (``train_step``), a weight update (``weight_update``; counted
         from the end of a worker's evaluation during training if later, as newer weights wait
         for it), an evaluation during training (``evaluate``), a rollout worker with running
-        groups that finishes none (``rollout_stall``)."""
-        c, t, now = self.c, self.timeouts, time.monotonic()
+        groups that finishes none (``rollout_stall``).
+
+        Parameters
+        ----------
+        version : int
+            The policy version the rollout workers should serve.
+        last_step : float
+            ``time.monotonic()`` when the last step finished (or the run started).
+        """
+        s, t, now = self.scope, self.timeouts, time.monotonic()
         if now - self._checked < DEADLINE_CHECK_SECONDS:
             return
         self._checked = now
-        training = c.ledger.training
-        if training and now - max(training[0].sent_at, c.last_step) > t.train_step:
+        training = s.ledger.training
+        if training and now - max(training[0].sent_at, last_step) > t.train_step:
             raise WorkerError(
-                f"trainer {c.trainer.name!r} did not finish step "
-                f"{c.version + 1} within timeouts.train_step = {t.train_step:g} s",
-                c.trainer.name,
+                f"trainer {s.trainer!r} did not finish step "
+                f"{version + 1} within timeouts.train_step = {t.train_step:g} s",
+                s.trainer,
             )
         late = [
-            w.name
-            for w in c.workers
-            if c.acked[w.name] < c.version
-            and w.name not in self.warming
-            and not c.evals.excused(w.name, now, t.weight_update)
+            name
+            for name in s.fleet.names
+            if s.weights.acked[name] < version
+            and name not in self.warming
+            and not s.evals.excused(name, now, t.weight_update)
         ]
-        c.evals.check_deadline(now)
+        s.evals.check_deadline(now)
         warming = [
             name
             for name, (_, _, started) in self.warming.items()
@@ -157,39 +203,35 @@ class Recovery:
                 f"within timeouts.weight_update = {t.weight_update:g} s",
                 warming[0],
             )
-        if late and now - c.last_step > t.weight_update:
+        if late and now - last_step > t.weight_update:
             raise WorkerError(
                 f"rollout worker {late[0]!r} did not load weights version "
-                f"{c.version} within timeouts.weight_update = "
+                f"{version} within timeouts.weight_update = "
                 f"{t.weight_update:g} s"
             )
-        slow = c.saves.slow(now, t.train_step)
+        slow = s.saves.slow(now, t.train_step)
         if slow:
             raise WorkerError(
-                f"trainer {c.trainer.name!r} did not save its state into "
+                f"trainer {s.trainer!r} did not save its state into "
                 f"{slow} within timeouts.train_step = {t.train_step:g} s",
-                c.trainer.name,
+                s.trainer,
             )
         stalled = [
-            w.name
-            for w in c.workers
-            if c.ledger.running_on(w.name) > 0 and now - c.progress[w.name] > t.rollout_stall
+            name
+            for name in s.fleet.names
+            if s.ledger.running_on(name) > 0 and now - s.fleet.progress[name] > t.rollout_stall
         ]
         if stalled:
             raise WorkerError(
                 f"rollout worker {stalled[0]!r} finished no rollout within "
                 f"timeouts.rollout_stall = {t.rollout_stall:g} s "
-                f"({c.ledger.running_on(stalled[0])} running)"
+                f"({s.ledger.running_on(stalled[0])} running)"
             )
 
-    def resume(self, state: dict) -> None:
-        """Continue from a checkpoint's controller state (``controller.json``): counts and
-        version (the groups that were pending then are counted as dropped); every rollout
-        worker loads that version's weights."""
-        c = self.c
-        c.version = int(state["version"])
-        c.ledger.restore(state["counts"], int(state["pending_groups"]))
-        c.elapsed_before = float(state["elapsed_seconds"])
-        for worker in c.workers:
-            c.acked[worker.name] = 0
-            c.send_rollout(worker, msg.UpdateWeights(c.version, c.buffers[c.version % 2]))
+    def resume(self, state: dict) -> ResumePoint:
+        """Continue from a checkpoint's controller state (``controller.json``): the ledger
+        takes its counts (the groups that were pending then are counted as dropped); returns
+        the version and elapsed seconds to continue from (every rollout worker is to load
+        that version's weights)."""
+        self.scope.ledger.restore(state["counts"], int(state["pending_groups"]))
+        return ResumePoint(int(state["version"]), float(state["elapsed_seconds"]))

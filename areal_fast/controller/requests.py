@@ -1,14 +1,14 @@
 """What the controller asks rollout workers for: a seeded stream of training problems, their
-chat prompts, and one :class:`~areal_fast.controller.messages.GroupRequest` per prompt group."""
+chat prompts, and one :class:`~areal_fast.wire.messages.GroupRequest` per prompt group."""
 
 from __future__ import annotations
 
 import random
 
-from areal_fast.controller.messages import GroupRequest
 from areal_fast.data.problems import MathProblem
 from areal_fast.data.rewards import apply_chat_template, build_prompt_messages
 from areal_fast.rollout.engine import SamplingParams, sample_seed
+from areal_fast.wire.messages import GroupRequest
 
 
 class ProblemStream:
@@ -81,7 +81,7 @@ class MathRequests:
     """Endless source of rollout requests for the asynchronous controller.
 
     ``requests(group_id)`` takes the next problem of ``stream`` and returns its
-    :class:`~areal_fast.controller.messages.GroupRequest` (``data``: the problem's sample
+    :class:`~areal_fast.wire.messages.GroupRequest` (``data``: the problem's sample
     dict, :meth:`~areal_fast.data.problems.MathProblem.sample`) with the group's seed
     (:func:`group_seed`); called with group ids 0, 1, 2, ... it draws the same problems and
     seeds on every run with the same ``run_seed``.

@@ -1,7 +1,7 @@
 """Held-out evaluation during training (``eval.every_steps``).
 
 After every k-th step the controller sends each rollout worker its share of the held-out
-requests right behind that step's weights (:class:`~areal_fast.controller.messages.Evaluate`
+requests right behind that step's weights (:class:`~areal_fast.wire.messages.Evaluate`
 with ``version`` k). A worker runs them on exactly those weights: newer versions wait on the
 worker until its share is done (:meth:`WorkerWeights.evaluate_at`), while the training
 rollouts it already runs go on beside them. The trainer goes on as the staleness bound and
@@ -17,13 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
-from areal_fast.controller import messages as msg
-from areal_fast.controller.workers import WorkerError
-
-if TYPE_CHECKING:
-    from areal_fast.controller.async_loop import AsyncController
+from areal_fast.controller.fleet import RolloutFleet
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError
 
 log = logging.getLogger("areal_fast.controller")
 
@@ -45,8 +43,8 @@ class StepEvals:
     every_steps : int
         Evaluate the weights of every step ``k`` with ``k % every_steps == 0`` (0: never).
     requests : list[GroupRequest]
-        The held-out set (greedy, n = 1), spread over the workers as by
-        :meth:`AsyncController.evaluate`.
+        The held-out set (greedy, n = 1), spread over the workers in their order (worker
+        ``i`` of ``n`` gets requests ``i, i + n, ...``).
     on_done : callable (version, records, seconds) -> None
         Called once per finished evaluation with its records (uid, answer, completion,
         correct, reward; in request order) and the seconds from its start to its end.
@@ -84,33 +82,37 @@ class StepEvals:
         every = self.every_steps
         return bool(every and self.requests) and version > 0 and version % every == 0
 
-    def after_step(self, c: "AsyncController", record: dict) -> dict:
-        """Called once step ``c.version``'s weights were sent: start its evaluation if due;
-        returns ``record`` with ``eval_accuracy`` and ``eval_step`` of the newest evaluation
-        finished since the previous record, if any."""
-        if self.due(c.version):
-            self.start(c, c.version)
+    def after_step(self, version: int, record: dict, fleet: RolloutFleet) -> dict:
+        """Called once step ``version``'s weights were sent to ``fleet``: start its evaluation
+        if due; returns ``record`` with ``eval_accuracy`` and ``eval_step`` of the newest
+        evaluation finished since the previous record, if any."""
+        if self.due(version):
+            self.start(version, fleet)
         if self._latest is None:
             return record
         version, self._latest = self._latest, None
         return {**record, "eval_accuracy": self.accuracy[version], "eval_step": version}
 
-    def start(self, c: "AsyncController", version: int) -> None:
-        """Send every rollout worker its share of the held-out set, on weights ``version``."""
-        workers = c.workers
+    def start(self, version: int, fleet: RolloutFleet) -> None:
+        """Send every rollout worker of ``fleet`` its share of the held-out set, on weights
+        ``version``."""
+        workers = fleet.workers
         parts = {w.name: self.requests[i :: len(workers)] for i, w in enumerate(workers)}
         if not self.running:
             self._clock = time.monotonic()
         self.running.append(_Eval(version, parts, time.monotonic()))
         for worker in workers:
-            c.send_rollout(worker, msg.Evaluate(parts[worker.name], version))
+            fleet.send(worker, msg.Evaluate(parts[worker.name], version))
 
-    def on_eval_done(self, c: "AsyncController", worker: str, done: msg.EvalDone) -> None:
-        """A worker's :class:`EvalDone`: an answer to one of these evaluations, or (version
-        None) to :meth:`AsyncController.evaluate`'s."""
-        if done.version is None:
-            c.eval_records[worker] = done.records
-            return
+    def on_eval_done(self, worker: str, done: msg.EvalDone) -> None:
+        """A worker's :class:`EvalDone` for one of these evaluations (``done.version``: the
+        evaluated step; an evaluation outside training is :class:`~.drain.Drain`'s).
+
+        Raises
+        ------
+        WorkerError
+            No running evaluation of ``done.version`` asked ``worker`` for an answer.
+        """
         now = time.monotonic()
         self._answered[worker] = now
         run = next((e for e in self.running if e.version == done.version), None)
@@ -165,9 +167,12 @@ class StepEvals:
                 name,
             )
 
-    def resend(self, c: "AsyncController", worker) -> None:
-        """A restarted ``worker`` gets its share of every evaluation it had not answered
-        (it runs them on the weights it serves then, reported in its answers)."""
-        for run in self.running:
-            if worker.name in run.parts and worker.name not in run.records:
-                c.send_rollout(worker, msg.Evaluate(run.parts[worker.name], run.version))
+    def owed(self, worker: str) -> list[msg.Evaluate]:
+        """What a restarted ``worker`` is to be sent again: its share of every running
+        evaluation it had not answered, oldest first (it runs them on the weights it serves
+        then, reported in its answers)."""
+        return [
+            msg.Evaluate(run.parts[worker], run.version)
+            for run in self.running
+            if worker in run.parts and worker not in run.records
+        ]

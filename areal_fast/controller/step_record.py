@@ -11,8 +11,8 @@ from __future__ import annotations
 import collections
 import statistics
 
-from areal_fast.controller import messages as msg
 from areal_fast.controller.ledger import Ledger, TrainingBatch
+from areal_fast.wire import messages as msg
 
 STEP_METRICS: dict[str, str] = {
     # which step

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from areal_fast.controller import messages as msg
+from areal_fast.wire import messages as msg
 
 
 class WeightTracker:
@@ -52,6 +52,10 @@ class WeightTracker:
         everyone = min(self.acked.values())
         for version in [v for v in self._published if v <= everyone]:
             self.latency_seconds.append(time.monotonic() - self._published.pop(version))
+
+    def restarted(self, worker: str) -> None:
+        """``worker`` was restarted: it serves no version until it acknowledges one."""
+        self.acked[worker] = 0
 
     def summary(self) -> dict:
         """The JSON-able record for ``summary.json``."""

@@ -8,7 +8,7 @@ of the prompt (with ``"uid"`` and ``"answer"``). A function marked with :func:`b
 called once per prompt group instead, as ``fn(completions: list[str], samples: list[dict]) ->
 list[float]``. Either form may be an ``async def``.
 
-The rollout workers run the calls in a pool (:mod:`areal_fast.controller.reward_pool`); this
+The rollout workers run the calls in a pool (:mod:`areal_fast.workers.reward_pool`); this
 module only holds what both the controller (the check at start-up) and the pool's threads
 or processes need.
 """

@@ -27,15 +27,15 @@ from pathlib import Path
 from typing import Optional
 
 from areal_fast._nodes import LOCAL_NODE, reachable_host
-from areal_fast.controller import messages as msg
-from areal_fast.controller.core_share import CoreShareSpec, create_table, remove_table
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec, rollout_worker_main
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec, trainer_worker_main
-from areal_fast.controller.workers import WorkerError, WorkerHandle, spawn_worker, wait_messages
 from areal_fast.launch.config import LauncherConfig, SchedulerConfig
 from areal_fast.sync.config import SyncConfig, choose_transport
 from areal_fast.sync.shared_memory import remove_orphaned_buffers
 from areal_fast.sync.slot_broadcast import WeightLink
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError, WorkerHandle, spawn_worker, wait_messages
+from areal_fast.workers.core_share import CoreShareSpec, create_table, remove_table
+from areal_fast.workers.rollout_worker import RolloutWorkerSpec, rollout_worker_main
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec, trainer_worker_main
 
 
 @dataclass
@@ -71,7 +71,7 @@ class ClusterSpec:
         wildcard: 127.0.0.1). The Ray launcher sets rank 0's node here.
     shared_cores : int, optional
         Cores of this machine that the workers share (``launcher.share_cores``): the local
-        launcher makes a core table (:mod:`areal_fast.controller.core_share`) with one slot
+        launcher makes a core table (:mod:`areal_fast.workers.core_share`) with one slot
         per trainer rank and rollout worker, whose shares are the ``threads`` of
         ``trainer`` and ``rollout`` (both must be set). None: fixed threads.
     """

@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 
-from areal_fast.controller import messages as msg
 from areal_fast.controller.requests import ChatPrompts, eval_requests
-from areal_fast.controller.workers import WorkerError, WorkerHandle, wait_messages
 from areal_fast.launch.cluster import ClusterSpec
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
 from areal_fast.launch.inputs import check_positions, load_eval_set
@@ -34,6 +32,8 @@ from areal_fast.launch.worker_specs import (
     make_cluster,
 )
 from areal_fast.models.loading import load_model_config, load_tokenizer
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError, WorkerHandle, wait_messages
 
 EVAL_FILE = "eval.jsonl"
 

@@ -18,11 +18,9 @@ import torch
 
 from areal_fast.controller.async_loop import AsyncController, RunPlan
 from areal_fast.controller.checkpoint_manager import Checkpoint, CheckpointManager
-from areal_fast.controller.messages import SaveCheckpoint, Saved
 from areal_fast.controller.metrics import MetricsLog, plot_progress
 from areal_fast.controller.requests import ChatPrompts, MathRequests, ProblemStream, eval_requests
 from areal_fast.controller.step_evals import StepEvals
-from areal_fast.controller.workers import WorkerError, wait_messages
 from areal_fast.launch import console
 from areal_fast.launch.cluster import Cluster
 from areal_fast.launch.config import ExperimentConfig
@@ -55,6 +53,8 @@ from areal_fast.launch.worker_specs import (
 )
 from areal_fast.models.loading import load_model_config, load_tokenizer
 from areal_fast.rollout.engine import SamplingParams
+from areal_fast.wire.handles import WorkerError, wait_messages
+from areal_fast.wire.messages import SaveCheckpoint, Saved
 
 log = logging.getLogger("areal_fast.launch")
 
@@ -403,7 +403,8 @@ def _run(
             enabled=show_progress,
         )
         if step_evals.due(version) and version not in step_evals.accuracy:
-            step_evals.start(controller, version)  # lost with the run that saved the checkpoint
+            # lost with the run that saved the checkpoint
+            step_evals.start(version, controller.fleet)
         try:
             counts = controller.run()
         finally:

@@ -21,8 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-from areal_fast.controller.messages import StateSaved, StepDone
-from areal_fast.controller.workers import WorkerError, wait_messages
+from areal_fast.wire.handles import WorkerError, wait_messages
+from areal_fast.wire.messages import StateSaved, StepDone
 
 CHECKPOINT_WAIT_SECONDS = 60.0  # longest wait for a checkpoint in progress after Ctrl-C
 INTERRUPTED_FILE = "INTERRUPTED"

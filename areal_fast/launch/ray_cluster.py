@@ -6,7 +6,7 @@ actor pinned to its bundle, on any node of the cluster. The controller stays the
 actor connects back to the controller over an authenticated socket (``multiprocessing.
 connection`` with the job's random key: an HMAC challenge before any data) and then runs the
 same worker entry point as a local process, speaking the same msgpack messages
-(:mod:`areal_fast.controller.codec`).
+(:mod:`areal_fast.wire.codec`).
 
 Node identity: before the worker starts, each actor sets ``AREAL_FAST_NODE_ID`` (its Ray node
 id) and ``AREAL_FAST_NODE_IP`` (its node's IP) in its environment (:mod:`areal_fast._nodes`)
@@ -52,9 +52,9 @@ from typing import Optional
 import msgpack
 
 from areal_fast._nodes import NODE_ID_ENV, NODE_IP_ENV, reachable_host
-from areal_fast.controller.codec import MessageChannel
-from areal_fast.controller.workers import WorkerError, WorkerHandle, _worker_entry
 from areal_fast.launch.cluster import Cluster, ClusterSpec, free_port, trainer_name
+from areal_fast.wire.codec import MessageChannel
+from areal_fast.wire.handles import WorkerError, WorkerHandle, _worker_entry
 
 
 class _WorkerActor:
@@ -203,7 +203,7 @@ class RayHandle(WorkerHandle):
     def stop(self, timeout: float = 10.0) -> None:
         import ray
 
-        from areal_fast.controller.messages import Shutdown
+        from areal_fast.wire.messages import Shutdown
 
         try:
             self.conn.send(Shutdown())

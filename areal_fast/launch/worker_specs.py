@@ -9,13 +9,13 @@ from typing import Optional
 
 import torch
 
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.data.rewards import math_reward
 from areal_fast.data.user_reward import load_reward, resolve_path
 from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster
 from areal_fast.launch.config import ConfigError, ExperimentConfig
 from areal_fast.launch.factories import TorchTrainerFactory, engine_factory
+from areal_fast.workers.rollout_worker import RolloutWorkerSpec
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec
 
 
 def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:

@@ -234,7 +234,7 @@ def assemble_packed_batch(shards: list[dict[str, torch.Tensor]], adv_mode: str) 
     Parameters
     ----------
     shards : list of dict[str, Tensor]
-        Fields of :func:`~areal_fast.controller.shard_io.shard_tensors` (:data:`TOKEN_FIELDS`, :data:`SEQ_FIELDS`), one dict per GRPO group.
+        Fields of :func:`~areal_fast.wire.shard_io.shard_tensors` (:data:`TOKEN_FIELDS`, :data:`SEQ_FIELDS`), one dict per GRPO group.
     adv_mode : str
         Advantage estimator of :func:`~areal_fast.rl.advantages.group_advantages`.
     """

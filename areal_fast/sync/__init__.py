@@ -3,7 +3,7 @@
 What ``areal-fast train`` uses: the trainer writes policy version v into one of two slots
 (``trainer_slots``): host shared memory (``shared_memory``), and on a GPU trainer also their
 CUDA twins (``cuda_slots``). Every rollout worker on the node reads its slot in place at its
-next pause (:class:`~areal_fast.controller.messages.UpdateWeights`): an engine on the
+next pause (:class:`~areal_fast.wire.messages.UpdateWeights`): an engine on the
 trainer's GPU copies from the CUDA slot device to device, any other from shared memory;
 workers on other nodes get each version over a weight link (``slot_broadcast``). ``config``
 chooses the path of each worker (``sync.transport``).

@@ -24,13 +24,13 @@ from areal_fast.agent.runner import AgentConfig, AgentRunner, GroupSessions, loa
 from areal_fast.agent.session import ModelCall, Session
 from areal_fast.agent.store import TrajectoryConfig, TrajectoryStoreError, read_trajectories
 from areal_fast.agent.workload import AgentWorkload, AgentWorkloadSpec
-from areal_fast.controller import messages as msg
 from areal_fast.controller.async_loop import AsyncController, RunPlan
-from areal_fast.controller.rollout_worker import RolloutWorker, RolloutWorkerSpec
-from areal_fast.controller.shards import ShardMetadata
 from areal_fast.controller.step_record import agent_totals
 from areal_fast.rollout.config import RolloutConfig
 from areal_fast.rollout.engine import GenOutput, SamplingParams
+from areal_fast.wire import messages as msg
+from areal_fast.wire.shards import ShardMetadata
+from areal_fast.workers.rollout_worker import RolloutWorker, RolloutWorkerSpec
 
 QUESTION = [{"role": "user", "content": "6*7?"}]
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import heapq
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -21,10 +22,8 @@ import pytest
 
 from areal_fast.controller.async_loop import AsyncController, RunPlan
 from areal_fast.controller.config import Timeouts
-from areal_fast.controller.messages import GroupRequest
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
-from areal_fast.controller.workers import WorkerError
+from areal_fast.controller.run_counts import RunCounts
+from areal_fast.controller.step_evals import StepEvals
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster
 from areal_fast.launch.config import LauncherConfig
 from areal_fast.rollout.config import RolloutConfig
@@ -37,6 +36,18 @@ from areal_fast.rollout.simulated import (
     sim_reward,
 )
 from areal_fast.train.simulated import SimulatedTrainEngine
+from areal_fast.wire.codec import MessageChannel
+from areal_fast.wire.handles import WorkerError, WorkerHandle
+from areal_fast.wire.messages import (
+    CancelAll,
+    Cancelled,
+    EvalDone,
+    Evaluate,
+    GroupRequest,
+    UpdateWeights,
+)
+from areal_fast.workers.rollout_worker import RolloutWorkerSpec
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec
 
 PROMPT = [7] * 8
 FLAT = "flat"  # answer of groups whose samples all get reward 1
@@ -501,3 +512,58 @@ def test_killed_trainer_leaves_no_weight_files(tmp_path):
     finally:
         for path in files:
             path.unlink(missing_ok=True)
+
+
+# ---- a restarted rollout worker, in process ------------------------------------------------
+class PipeHandle(WorkerHandle):
+    """A worker's handle over an in-process pipe: what it is sent is recorded; closing
+    ``peer`` (the worker's end) is its death."""
+
+    def __init__(self, name: str):
+        ours, theirs = multiprocessing.Pipe()
+        self.name, self.conn, self.peer, self.sent = name, MessageChannel(ours), theirs, []
+
+    def send(self, message) -> None:
+        self.sent.append(message)
+
+
+def test_a_restarted_worker_is_told_what_the_dead_one_was_told():
+    """Its death is noticed by the wait; the new worker gets the current weights, the
+    wind-down's cancel and its shares of both running evaluations, in that order."""
+    a, b, trainer = PipeHandle("a"), PipeHandle("b"), PipeHandle("trainer")
+    restarted = PipeHandle("a")
+    params = SamplingParams(n=1, temperature=0.0)
+    held_out = [GroupRequest(-1 - i, [1], params, 0, "1", f"u{i}") for i in range(4)]
+    resume = {"version": 3, "counts": RunCounts().as_dict(), "pending_groups": 0}
+    controller = AsyncController(
+        [a, b],
+        trainer,
+        ("slot-0", "slot-1"),
+        lambda group_id: None,
+        RunPlan(total_steps=5, batch_size=2),
+        RolloutConfig(),
+        lambda record: None,
+        restart_rollout=lambda name: restarted,
+        resume={**resume, "elapsed_seconds": 5.0},
+        step_evals=StepEvals(every_steps=1, requests=held_out),
+    )
+    assert controller.version == 3 and controller.elapsed_before == 5.0
+    assert a.sent == b.sent == [UpdateWeights(3, "slot-1")]  # the resumed version's weights
+    controller.evals.start(3, controller.fleet)
+    controller.drain.shares = {"a": held_out[:2], "b": held_out[2:]}  # evaluate() under way
+    controller.ledger.close()  # training is winding down
+    a.peer.close()
+    assert controller.wait(1.0, "in the test") == []
+    assert controller.workers == [restarted, b] and controller.weights.acked["a"] == 0
+    assert controller.ledger.counts.rollout_restarts == 1 and "a" in controller.recovery.warming
+    assert restarted.sent == [
+        UpdateWeights(3, "slot-1"),
+        CancelAll(),
+        Evaluate(held_out[:2]),
+        Evaluate([held_out[0], held_out[2]], 3),
+    ]
+    # answers to evaluate() go to the drain, cancels to the fleet
+    controller.fleet.cancelling = {"a", "b"}
+    controller.handle([(b, EvalDone([{"uid": "u2"}])), (b, Cancelled(0))])
+    assert controller.drain.records == {"b": [{"uid": "u2"}]}
+    assert controller.fleet.cancelling == {"a"}

@@ -13,8 +13,6 @@ from safetensors.torch import load_file
 
 from areal_fast.controller.async_loop import AsyncController, RunPlan
 from areal_fast.controller.requests import ChatPrompts, MathRequests, ProblemStream, group_seed
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.data.rewards import DEFAULT_INSTRUCTION
 from areal_fast.data.tasks import load_problems
 from areal_fast.launch.cluster import ClusterSpec, LocalCluster
@@ -31,6 +29,8 @@ from areal_fast.rollout.engine import SamplingParams
 from areal_fast.rollout.hf_engine import HFEngine
 from areal_fast.train.config import ActorConfig
 from areal_fast.train.torch_engine import OptimizerConfig, TorchTrainEngine
+from areal_fast.workers.rollout_worker import RolloutWorkerSpec
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec
 
 SEED = 7
 STEPS, BATCH = 2, 3

@@ -17,15 +17,18 @@ from hypothesis.stateful import (
     rule,
 )
 
-from areal_fast.controller import messages as msg
+from areal_fast.controller.checkpoint_manager import PendingSaves
 from areal_fast.controller.config import RecoveryConfig, Timeouts
+from areal_fast.controller.fleet import RolloutFleet
 from areal_fast.controller.ledger import Ledger, LedgerError, RunCounts, State
-from areal_fast.controller.recovery import Recovery
-from areal_fast.controller.shards import ShardMetadata
+from areal_fast.controller.recovery import Recovery, RecoveryScope
 from areal_fast.controller.staleness import StalenessManager
 from areal_fast.controller.step_evals import StepEvals
-from areal_fast.controller.workers import WorkerError
+from areal_fast.controller.weight_tracker import WeightTracker
 from areal_fast.rollout.engine import SamplingParams
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError
+from areal_fast.wire.shards import ShardMetadata
 
 WORKERS = ("rollout-0", "rollout-1", "rollout-2")
 MAX_CONCURRENT, PIPELINE = 7, 2
@@ -39,25 +42,6 @@ class FakeHandle:
         self.sent.append(message)
 
 
-class FakeController:
-    """What :class:`Recovery` uses of the controller."""
-
-    def __init__(self, ledger: Ledger):
-        self.ledger, self.version, self.buffers = ledger, 0, ("slot-0", "slot-1")
-        self.workers = [FakeHandle(n) for n in WORKERS]
-        self.acked = {n: 0 for n in WORKERS}
-        self.progress = {n: 0.0 for n in WORKERS}
-        self.eval_assignment, self.eval_records = {}, {}
-        self.evals = StepEvals()  # no evaluation during training
-        self.trainer, self.last_step = FakeHandle("trainer"), 0.0
-
-    def replace_worker(self, new: FakeHandle) -> None:
-        self.workers = [new if w.name == new.name else w for w in self.workers]
-
-    def send_rollout(self, worker: FakeHandle, message) -> None:
-        worker.send(message)
-
-
 def request(group_id: int) -> msg.GroupRequest:
     return msg.GroupRequest(group_id, [1, 2], SamplingParams(n=2), group_id)
 
@@ -68,19 +52,20 @@ class LedgerMachine(RuleBasedStateMachine):
         self.batch, self.eta, self.drop_stale = batch, eta, drop_stale
         self.staleness = StalenessManager(batch, eta, MAX_CONCURRENT)
         self.ledger = Ledger(self.max_staleness, keep_finished=True)
-        self.c = FakeController(self.ledger)
-        self.recovery = Recovery(
-            self.c, FakeHandle, RecoveryConfig(max_rollout_restarts=10**6), Timeouts()
+        self.fleet = RolloutFleet([FakeHandle(n) for n in WORKERS])
+        self.weights = WeightTracker(list(WORKERS))
+        watched = RecoveryScope(
+            self.ledger, self.fleet, self.weights, StepEvals(), PendingSaves(None), "trainer"
         )
+        self.recovery = Recovery(
+            watched, FakeHandle, RecoveryConfig(max_rollout_restarts=10**6), Timeouts()
+        )
+        self.version = 0
         self.first_id, self.resumed_at = 0, -1  # groups before a resume are only counted
         self.ended_before = RunCounts()  # counts at the last resume
         self.cancelled: set[str] = set()
         self.staleness_trained: list[int] = []
         self.outcomes: dict[int, State] = {}  # every group that ended, seen once
-
-    @property
-    def version(self) -> int:
-        return self.c.version
 
     @property
     def max_staleness(self):
@@ -180,7 +165,7 @@ class LedgerMachine(RuleBasedStateMachine):
         batch = self.ledger.trained(self.ledger.training[0].group_ids)
         assert batch.train_version == self.version
         self.staleness_trained += [batch.train_version - g.version for g in batch.groups]
-        self.c.version += 1
+        self.version += 1
         with pytest.raises(LedgerError):  # a batch is trained once
             self.ledger.trained(batch.group_ids)
 
@@ -188,17 +173,19 @@ class LedgerMachine(RuleBasedStateMachine):
     @rule(worker=st.sampled_from(WORKERS))
     def acknowledge(self, worker):
         """``worker`` serves the current weights (ends its warm-up)."""
-        self.c.acked[worker] = self.version
+        self.weights.acknowledged(worker, msg.WeightsUpdated(self.version, 0.1))
         self.recovery.end_warm_up(worker)
 
     @rule(worker=st.sampled_from(WORKERS), roll=st.integers(0, 3))
     def worker_dies(self, worker, roll):
         if roll:  # deaths are rarer than the other events
             return
-        self.recovery.on_worker_error(WorkerError(f"{worker} died", worker, died=True))
-        new = next(w for w in self.c.workers if w.name == worker)
+        old = next(w for w in self.fleet.workers if w.name == worker)
+        died = WorkerError(f"{worker} died", worker, died=True)
+        new = self.recovery.on_worker_error(died, self.version)
+        assert new is not old and new.name == worker and new in self.fleet.workers
+        assert self.weights.acked[worker] == 0  # serves nothing until it acknowledges
         if self.ledger.closing:
-            assert isinstance(new.sent[-1], msg.CancelAll)
             self.cancelled.discard(worker)  # the new worker has to answer the cancel
         assert self.ledger.running_on(worker) == 0
 
@@ -222,7 +209,7 @@ class LedgerMachine(RuleBasedStateMachine):
             resumed.counts.dropped["pending_at_checkpoint"]
             == self.ledger.counts.dropped["pending_at_checkpoint"] + pending
         )
-        self.ledger = self.c.ledger = self.recovery.c.ledger = resumed
+        self.ledger = self.recovery.scope.ledger = resumed
         self.first_id, self.resumed_at = resumed.counts.submitted, self.version
         self.ended_before = RunCounts.from_dict(resumed.counts.as_dict())
         self.outcomes = {}

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from areal_fast.controller.codec import decode_message, encode_message
 from areal_fast.controller.requests import ChatPrompts, MathRequests, ProblemStream, eval_requests
 from areal_fast.data.config import DataConfig
 from areal_fast.data.problems import MathProblem
@@ -18,6 +17,7 @@ from areal_fast.data.user_data import load_user_data
 from areal_fast.launch.config import ConfigError, load_config
 from areal_fast.launch.inputs import load_datasets, load_eval_set
 from areal_fast.rollout.engine import SamplingParams
+from areal_fast.wire.codec import decode_message, encode_message
 
 REPO = Path(__file__).resolve().parents[2]
 WORD_ARITH = REPO / "examples" / "data" / "word_arith"

@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from areal_fast.controller.reward_pool import GroupScores, RewardPool
 from areal_fast.data.user_reward import (
     RewardConfig,
     RewardValueError,
@@ -21,6 +20,7 @@ from areal_fast.data.user_reward import (
 )
 from areal_fast.launch.config import ConfigError, load_config
 from areal_fast.launch.worker_specs import check_reward, cluster_spec
+from areal_fast.workers.reward_pool import GroupScores, RewardPool
 
 REWARDS = """
 import asyncio

@@ -16,14 +16,14 @@ import dataclasses
 import pytest
 import torch
 
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
 from areal_fast.launch.cluster import ClusterSpec
 from areal_fast.launch.config import ConfigError, ExperimentConfig, load_config
 from areal_fast.launch.factories import HFEngineFactory, TorchTrainerFactory
 from areal_fast.launch.worker_specs import cluster_spec
 from areal_fast.train.fsdp import FSDPTrainEngine
 from areal_fast.train.torch_engine import TorchTrainEngine
+from areal_fast.workers.rollout_worker import RolloutWorkerSpec
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec
 
 # every value below differs from its default
 CHANGED = [

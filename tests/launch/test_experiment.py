@@ -353,8 +353,8 @@ def test_resume_refuses_another_model(tiny_model_dir, tiny_qwen_dir, tmp_path, r
 
 
 def test_ray_resources_checked_before_placing():
-    from areal_fast.controller.workers import WorkerError
     from areal_fast.launch.ray_cluster import _check_resources
+    from areal_fast.wire.handles import WorkerError
 
     bundles = [{"CPU": 1.0}, {"CPU": 1.0}, {"CPU": 0.5, "GPU": 1.0}]
     _check_resources(bundles, {"CPU": 2.5, "GPU": 1.0})

@@ -12,13 +12,13 @@ import torch
 from linked_job import REPO, job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
-from areal_fast.controller import messages as msg
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
-from areal_fast.controller.workers import WorkerError
 from areal_fast.launch import cluster as cluster_module
 from areal_fast.launch.cluster import Cluster, ClusterSpec
 from areal_fast.sync.config import SyncConfig
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError
+from areal_fast.workers.rollout_worker import RolloutWorkerSpec
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GPU_A, GPU_B = "GPU-aaaa", "GPU-bbbb"

@@ -233,10 +233,10 @@ def test_finishing_a_checkpoint_records_a_step_trained_meanwhile(tmp_path, monke
     """The trainer trains step 6 (sent ahead) before it answers the save asked at step 5:
     its files say version 6, so the StepDone of step 6 must be recorded before the save is
     committed (as the controller's loop does), and the checkpoint is step-6."""
-    from areal_fast.controller import messages as msg
     from areal_fast.controller.checkpoint_manager import PendingSaves
     from areal_fast.launch import interrupt
     from areal_fast.train.checkpoint import FORMAT, STATE_FILE
+    from areal_fast.wire import messages as msg
 
     saves = PendingSaves(CheckpointManager(tmp_path / "checkpoints", every_steps=5))
     tmp5 = saves.after_step(5, {"version": 5, "counts": {}})

@@ -21,13 +21,13 @@ import pytest
 from two_node_ray import NODE2_IP, two_node_ray  # noqa: F401 - the fixture
 
 from areal_fast._nodes import NODE_IP_ENV, reachable_host
-from areal_fast.controller.codec import MessageChannel
-from areal_fast.controller.messages import WorkerFailed
-from areal_fast.controller.shards import ShardStore
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
-from areal_fast.controller.workers import WorkerError, WorkerHandle, wait_messages
 from areal_fast.launch.cluster import ClusterSpec
 from areal_fast.launch.config import ConfigError, SchedulerConfig, load_config
+from areal_fast.wire.codec import MessageChannel
+from areal_fast.wire.handles import WorkerError, WorkerHandle, wait_messages
+from areal_fast.wire.messages import WorkerFailed
+from areal_fast.wire.shards import ShardStore
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec
 
 REPO = Path(__file__).resolve().parents[2]
 NOT_HERE = "203.0.113.9"  # TEST-NET-3: never an address of this machine
@@ -74,7 +74,7 @@ class _GroupFactory:
 
 
 def _spec(bind_host=None, ranks=2, **kwargs) -> ClusterSpec:
-    from areal_fast.controller.rollout_worker import RolloutWorkerSpec
+    from areal_fast.workers.rollout_worker import RolloutWorkerSpec
 
     return ClusterSpec(
         rollout=RolloutWorkerSpec(engine_factory=print, reward_fn=print),
@@ -173,7 +173,7 @@ def test_messages_name_the_workers_node():
 PROBE = """
 import datetime, json, os
 from dataclasses import dataclass
-from areal_fast.controller.messages import Shutdown, WorkerReady
+from areal_fast.wire.messages import Shutdown, WorkerReady
 
 
 @dataclass
@@ -203,7 +203,7 @@ def _serve(conn):
 
 
 def rollout(conn, name, spec, authkey):
-    from areal_fast.controller.shards import ShardStore
+    from areal_fast.wire.shards import ShardStore
     store = ShardStore(authkey, spec.host)
     store.start()
     _record(spec.out, name, {"host": spec.host, "address": store.address})
@@ -237,8 +237,8 @@ import probe
 ray.cloudpickle.register_pickle_by_value(probe)  # arguments load before the actor's chdir
 import areal_fast.launch.cluster as cluster_module
 cluster_module.trainer_worker_main, cluster_module.rollout_worker_main = probe.trainer, probe.rollout
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
-from areal_fast.controller.workers import WorkerError, wait_messages
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec
+from areal_fast.wire.handles import WorkerError, wait_messages
 from areal_fast.launch.cluster import ClusterSpec
 from areal_fast.launch.config import SchedulerConfig
 from areal_fast.launch.ray_cluster import RayCluster

@@ -12,12 +12,13 @@ import pytest
 from linked_job import JOB_CWD, tiny_job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
-from areal_fast.controller import messages as msg
+from areal_fast.controller.fleet import RolloutFleet
 from areal_fast.controller.metrics import plot_progress
-from areal_fast.controller.rollout_weights import WorkerWeights
 from areal_fast.controller.step_evals import StepEvals
-from areal_fast.controller.workers import WorkerError
 from areal_fast.rollout.engine import SamplingParams
+from areal_fast.wire import messages as msg
+from areal_fast.wire.handles import WorkerError
+from areal_fast.workers.rollout_weights import WorkerWeights
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
@@ -57,7 +58,7 @@ def _update(version: int) -> msg.UpdateWeights:
 
 
 def test_an_evaluation_runs_on_its_version_and_holds_newer_ones_back(monkeypatch):
-    import areal_fast.controller.rollout_weights as rw
+    import areal_fast.workers.rollout_weights as rw
 
     monkeypatch.setattr(rw, "cuda_slots_usable", lambda *a: False)
     monkeypatch.setattr(rw, "slot_gpu", lambda spec: "")
@@ -112,34 +113,26 @@ class _Worker:
     def __init__(self, name):
         self.name, self.sent = name, []
 
-
-class _Controller:
-    def __init__(self, names):
-        self.workers = [_Worker(n) for n in names]
-        self.eval_records: dict = {}
-        self.version = 0
-
-    def send_rollout(self, worker, message):
-        worker.sent.append(message)
+    def send(self, message):
+        self.sent.append(message)
 
 
 def test_step_evals_schedule_records_and_deadline(caplog):
     finished: list = []
     evals = StepEvals(2, _requests(5), lambda v, r, s: finished.append((v, r)), timeout=10.0)
-    c = _Controller(["a", "b"])
+    fleet = RolloutFleet([_Worker("a"), _Worker("b")])
     assert [v for v in range(0, 7) if evals.due(v)] == [2, 4, 6]
-    c.version = 1
-    assert evals.after_step(c, {"step": 1}) == {"step": 1}
-    c.version = 2
-    assert evals.after_step(c, {"step": 2}) == {"step": 2}
-    sent = {w.name: w.sent[-1] for w in c.workers}
+    assert evals.after_step(1, {"step": 1}, fleet) == {"step": 1}
+    assert all(w.sent == [] for w in fleet.workers)  # step 1 is not due
+    assert evals.after_step(2, {"step": 2}, fleet) == {"step": 2}
+    sent = {w.name: w.sent[-1] for w in fleet.workers}
     assert all(m.version == 2 for m in sent.values())
     assert sorted(r.uid for m in sent.values() for r in m.groups) == [f"u{i}" for i in range(5)]
     assert evals.evaluating("a") and evals.excused("b", 0.0, 1.0)
 
     def answer(worker, ok, served=2):
         records = [{"uid": r.uid, "correct": ok, "reward": float(ok)} for r in sent[worker].groups]
-        evals.on_eval_done(c, worker, msg.EvalDone(records, 2, served))
+        evals.on_eval_done(worker, msg.EvalDone(records, 2, served))
 
     answer("b", False)
     assert not finished and not evals.evaluating("b") and evals.evaluating("a")
@@ -149,19 +142,24 @@ def test_step_evals_schedule_records_and_deadline(caplog):
     ((version, records),) = finished
     assert version == 2 and [r["uid"] for r in records] == [f"u{i}" for i in range(5)]
     assert evals.accuracy == {2: 3 / 5} and not evals.running
-    c.version = 3
-    assert evals.after_step(c, {"step": 3}) == {"step": 3, "eval_accuracy": 0.6, "eval_step": 2}
-    assert evals.after_step(c, {"step": 3}) == {"step": 3}  # reported once
-    evals.on_eval_done(c, "a", msg.EvalDone([{"uid": "x"}]))  # version None: evaluate()'s
-    assert c.eval_records == {"a": [{"uid": "x"}]}
+    assert evals.after_step(3, {"step": 3}, fleet) == {
+        "step": 3,
+        "eval_accuracy": 0.6,
+        "eval_step": 2,
+    }
+    assert evals.after_step(3, {"step": 3}, fleet) == {"step": 3}  # reported once
     with pytest.raises(WorkerError, match="not asked of it"):
-        evals.on_eval_done(c, "a", msg.EvalDone([], 8, 8))
-    evals.start(c, 4)
-    evals.on_eval_done(c, "b", msg.EvalDone([], 4, 4))
-    restarted = _Worker("a")
-    evals.resend(c, restarted)
-    evals.resend(c, _Worker("b"))  # answered already: nothing sent
-    assert [(m.version, len(m.groups)) for m in restarted.sent] == [(4, 3)]
+        evals.on_eval_done("a", msg.EvalDone([], 8, 8))
+    evals.start(4, fleet)
+    evals.start(6, fleet)
+    evals.on_eval_done("b", msg.EvalDone([], 4, 4))
+    owed = evals.owed("a")  # a restarted "a": both shares again, oldest first
+    assert [(m.version, [r.uid for r in m.groups]) for m in owed] == [
+        (4, ["u0", "u2", "u4"]),
+        (6, ["u0", "u2", "u4"]),
+    ]
+    assert [m.version for m in evals.owed("b")] == [6]  # answered 4 already
+    assert evals.owed("c") == []
     with pytest.raises(WorkerError, match="'a' did not finish the evaluation of step 4 within"):
         evals.check_deadline(evals.running[0].sent + 11.0)
 

@@ -23,10 +23,10 @@ def engine_installs(model_dir: str, updates, out) -> None:
     :class:`WorkerWeights` and put ``(version, crc of the engine's parameters, seconds)`` on
     ``out``; ``("error", traceback)`` on failure."""
     try:
-        from areal_fast.controller.codec import decode_message
-        from areal_fast.controller.rollout_weights import WorkerWeights
         from areal_fast.models.loading import load_causal_lm, load_tokenizer
         from areal_fast.rollout.hf_engine import HFEngine
+        from areal_fast.wire.codec import decode_message
+        from areal_fast.workers.rollout_weights import WorkerWeights
 
         model = load_causal_lm(model_dir, "bfloat16", device="cuda")
         engine = HFEngine(model, load_tokenizer(model_dir), max_batch_size=4)

@@ -13,8 +13,6 @@ import zlib
 import pytest
 import torch
 
-from areal_fast.controller import messages as msg
-from areal_fast.controller.codec import decode_message, encode_message
 from areal_fast.sync.config import SyncConfig, choose_transport, cuda_slots_usable
 from areal_fast.sync.cuda_slots import (
     CudaSlotSpec,
@@ -27,6 +25,8 @@ from areal_fast.sync.cuda_slots import (
 from areal_fast.sync.shared_memory import SharedWeightBuffer
 from areal_fast.sync.slot_broadcast import buffer_checksum
 from areal_fast.sync.trainer_slots import TrainerSlots, cast_weights
+from areal_fast.wire import messages as msg
+from areal_fast.wire.codec import decode_message, encode_message
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 GPU_A, GPU_B = "GPU-1b4e7c1a-0000-0000-0000-00000000000a", "GPU-9d3f-b"

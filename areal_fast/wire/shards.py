@@ -21,14 +21,14 @@ import msgpack
 import torch
 
 from areal_fast._nodes import reachable_host
-from areal_fast.controller.shard_io import (
+from areal_fast.ops.packing import partition_balanced
+from areal_fast.rl.batch import PackedBatch, assemble_packed_batch
+from areal_fast.wire.shard_io import (
     read_shard_file,
     recv_shards,
     send_shards,
     write_shard_file,
 )
-from areal_fast.ops.packing import partition_balanced
-from areal_fast.rl.batch import PackedBatch, assemble_packed_batch
 
 log = logging.getLogger("areal_fast.shards")
 
@@ -161,7 +161,7 @@ class ShardStore:
     such as 0.0.0.0 is advertised as the node's IP) on a free port
     and requires ``authkey`` (an HMAC challenge before any data is read), so only processes
     of the same job can connect; requests are msgpack and tensors travel as raw bytes
-    (:func:`~areal_fast.controller.shard_io.send_shards`), never pickled.
+    (:func:`~areal_fast.wire.shard_io.send_shards`), never pickled.
     """
 
     def __init__(self, authkey: bytes, host: str = "127.0.0.1", spool_dir: str | None = None):

@@ -6,9 +6,9 @@ import multiprocessing as mp
 
 import pytest
 
-from areal_fast.controller import messages as msg
-from areal_fast.controller.codec import MessageChannel
-from areal_fast.controller.workers import MessageWaiter, WorkerError, WorkerHandle
+from areal_fast.wire import messages as msg
+from areal_fast.wire.codec import MessageChannel
+from areal_fast.wire.handles import MessageWaiter, WorkerError, WorkerHandle
 
 
 class _PipeHandle(WorkerHandle):

@@ -1,5 +1,5 @@
 """A rollout worker's plain (non-agent) groups: their samples while they generate, and the
-records a finished group becomes (a :class:`~areal_fast.controller.messages.GroupDone`, or
+records a finished group becomes (a :class:`~areal_fast.wire.messages.GroupDone`, or
 an evaluation record)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from areal_fast.controller import messages as msg
-from areal_fast.controller.shards import ShardMetadata
+from areal_fast.wire import messages as msg
+from areal_fast.wire.shards import ShardMetadata
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Worker processes of the local launcher: spawn, message, wait with deadlines, detect death.
 
 Each worker is a ``spawn``-ed process connected to the controller by a duplex pipe. Messages
-are the dataclasses of :mod:`areal_fast.controller.messages`, sent as msgpack
-(:mod:`areal_fast.controller.codec`; nothing is unpickled). :func:`wait_messages` waits on
+are the dataclasses of :mod:`areal_fast.wire.messages`, sent as msgpack
+(:mod:`areal_fast.wire.codec`; nothing is unpickled). :func:`wait_messages` waits on
 every pipe and every process sentinel at once, so a worker that dies is reported at once, by name, instead of hanging the run.
 """
 
@@ -15,8 +15,8 @@ import traceback
 from multiprocessing.connection import wait
 from typing import Optional
 
-from areal_fast.controller.codec import CodecError, MessageChannel
-from areal_fast.controller.messages import WorkerFailed
+from areal_fast.wire.codec import CodecError, MessageChannel
+from areal_fast.wire.messages import WorkerFailed
 
 
 class WorkerError(RuntimeError):
@@ -116,7 +116,7 @@ class ProcessHandle(WorkerHandle):
         self.process.join(timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
-        from areal_fast.controller.messages import Shutdown
+        from areal_fast.wire.messages import Shutdown
 
         if self.process.is_alive():
             try:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from areal_fast.controller.shards import DistributedBatch, ShardMetadata
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.sync.shared_memory import WeightBufferSpec
 from areal_fast.sync.slot_broadcast import WeightLink
+from areal_fast.wire.shards import DistributedBatch, ShardMetadata
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """A child process of a ``reward.pool = process`` pool: loads ``reward.path`` and answers calls.
 
-Started by :class:`~areal_fast.controller.reward_pool.ProcessRunner` as ``python -m
-areal_fast.controller.reward_child PATH``. Messages are msgpack (plain data only: strings,
+Started by :class:`~areal_fast.workers.reward_pool.ProcessRunner` as ``python -m
+areal_fast.workers.reward_child PATH``. Messages are msgpack (plain data only: strings,
 numbers, lists, maps; nothing is unpickled) with an 8-byte big-endian length in front: the parent writes ``(completions, samples)`` to the child's stdin; the child
 writes ``("ready", None)`` (or ``("failed", message)``) once, then ``("ok", values)`` or
 ``("error", "Type: message")`` per call to its original stdout. Whatever the reward prints

@@ -12,7 +12,7 @@ backward, the optimizer step, each decode step) a process sets its torch threads
 while others work (never fewer, so the configured split without oversubscription is what
 remains when every process is busy). A check reads the mapped table (no system call) and
 calls ``torch.set_num_threads`` only when the count changes. The hooks and the worker
-processes' start are in :mod:`areal_fast.controller.core_hooks`.
+processes' start are in :mod:`areal_fast.workers.core_hooks`.
 
 ``torch.set_num_threads`` sets the OpenMP and MKL thread counts of the calling thread (and
 the count later threads start with), so each check runs in the thread that computes: the

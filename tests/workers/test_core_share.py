@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from areal_fast.controller.core_hooks import (
+from areal_fast.workers.core_hooks import (
     SharedEngineFactory,
     decoder_layers,
     hook_engine,
@@ -24,7 +24,7 @@ from areal_fast.controller.core_hooks import (
     rollout_cores,
     trainer_cores,
 )
-from areal_fast.controller.core_share import (
+from areal_fast.workers.core_share import (
     PREFIX,
     CoreShare,
     CoreShareSpec,
@@ -34,8 +34,8 @@ from areal_fast.controller.core_share import (
     remove_table,
     threads_wanted,
 )
-from areal_fast.controller.rollout_worker import RolloutWorkerSpec
-from areal_fast.controller.trainer_worker import TrainerWorkerSpec
+from areal_fast.workers.rollout_worker import RolloutWorkerSpec
+from areal_fast.workers.trainer_worker import TrainerWorkerSpec
 
 
 @pytest.fixture(autouse=True)

@@ -15,16 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from areal_fast.controller.shard_io import shard_tensors
-from areal_fast.controller.shards import (
-    DistributedBatch,
-    ShardMetadata,
-    ShardStore,
-    TensorMetadata,
-    fetch_packed_batch,
-    fetch_shards,
-    tensor_metadata,
-)
 from areal_fast.rl.advantages import group_advantages
 from areal_fast.rl.batch import (
     SEQ_FIELDS,
@@ -35,6 +25,16 @@ from areal_fast.rl.batch import (
     pack_trajectories,
 )
 from areal_fast.sync.shared_memory import ALIGNMENT, SharedWeightBuffer
+from areal_fast.wire.shard_io import shard_tensors
+from areal_fast.wire.shards import (
+    DistributedBatch,
+    ShardMetadata,
+    ShardStore,
+    TensorMetadata,
+    fetch_packed_batch,
+    fetch_shards,
+    tensor_metadata,
+)
 
 AUTHKEY = b"test-authkey-0123456789abcdef012"
 

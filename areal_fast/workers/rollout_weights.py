@@ -1,14 +1,14 @@
 """A rollout worker's weight updates: pause the engine, install the new version, resume.
 
 Two sources, one install: a worker on trainer rank 0's node maps the trainer's slot named by
-each :class:`~areal_fast.controller.messages.UpdateWeights` (its CUDA twin, copied device to
+each :class:`~areal_fast.wire.messages.UpdateWeights` (its CUDA twin, copied device to
 device, when the engine runs on the GPU that holds it, see :mod:`areal_fast.sync.cuda_slots`;
 else the shared-memory slot); a worker given a
-:class:`~areal_fast.controller.messages.ConnectWeights` receives every version over its weight
+:class:`~areal_fast.wire.messages.ConnectWeights` receives every version over its weight
 link into a node-local buffer of the same layout
 (:class:`~areal_fast.sync.slot_broadcast.SlotSubscriber`) and ignores the slot names. Either
 way the engine pauses in its pause mode only for the install, and the worker answers
-:class:`~areal_fast.controller.messages.WeightsUpdated`.
+:class:`~areal_fast.wire.messages.WeightsUpdated`.
 
 An evaluation of a given version (:meth:`WorkerWeights.evaluate_at`) pins the weights: it
 starts once that version (or a newer one) is served, and from its start every newer version
@@ -23,11 +23,11 @@ import time
 from typing import Callable, Optional
 
 from areal_fast._nodes import node_id, reachable_host
-from areal_fast.controller import messages as msg
 from areal_fast.sync.config import SyncConfig, cuda_slots_usable
 from areal_fast.sync.cuda_slots import CudaWeightSlot, engine_gpu, slot_gpu
 from areal_fast.sync.shared_memory import SharedWeightBuffer, remove_orphaned_buffers
 from areal_fast.sync.slot_broadcast import SlotSubscriber, buffer_checksum
+from areal_fast.wire import messages as msg
 
 PAUSE_TIMEOUT_S = 300.0
 

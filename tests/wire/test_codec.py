@@ -13,10 +13,15 @@ import msgpack
 import pytest
 import torch
 
-from areal_fast.controller import messages as msg
-from areal_fast.controller.codec import MESSAGE_TYPES, CodecError, decode_message, encode_message
-from areal_fast.controller.shard_io import shard_tensors
-from areal_fast.controller.shards import (
+from areal_fast.rl.batch import Trajectory
+from areal_fast.rollout.engine import SamplingParams
+from areal_fast.sync.cuda_slots import CudaSlotSpec, encode_share
+from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry
+from areal_fast.sync.slot_broadcast import WeightLink
+from areal_fast.wire import messages as msg
+from areal_fast.wire.codec import MESSAGE_TYPES, CodecError, decode_message, encode_message
+from areal_fast.wire.shard_io import shard_tensors
+from areal_fast.wire.shards import (
     DistributedBatch,
     ShardMetadata,
     ShardStore,
@@ -24,11 +29,6 @@ from areal_fast.controller.shards import (
     fetch_shards,
     tensor_metadata,
 )
-from areal_fast.rl.batch import Trajectory
-from areal_fast.rollout.engine import SamplingParams
-from areal_fast.sync.cuda_slots import CudaSlotSpec, encode_share
-from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry
-from areal_fast.sync.slot_broadcast import WeightLink
 
 
 def _shard(rng: random.Random, node: str = "rollout-0") -> ShardMetadata:

@@ -1,7 +1,7 @@
 """The wire format between the controller and its workers: msgpack, never pickle.
 
 Every controller ↔ worker message is one of the dataclasses in :data:`MESSAGE_TYPES` (the
-typed messages of :mod:`areal_fast.controller.messages` and the records they carry). A
+typed messages of :mod:`areal_fast.wire.messages` and the records they carry). A
 dataclass travels as a msgpack map ``{"__t": <class name>, <field>: <value>, ...}``; decoding
 builds only classes named in that whitelist, so bytes from a socket can create plain data
 and nothing else (no code runs, unlike ``pickle.loads``). Fields annotated as tuples come
@@ -20,12 +20,12 @@ from typing import Any
 
 import msgpack
 
-from areal_fast.controller import messages as msg
-from areal_fast.controller.shards import DistributedBatch, ShardMetadata, TensorMetadata
 from areal_fast.rollout.engine import SamplingParams
 from areal_fast.sync.cuda_slots import CudaSlotSpec
 from areal_fast.sync.shared_memory import WeightBufferSpec, WeightEntry
 from areal_fast.sync.slot_broadcast import WeightLink
+from areal_fast.wire import messages as msg
+from areal_fast.wire.shards import DistributedBatch, ShardMetadata, TensorMetadata
 
 _TYPE_KEY = "__t"
 

@@ -26,9 +26,9 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from areal_fast.controller.reward_child import read_message, write_message
 from areal_fast.data.user_reward import RewardConfig, RewardValueError, is_batched, load_reward
 from areal_fast.data.user_reward import score as score_call
+from areal_fast.workers.reward_child import read_message, write_message
 
 STARTUP_TIMEOUT_S = 300.0  # a child process: importing the reward module
 log = logging.getLogger("areal_fast.reward")
@@ -108,7 +108,7 @@ class ThreadRunner:
 
 
 class ProcessRunner:
-    """Runs calls in one child process (:mod:`areal_fast.controller.reward_child`); a call
+    """Runs calls in one child process (:mod:`areal_fast.workers.reward_child`); a call
     that times out has its process killed, and a new one is started for the next call."""
 
     def __init__(self, path: str, timeout: float):
@@ -123,7 +123,7 @@ class ProcessRunner:
         env = dict(os.environ)  # the child imports what this process imports
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "areal_fast.controller.reward_child", self.path],
+            [sys.executable, "-m", "areal_fast.workers.reward_child", self.path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=env,

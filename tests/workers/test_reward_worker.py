@@ -12,13 +12,13 @@ from dataclasses import dataclass
 
 import pytest
 
-from areal_fast.controller import messages as msg
 from areal_fast.controller.acceptance import Acceptance
 from areal_fast.controller.ledger import Ledger
-from areal_fast.controller.rollout_worker import RolloutWorker, RolloutWorkerSpec
 from areal_fast.data.user_reward import RewardConfig
 from areal_fast.rollout.engine import GenOutput, SamplingParams
 from areal_fast.sync.shared_memory import WeightBufferSpec
+from areal_fast.wire import messages as msg
+from areal_fast.workers.rollout_worker import RolloutWorker, RolloutWorkerSpec
 
 REWARD = """
 import time

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from areal_fast.controller.core_share import CoreShare, CoreShareSpec, FixedCores
+from areal_fast.workers.core_share import CoreShare, CoreShareSpec, FixedCores
 
 
 def decoder_layers(model: torch.nn.Module) -> tuple[torch.nn.Module, list[torch.nn.Module]]:

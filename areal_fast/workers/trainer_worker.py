@@ -18,15 +18,15 @@ from typing import Callable, Optional
 import torch
 
 from areal_fast._nodes import LOCAL_NODE, node_id, reachable_host
-from areal_fast.controller import messages as msg
-from areal_fast.controller.core_hooks import trainer_cores
-from areal_fast.controller.core_share import CoreShareSpec, FixedCores
-from areal_fast.controller.shards import fetch_packed_batch
 from areal_fast.rl.decoupled import staleness_stats
 from areal_fast.sync.config import CUDA_IPC_SETTINGS, SyncConfig
 from areal_fast.sync.slot_broadcast import SlotBroadcaster
 from areal_fast.sync.trainer_slots import TrainerSlots
 from areal_fast.train.config import ActorConfig
+from areal_fast.wire import messages as msg
+from areal_fast.wire.shards import fetch_packed_batch
+from areal_fast.workers.core_hooks import trainer_cores
+from areal_fast.workers.core_share import CoreShareSpec, FixedCores
 
 
 @dataclass

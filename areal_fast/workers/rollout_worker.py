@@ -1,7 +1,7 @@
 """Rollout worker process: runs GRPO groups on a request-level engine, keeps the results.
 
 The worker owns an :class:`~areal_fast.rollout.engine.AsyncInferenceEngine`, a
-:class:`~areal_fast.controller.shards.ShardStore` (finished groups stay here until a trainer
+:class:`~areal_fast.wire.shards.ShardStore` (finished groups stay here until a trainer
 fetches them) and the group bookkeeping. On a weight update it pauses the engine (running
 samples come back aborted with their partial tokens), installs the new weights, resumes,
 and resubmits every aborted sample as prompt + partial with the remaining budget: log-probs
@@ -13,7 +13,7 @@ engine with the plain samples (held-out evaluation stays plain), and aborted cal
 resumed the same way.
 
 A finished group is scored by ``spec.reward_fn`` on the main thread (the built-in math reward:
-cheap), or, with ``reward.path`` set, by a :class:`~areal_fast.controller.reward_pool.RewardPool`
+cheap), or, with ``reward.path`` set, by a :class:`~areal_fast.workers.reward_pool.RewardPool`
 whose result comes back through the inbox like every other event, so a slow reward never
 delays a weight update.
 
@@ -31,23 +31,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from areal_fast.controller import messages as msg
-from areal_fast.controller.core_hooks import CoreShareSpec, rollout_cores
-from areal_fast.controller.reward_pool import GroupScores, RewardPool
-from areal_fast.controller.rollout_groups import (
+from areal_fast.data.user_reward import RewardConfig
+from areal_fast.rl.batch import Trajectory
+from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
+from areal_fast.sync.config import SyncConfig
+from areal_fast.wire import messages as msg
+from areal_fast.wire.shard_io import shard_tensors
+from areal_fast.wire.shards import ShardMetadata, ShardStore, tensor_metadata
+from areal_fast.workers.core_hooks import CoreShareSpec, rollout_cores
+from areal_fast.workers.reward_pool import GroupScores, RewardPool
+from areal_fast.workers.rollout_groups import (
     Group,
     Sample,
     eval_record,
     group_done,
     sample_dicts,
 )
-from areal_fast.controller.rollout_weights import PAUSE_TIMEOUT_S, WorkerWeights
-from areal_fast.controller.shard_io import shard_tensors
-from areal_fast.controller.shards import ShardMetadata, ShardStore, tensor_metadata
-from areal_fast.data.user_reward import RewardConfig
-from areal_fast.rl.batch import Trajectory
-from areal_fast.rollout.engine import GenOutput, GenRequest, sample_seed
-from areal_fast.sync.config import SyncConfig
+from areal_fast.workers.rollout_weights import PAUSE_TIMEOUT_S, WorkerWeights
 
 FLUSH_TIMEOUT_S = 300.0  # trajectory store: writing out what is queued when training ends
 log = logging.getLogger("areal_fast.rollout_worker")
@@ -82,7 +82,7 @@ class RolloutWorkerSpec:
         ``sync.checksum``: report a CRC-32 of every installed weights version.
     reward : RewardConfig, optional
         ``reward.*``: with ``reward.path`` set, groups are scored by that function in a
-        :class:`~areal_fast.controller.reward_pool.RewardPool` (the worker loads it by path).
+        :class:`~areal_fast.workers.reward_pool.RewardPool` (the worker loads it by path).
     """
 
     engine_factory: Callable
