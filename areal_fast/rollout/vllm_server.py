@@ -71,7 +71,6 @@ import weakref
 from pathlib import Path
 from typing import Optional
 
-import areal_fast
 from areal_fast.rollout.engine import GenOutput, GenRequest
 from areal_fast.rollout.http_json import JsonHttpClient, expect_dict, one_line
 from areal_fast.rollout.loop_engine import EngineError, LoopEngine, spans_to_versions
@@ -288,7 +287,7 @@ class VLLMServerEngine(LoopEngine):
 
     def _serve_env(self, api_key: str) -> dict[str, str]:
         env = dict(os.environ)
-        root = str(Path(areal_fast.__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding areal_fast/
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env["VLLM_API_KEY"] = api_key
         env["VLLM_SERVER_DEV_MODE"] = "1"
