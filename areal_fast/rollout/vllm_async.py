@@ -45,8 +45,8 @@ import torch
 
 from areal_fast.rollout.engine import GenOutput, GenRequest
 from areal_fast.rollout.loop_engine import EngineError, LoopEngine, spans_to_versions
-from areal_fast.rollout.lora_merge import is_adapter_update
 from areal_fast.rollout.vllm_lora import VersionedAdapters, vllm_lora_args
+from areal_fast.sync.adapter import is_adapter_update
 from areal_fast.sync.shared_memory import SharedWeightBuffer, WeightBufferSpec
 
 VLLM_MISSING = (
