@@ -1,15 +1,15 @@
-"""GRPO-family loss fused with the LM head: log-probs, entropy, loss and gradients in one pass.
+"""The GRPO-family loss fused with the LM head: log-probs, entropy, loss and gradients in one pass.
 
 ``fused_linear_grpo_loss`` equals ``grpo_loss(linear_logprobs(hidden, weight, labels), ...)``
 with the entropy computed in the same pass when ``config.entropy_coef`` ≠ 0, but for
 token-level ratios it needs one pass over the vocabulary instead of two: with a token-level
 ratio every per-token loss ℓ_t depends on token t alone, and the aggregation is a fixed
 weighted sum Σ c_t ℓ_t (:func:`areal_fast.rl.objectives.aggregation_weights`), so each
-chunk's dℓ/dlogp and dℓ/dentropy are known as soon as its log-probs are. The chunk's logits
-are then overwritten with their gradient (the row epilogue's backward) and pushed through the
-two gradient matmuls at once; the autograd backward only hands the stored gradients over
-(scaled in place by the upstream scalar, on the device). Three [chunk, V]-sized matmuls per
-chunk instead of four, no [T, V] tensor.
+chunk's dℓ/dlogp and dℓ/dentropy are known as soon as its log-probs are. The pass is ops'
+(:func:`areal_fast.ops.fused_pass.fused_forward_backward`, which knows no loss); this module
+gives it the objective's per-chunk gradients (:func:`areal_fast.rl.objectives.token_terms`
+through autograd, or the Triton kernel :func:`areal_fast.kernels.grpo_loss.token_loss_grads`)
+and forms the loss value and statistics with :func:`areal_fast.rl.objectives.grpo_loss`.
 Sequence-level ratios (GSPO) couple the tokens of a sequence and take the composed path.
 
 What a trainer logs comes out of the same pass: the entropy (``with_entropy``, also when
@@ -29,8 +29,13 @@ from typing import Callable, NamedTuple
 import torch
 
 from areal_fast.ops import logprobs as lp_ops
-from areal_fast.ops.logits_cache import cache_budget_bytes
-from areal_fast.ops.logprob_rows import row_backend
+from areal_fast.ops.fused_pass import (
+    ChunkGrads,
+    FusedLinearLossFunction,
+    fused_forward_backward,
+    scatter_tokens,
+    trained_positions_of,
+)
 from areal_fast.ops.logprobs import IGNORE_INDEX, linear_logprobs
 from areal_fast.rl.config import LossConfig
 from areal_fast.rl.objectives import (
@@ -128,221 +133,6 @@ def _call_prox_fn(prox_fn: ProxFn, logprobs, positions, out):
     if not value.is_floating_point():
         raise ValueError(f"prox_fn must return floating log-probs, got {value.dtype}")
     return out.copy_(value)
-
-
-_FUSED_MAX_ROWS = 4096  # tokens per block at most: larger blocks gain no matmul efficiency
-
-
-def fused_chunk_rows(num_tokens: int, vocab: int, itemsize: int, device: torch.device) -> int:
-    """Tokens per [chunk, V] logits block of the fused pass.
-
-    On the CPU the block may take what ``linear_logprobs`` may keep of its logits
-    (``AREAL_FAST_LOGITS_CACHE_MB``, :func:`~areal_fast.ops.logits_cache.cache_budget_bytes`),
-    up to 4096 rows: a block of a few hundred rows streams the whole LM head once per chunk
-    and runs its matmuls well below the full-size rate there. Elsewhere (budget 0 by
-    default) the 64 MiB block of the chunked log-prob path (at least 256 rows).
-    """
-    rows = lp_ops._chunk_size(num_tokens, vocab, itemsize)
-    budget_rows = cache_budget_bytes(device) // max(itemsize * vocab, 1)
-    return max(1, min(num_tokens, max(rows, min(budget_rows, _FUSED_MAX_ROWS))))
-
-
-def fused_forward_backward(
-    hidden,
-    weight,
-    labels,
-    bias,
-    temperature,
-    per_token_inputs,
-    weights,
-    config,
-    impl,
-    *,
-    want_entropy=None,
-    prox_fn=None,
-    positions=None,
-    head_grads=True,
-):
-    """One pass: logprobs/entropy/prox [T'] and the gradients of Σ c_t ℓ_t w.r.t. hidden/weight/bias.
-
-    ``per_token_inputs`` = (old, advantages, prox, ref, engine), each [T'] or None, on the
-    tokens to process (all trained: no ignore_index labels here). ``want_entropy``: also
-    compute the entropy (it enters the loss, and its gradient the pass, only when
-    ``config.entropy_coef != 0``, which always computes it). ``prox_fn`` with ``positions``
-    [T'] int64 (each token's index in the caller's batch): the proximal log-probs of every
-    chunk from its own log-probs, in place of ``per_token_inputs``' prox.
-
-    ``config`` None: the forward alone (the log-probs and entropy of exactly this pass; no
-    loss, gradients None). ``head_grads`` False: no weight and bias gradients (a frozen LM
-    head, e.g. under LoRA: one [V, H] matmul per chunk less).
-
-    Returns (logprobs, entropy or None, prox or None (from ``prox_fn``), grad_hidden,
-    grad_weight, grad_bias).
-    """
-    num_tokens, vocab = hidden.shape[0], weight.shape[0]
-    acc = lp_ops._acc_dtype(hidden.dtype)
-    rows = row_backend(impl)
-    weight_mm = lp_ops._matmul_weight(weight, acc)
-    forward_only = config is None
-    entropy_in_loss = not forward_only and config.entropy_coef != 0
-    logprobs = hidden.new_empty(num_tokens, dtype=acc)
-    entropy = torch.empty_like(logprobs) if entropy_in_loss or want_entropy else None
-    prox_out = None if prox_fn is None else torch.empty_like(logprobs)
-    lse = torch.empty_like(logprobs)
-    grad_hidden = grad_weight = grad_bias = None
-    if not forward_only:
-        grad_hidden = torch.empty_like(hidden)
-    if not forward_only and head_grads:
-        grad_weight = torch.zeros(weight.shape, dtype=acc, device=weight.device)
-        if bias is not None:
-            grad_bias = torch.zeros(vocab, dtype=acc, device=weight.device)
-    chunk = fused_chunk_rows(num_tokens, vocab, torch.finfo(acc).bits // 8, hidden.device)
-    block = hidden.new_empty(chunk, vocab, dtype=acc)
-    inv_temp = 1.0 / temperature
-    for start in range(0, num_tokens, chunk):
-        sl = slice(start, min(start + chunk, num_tokens))
-        hidden_chunk = hidden[sl]
-        z = lp_ops._chunk_logits(hidden_chunk, weight_mm, bias, acc, block[: sl.stop - start])
-        chunk_entropy = None if entropy is None else entropy[sl]
-        rows.forward(z, labels[sl], inv_temp, IGNORE_INDEX, logprobs[sl], chunk_entropy, lse[sl])
-        if forward_only:
-            continue
-        old, adv, prox, ref, engine = (None if t is None else t[sl] for t in per_token_inputs)
-        if prox_fn is not None:
-            prox = _call_prox_fn(prox_fn, logprobs[sl], positions[sl], prox_out[sl])
-        loss_entropy = chunk_entropy if entropy_in_loss else None
-        g_lp, g_ent = _chunk_loss_grads(
-            logprobs[sl], loss_entropy, weights[sl], old, adv, config, prox, ref, engine, impl
-        )
-        rows.backward_(z, labels[sl], lse[sl], loss_entropy, g_lp, g_ent, inv_temp, IGNORE_INDEX)
-        lp_ops.push_chunk_gradient(
-            z, hidden_chunk, weight_mm, acc, sl, grad_hidden, grad_weight, grad_bias
-        )
-    return logprobs, entropy, prox_out, grad_hidden, grad_weight, grad_bias
-
-
-class FusedLinearGRPOLossFunction(torch.autograd.Function):
-    """The loss value, its gradients computed in the forward; backward hands them over.
-
-    ``forward(hidden, weight, bias, loss, grad_hidden, grad_weight, grad_bias,
-    upstream_grad)``: ``grad_*`` are the gradients of ``upstream_grad · loss`` when
-    ``upstream_grad`` (a host float) is given, else of ``loss``. The backward returns them
-    as they are in the first case (the incoming gradient must equal ``upstream_grad``;
-    checked on CPU, where the check is free), and scales them in place by the incoming
-    gradient in the second (a device-side multiply: no read-back, no weight-sized
-    temporary; the graph can be back-propagated once). No device→host synchronisation
-    either way.
-    """
-
-    @staticmethod
-    def forward(
-        ctx, hidden, weight, bias, loss, grad_hidden, grad_weight, grad_bias, upstream_grad=None
-    ):
-        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.upstream_grad = upstream_grad
-        return loss.detach().clone()
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grads = ctx.saved_tensors
-        upstream = ctx.upstream_grad
-        if upstream is None:
-            grads = [None if g is None else g.mul_(grad_loss) for g in grads]
-        elif grad_loss.device.type == "cpu" and not bool(grad_loss == upstream):
-            raise RuntimeError(
-                f"fused_linear_grpo_loss was given upstream_grad = {upstream}, but its "
-                f"backward received {float(grad_loss)}"
-            )
-        out = [None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.dtypes)]
-        return out[0], out[1], out[2], None, None, None, None, None
-
-
-def fused_pass_logprobs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    loss_mask: torch.Tensor,
-    *,
-    temperature: float = 1.0,
-    bias: torch.Tensor | None = None,
-    impl: str | None = None,
-    trained_positions: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Log-probs of the trained tokens exactly as :func:`fused_linear_grpo_loss` forms them.
-
-    The forward half of its single pass (same chunks of the trained tokens, same row
-    epilogue), without gradient: bitwise equal to ``FusedLossTokens.logprobs`` of a
-    token-level call on the same tensors, where :func:`~areal_fast.linear_logprobs` (whose
-    CPU path tiles the vocabulary) agrees only to rounding. A trainer's no-grad pass uses it
-    so that its log-probs match its gradient pass's (an on-policy ratio is exactly 1).
-
-    Parameters
-    ----------
-    hidden : Tensor [T, H], float32 | bfloat16 | float16 | float64
-    weight : Tensor [V, H], same dtype; ``bias`` [V] optional
-    labels : Tensor [T], int64 (read where ``loss_mask``)
-    loss_mask : Tensor [T], bool
-    temperature : float, > 0
-    impl : {"auto", "torch", "native", "triton"}, optional
-    trained_positions : Tensor [N] int64, optional
-        As in :func:`fused_linear_grpo_loss`.
-
-    Returns
-    -------
-    Tensor [T], float32 (float64 for float64 inputs)
-        0 outside ``loss_mask``; not differentiable.
-
-    Raises
-    ------
-    ValueError
-        Bad shapes, dtypes or devices (named), labels out of range on the CPU.
-    """
-    lp_ops._validate(hidden, weight, labels, bias, temperature, IGNORE_INDEX, False)
-    if loss_mask.shape != labels.shape or loss_mask.dtype != torch.bool:
-        raise ValueError(
-            f"loss_mask must be [T={labels.shape[0]}] bool, got "
-            f"{tuple(loss_mask.shape)} {loss_mask.dtype}"
-        )
-    train_labels = torch.where(loss_mask, labels, IGNORE_INDEX)
-    lp_ops._validate(
-        hidden, weight, train_labels, bias, temperature, IGNORE_INDEX, hidden.device.type == "cpu"
-    )
-    kept = _trained_positions(loss_mask, trained_positions)
-    with torch.no_grad():
-        kept_lp = fused_forward_backward(
-            hidden.detach().index_select(0, kept),
-            weight.detach(),
-            train_labels[kept],
-            None if bias is None else bias.detach(),
-            float(temperature),
-            None,
-            None,
-            None,
-            lp_ops._choose_impl(impl, hidden),
-        )[0]
-        return _scatter(kept_lp, kept, hidden.shape[0])
-
-
-def _trained_positions(loss_mask: torch.Tensor, given: torch.Tensor | None) -> torch.Tensor:
-    """Ascending positions [N] int64 of ``loss_mask``'s True entries (``given``, checked)."""
-    if given is None:
-        return loss_mask.nonzero().squeeze(1)  # output size unknown: a sync on GPUs
-    if given.dtype != torch.int64 or given.dim() != 1 or given.device != loss_mask.device:
-        raise ValueError(
-            f"trained_positions must be a 1-D int64 tensor on {loss_mask.device}, got "
-            f"{given.dtype} {tuple(given.shape)} on {given.device}"
-        )
-    if given.device.type == "cpu" and not torch.equal(given, loss_mask.nonzero().squeeze(1)):
-        raise ValueError("trained_positions must list the positions where loss_mask is True")
-    return given
-
-
-def _scatter(values, positions, num_tokens):
-    """[T] zeros with ``values`` [N] at ``positions`` (None stays None)."""
-    if values is None:
-        return None
-    return values.new_zeros(num_tokens).index_copy_(0, positions, values)
 
 
 def _check_options(prox_fn, prox_logprobs, upstream_grad) -> None:
@@ -472,9 +262,8 @@ def fused_linear_grpo_loss(
     ``cu_seqlens`` value checks run on CPU tensors only).
     """
     lp_ops._validate(hidden, weight, labels, bias, temperature, IGNORE_INDEX, False)
-    num_tokens = hidden.shape[0]
     check_loss_inputs(
-        num_tokens,
+        hidden.shape[0],
         old_logprobs,
         loss_mask,
         cu_seqlens,
@@ -490,31 +279,52 @@ def fused_linear_grpo_loss(
     )
     want_entropy = config.entropy_coef != 0 or bool(with_entropy)
     train_labels = torch.where(loss_mask, labels, IGNORE_INDEX)
-    if config.ratio_level == "sequence" or not needs_grad:
-        loss, stats, tokens = _composed(
-            hidden,
-            weight,
-            train_labels,
-            bias,
-            temperature,
-            impl,
-            want_entropy,
-            (old_logprobs, advantages, loss_mask, cu_seqlens, config),
-            (prox_logprobs, ref_logprobs, engine_logprobs),
-            prox_fn,
-            trained_positions,
-        )
-        return (loss, stats, tokens) if return_per_token else (loss, stats)
+    path = _composed if config.ratio_level == "sequence" or not needs_grad else _fused
+    loss, stats, tokens = path(
+        hidden,
+        weight,
+        train_labels,
+        bias,
+        temperature,
+        impl,
+        want_entropy,
+        (old_logprobs, advantages, loss_mask, cu_seqlens, config),
+        (prox_logprobs, ref_logprobs, engine_logprobs),
+        prox_fn,
+        trained_positions,
+        upstream_grad,
+    )
+    return (loss, stats, tokens) if return_per_token else (loss, stats)
+
+
+def _fused(
+    hidden,
+    weight,
+    train_labels,
+    bias,
+    temperature,
+    impl,
+    want_entropy,
+    loss_args,
+    extras,
+    prox_fn,
+    trained_positions,
+    upstream_grad,
+):
+    """The single pass (token-level ratios, a gradient wanted): (loss, stats, tokens)."""
+    old_logprobs, advantages, loss_mask, cu_seqlens, config = loss_args
+    prox_logprobs, ref_logprobs, engine_logprobs = extras
     lp_ops._validate(
         hidden, weight, train_labels, bias, temperature, IGNORE_INDEX, hidden.device.type == "cpu"
     )
+    num_tokens = hidden.shape[0]
     chosen = lp_ops._choose_impl(impl, hidden)
     acc = lp_ops._acc_dtype(hidden.dtype)
     advantages_t = per_token_advantages(advantages, cu_seqlens, num_tokens)
     weights = aggregation_weights(loss_mask, cu_seqlens, config, acc)
     if upstream_grad is not None:
         weights = weights * float(upstream_grad)
-    kept = _trained_positions(loss_mask, trained_positions)
+    kept = trained_positions_of(loss_mask, trained_positions)
     per_token_inputs = tuple(
         None if t is None else t.index_select(0, kept).detach()
         for t in (
@@ -525,28 +335,26 @@ def fused_linear_grpo_loss(
             engine_logprobs if config.tis_cap is not None else None,
         )
     )
+    prox_out = None if prox_fn is None else hidden.new_empty(kept.shape[0], dtype=acc)
+    chunk_grads: ChunkGrads = _grpo_chunk_grads(
+        per_token_inputs, weights.index_select(0, kept), config, chosen, prox_fn, kept, prox_out
+    )
     with torch.no_grad():
-        kept_lp, kept_ent, kept_prox, kept_grad_hidden, grad_weight, grad_bias = (
-            fused_forward_backward(
-                hidden.detach().index_select(0, kept),
-                weight.detach(),
-                train_labels[kept],
-                None if bias is None else bias.detach(),
-                float(temperature),
-                per_token_inputs,
-                weights.index_select(0, kept),
-                config,
-                chosen,
-                want_entropy=want_entropy,
-                prox_fn=prox_fn,
-                positions=kept,
-                head_grads=weight.requires_grad or (bias is not None and bias.requires_grad),
-            )
+        kept_lp, kept_ent, kept_grad_hidden, grad_weight, grad_bias = fused_forward_backward(
+            hidden.detach().index_select(0, kept),
+            weight.detach(),
+            train_labels[kept],
+            None if bias is None else bias.detach(),
+            float(temperature),
+            chosen,
+            chunk_grads=chunk_grads,
+            want_entropy=want_entropy,
+            head_grads=weight.requires_grad or (bias is not None and bias.requires_grad),
         )
-        logprobs = _scatter(kept_lp, kept, num_tokens)
-        entropy = _scatter(kept_ent, kept, num_tokens)
+        logprobs = scatter_tokens(kept_lp, kept, num_tokens)
+        entropy = scatter_tokens(kept_ent, kept, num_tokens)
         if prox_fn is not None:
-            prox_logprobs = _scatter(kept_prox, kept, num_tokens)
+            prox_logprobs = scatter_tokens(prox_out, kept, num_tokens)
         grad_hidden = torch.zeros_like(hidden).index_copy_(0, kept, kept_grad_hidden)
         loss, stats = grpo_loss(
             logprobs,
@@ -560,7 +368,7 @@ def fused_linear_grpo_loss(
             entropy=entropy,
             engine_logprobs=engine_logprobs,
         )
-    loss = FusedLinearGRPOLossFunction.apply(
+    loss = FusedLinearLossFunction.apply(
         hidden,
         weight,
         bias,
@@ -570,9 +378,29 @@ def fused_linear_grpo_loss(
         grad_bias,
         None if upstream_grad is None else float(upstream_grad),
     )
-    if not return_per_token:
-        return loss, stats
     return loss, stats, FusedLossTokens(logprobs, entropy, prox_logprobs)
+
+
+def _grpo_chunk_grads(per_token_inputs, weights, config, impl, prox_fn, positions, prox_out):
+    """The fused pass's ``chunk_grads`` for this loss: per chunk, the proximal log-probs of
+    ``prox_fn`` (written into ``prox_out``) and d(Σ c_t ℓ_t)/d logprobs, /d entropy.
+
+    ``per_token_inputs`` = (old, advantages, prox, ref, engine), each [N] or None, and
+    ``weights`` [N] (c_t), on the trained tokens; ``positions`` [N] their indices in the batch.
+    """
+    entropy_in_loss = config.entropy_coef != 0
+
+    def chunk_grads(sl, logprobs, entropy):
+        old, adv, prox, ref, engine = (None if t is None else t[sl] for t in per_token_inputs)
+        if prox_fn is not None:
+            prox = _call_prox_fn(prox_fn, logprobs, positions[sl], prox_out[sl])
+        loss_entropy = entropy if entropy_in_loss else None
+        g_lp, g_ent = _chunk_loss_grads(
+            logprobs, loss_entropy, weights[sl], old, adv, config, prox, ref, engine, impl
+        )
+        return g_lp, None if loss_entropy is None else g_ent
+
+    return chunk_grads
 
 
 def _composed(
@@ -587,8 +415,10 @@ def _composed(
     extras,
     prox_fn,
     trained_positions,
+    upstream_grad=None,
 ):
-    """``linear_logprobs`` + ``grpo_loss`` (GSPO and no-grad calls): (loss, stats, tokens)."""
+    """``linear_logprobs`` + ``grpo_loss`` (GSPO and no-grad calls): (loss, stats, tokens);
+    ``upstream_grad`` is not used here."""
     old_logprobs, advantages, loss_mask, cu_seqlens, config = loss_args
     prox_logprobs, ref_logprobs, engine_logprobs = extras
     out = linear_logprobs(
@@ -602,11 +432,11 @@ def _composed(
     )
     logprobs, entropy = out if want_entropy else (out, None)
     if prox_fn is not None:
-        kept = _trained_positions(loss_mask, trained_positions)
+        kept = trained_positions_of(loss_mask, trained_positions)
         with torch.no_grad():
             kept_lp = logprobs.detach().index_select(0, kept)
             kept_prox = _call_prox_fn(prox_fn, kept_lp, kept, torch.empty_like(kept_lp))
-            prox_logprobs = _scatter(kept_prox, kept, logprobs.shape[0])
+            prox_logprobs = scatter_tokens(kept_prox, kept, logprobs.shape[0])
     loss_entropy = entropy
     if entropy is not None and config.entropy_coef == 0:
         loss_entropy = entropy.detach()  # logged only: no backward through it
