@@ -16,8 +16,9 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 class VLLMConfig:
     """vLLM engine settings (``rollout.vllm.*``), for ``rollout.engine`` vllm and vllm_server.
 
-    Both vLLM engines take them as they are (:class:`~areal_fast.rollout.vllm_async.AsyncVLLMEngine`,
-    :class:`~areal_fast.rollout.vllm_server.VLLMServerEngine`, after :meth:`for_model`).
+    Both vLLM engines take them as they are, after :meth:`for_model`
+    (:class:`~areal_fast.rollout.vllm_async.AsyncVLLMEngine`,
+    :class:`~areal_fast.rollout.vllm_server.VLLMServerEngine`).
     """
 
     # weights and activations; auto: model.dtype

@@ -9,7 +9,8 @@ workers on other nodes get each version over a weight link (``slot_broadcast``).
 chooses the path of each worker (``sync.transport``).
 
 The rest is a library for engines outside the training loop (vLLM, SGLang, other nodes), used
-by ``rollout/vllm_engine.py``, the receivers and the benchmarks:
+by the receivers and the benchmarks (``benches/_vllm_offline.py``: a ``vllm.LLM`` on a sync
+group):
 
 =================  ==========================================================================
 module             holds
