@@ -155,10 +155,9 @@ def linear_logprobs_backward(
     them, else recomputed) are overwritten with their gradient (row epilogue), then
     grad_hidden = G·W and grad_weight += Gᵀ·h in the accumulation dtype.
 
-    The arguments are those of :func:`linear_logprobs_bwd_op`, in its order, then ``cache``.
-    ``needs_grad`` = (hidden, weight, bias) flags; gradients not needed are returned as None.
+    The arguments are :func:`linear_logprobs_bwd_op`'s, then ``cache``; ``needs_grad`` =
+    (hidden, weight, bias) flags; gradients not needed are returned as None.
     """
-    needs_grad = tuple(needs_grad)
     num_tokens, vocab = hidden.shape[0], weight.shape[0]
     acc = _acc_dtype(hidden.dtype)
     weight_mm = _matmul_weight(weight, acc)

@@ -325,15 +325,10 @@ def _fused(
     if upstream_grad is not None:
         weights = weights * float(upstream_grad)
     kept = trained_positions_of(loss_mask, trained_positions)
+    engine_lp = engine_logprobs if config.tis_cap is not None else None
     per_token_inputs = tuple(
         None if t is None else t.index_select(0, kept).detach()
-        for t in (
-            old_logprobs,
-            advantages_t,
-            prox_logprobs,
-            ref_logprobs,
-            engine_logprobs if config.tis_cap is not None else None,
-        )
+        for t in (old_logprobs, advantages_t, prox_logprobs, ref_logprobs, engine_lp)
     )
     prox_out = None if prox_fn is None else hidden.new_empty(kept.shape[0], dtype=acc)
     chunk_grads: ChunkGrads = _grpo_chunk_grads(
