@@ -277,92 +277,113 @@ def fused_linear_grpo_loss(
     needs_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    want_entropy = config.entropy_coef != 0 or bool(with_entropy)
-    train_labels = torch.where(loss_mask, labels, IGNORE_INDEX)
-    path = _composed if config.ratio_level == "sequence" or not needs_grad else _fused
-    loss, stats, tokens = path(
+    call = _LossCall(
         hidden,
         weight,
-        train_labels,
+        torch.where(loss_mask, labels, IGNORE_INDEX),
         bias,
         temperature,
         impl,
-        want_entropy,
-        (old_logprobs, advantages, loss_mask, cu_seqlens, config),
-        (prox_logprobs, ref_logprobs, engine_logprobs),
+        config.entropy_coef != 0 or bool(with_entropy),
+        old_logprobs,
+        advantages,
+        loss_mask,
+        cu_seqlens,
+        config,
+        prox_logprobs,
+        ref_logprobs,
+        engine_logprobs,
         prox_fn,
         trained_positions,
         upstream_grad,
     )
+    path = _composed if config.ratio_level == "sequence" or not needs_grad else _fused
+    loss, stats, tokens = path(call)
     return (loss, stats, tokens) if return_per_token else (loss, stats)
 
 
-def _fused(
-    hidden,
-    weight,
-    train_labels,
-    bias,
-    temperature,
-    impl,
-    want_entropy,
-    loss_args,
-    extras,
-    prox_fn,
-    trained_positions,
-    upstream_grad,
-):
+class _LossCall(NamedTuple):
+    """One call's inputs as both paths take them (``train_labels``: ``labels`` with
+    ``ignore_index`` outside ``loss_mask``; ``want_entropy``: the entropy is computed)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    train_labels: torch.Tensor
+    bias: torch.Tensor | None
+    temperature: float
+    impl: str | None
+    want_entropy: bool
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    cu_seqlens: torch.Tensor
+    config: LossConfig
+    prox_logprobs: torch.Tensor | None
+    ref_logprobs: torch.Tensor | None
+    engine_logprobs: torch.Tensor | None
+    prox_fn: ProxFn | None
+    trained_positions: torch.Tensor | None
+    upstream_grad: float | None
+
+    def loss(self, logprobs, entropy, prox_logprobs):
+        """:func:`~areal_fast.rl.objectives.grpo_loss` of these log-probs: (loss, stats)."""
+        return grpo_loss(
+            logprobs,
+            self.old_logprobs,
+            self.advantages,
+            self.loss_mask,
+            self.cu_seqlens,
+            self.config,
+            prox_logprobs=prox_logprobs,
+            ref_logprobs=self.ref_logprobs,
+            entropy=entropy,
+            engine_logprobs=self.engine_logprobs,
+        )
+
+
+def _fused(c: _LossCall):
     """The single pass (token-level ratios, a gradient wanted): (loss, stats, tokens)."""
-    old_logprobs, advantages, loss_mask, cu_seqlens, config = loss_args
-    prox_logprobs, ref_logprobs, engine_logprobs = extras
+    hidden, weight, bias, config = c.hidden, c.weight, c.bias, c.config
     lp_ops._validate(
-        hidden, weight, train_labels, bias, temperature, IGNORE_INDEX, hidden.device.type == "cpu"
-    )
+        hidden, weight, c.train_labels, bias, c.temperature, IGNORE_INDEX,
+        hidden.device.type == "cpu",
+    )  # fmt: skip
     num_tokens = hidden.shape[0]
-    chosen = lp_ops._choose_impl(impl, hidden)
+    chosen = lp_ops._choose_impl(c.impl, hidden)
     acc = lp_ops._acc_dtype(hidden.dtype)
-    advantages_t = per_token_advantages(advantages, cu_seqlens, num_tokens)
-    weights = aggregation_weights(loss_mask, cu_seqlens, config, acc)
-    if upstream_grad is not None:
-        weights = weights * float(upstream_grad)
-    kept = trained_positions_of(loss_mask, trained_positions)
-    engine_lp = engine_logprobs if config.tis_cap is not None else None
+    advantages_t = per_token_advantages(c.advantages, c.cu_seqlens, num_tokens)
+    weights = aggregation_weights(c.loss_mask, c.cu_seqlens, config, acc)
+    if c.upstream_grad is not None:
+        weights = weights * float(c.upstream_grad)
+    kept = trained_positions_of(c.loss_mask, c.trained_positions)
+    engine_lp = c.engine_logprobs if config.tis_cap is not None else None
     per_token_inputs = tuple(
         None if t is None else t.index_select(0, kept).detach()
-        for t in (old_logprobs, advantages_t, prox_logprobs, ref_logprobs, engine_lp)
+        for t in (c.old_logprobs, advantages_t, c.prox_logprobs, c.ref_logprobs, engine_lp)
     )
-    prox_out = None if prox_fn is None else hidden.new_empty(kept.shape[0], dtype=acc)
+    prox_out = None if c.prox_fn is None else hidden.new_empty(kept.shape[0], dtype=acc)
     chunk_grads: ChunkGrads = _grpo_chunk_grads(
-        per_token_inputs, weights.index_select(0, kept), config, chosen, prox_fn, kept, prox_out
+        per_token_inputs, weights.index_select(0, kept), config, chosen, c.prox_fn, kept, prox_out
     )
     with torch.no_grad():
         kept_lp, kept_ent, kept_grad_hidden, grad_weight, grad_bias = fused_forward_backward(
             hidden.detach().index_select(0, kept),
             weight.detach(),
-            train_labels[kept],
+            c.train_labels[kept],
             None if bias is None else bias.detach(),
-            float(temperature),
+            float(c.temperature),
             chosen,
             chunk_grads=chunk_grads,
-            want_entropy=want_entropy,
+            want_entropy=c.want_entropy,
             head_grads=weight.requires_grad or (bias is not None and bias.requires_grad),
         )
         logprobs = scatter_tokens(kept_lp, kept, num_tokens)
         entropy = scatter_tokens(kept_ent, kept, num_tokens)
-        if prox_fn is not None:
+        prox_logprobs = c.prox_logprobs
+        if c.prox_fn is not None:
             prox_logprobs = scatter_tokens(prox_out, kept, num_tokens)
         grad_hidden = torch.zeros_like(hidden).index_copy_(0, kept, kept_grad_hidden)
-        loss, stats = grpo_loss(
-            logprobs,
-            old_logprobs,
-            advantages,
-            loss_mask,
-            cu_seqlens,
-            config,
-            prox_logprobs=prox_logprobs,
-            ref_logprobs=ref_logprobs,
-            entropy=entropy,
-            engine_logprobs=engine_logprobs,
-        )
+        loss, stats = c.loss(logprobs, entropy, prox_logprobs)
     loss = FusedLinearLossFunction.apply(
         hidden,
         weight,
@@ -371,7 +392,7 @@ def _fused(
         grad_hidden,
         grad_weight,
         grad_bias,
-        None if upstream_grad is None else float(upstream_grad),
+        None if c.upstream_grad is None else float(c.upstream_grad),
     )
     return loss, stats, FusedLossTokens(logprobs, entropy, prox_logprobs)
 
@@ -398,55 +419,29 @@ def _grpo_chunk_grads(per_token_inputs, weights, config, impl, prox_fn, position
     return chunk_grads
 
 
-def _composed(
-    hidden,
-    weight,
-    train_labels,
-    bias,
-    temperature,
-    impl,
-    want_entropy,
-    loss_args,
-    extras,
-    prox_fn,
-    trained_positions,
-    upstream_grad=None,
-):
-    """``linear_logprobs`` + ``grpo_loss`` (GSPO and no-grad calls): (loss, stats, tokens);
-    ``upstream_grad`` is not used here."""
-    old_logprobs, advantages, loss_mask, cu_seqlens, config = loss_args
-    prox_logprobs, ref_logprobs, engine_logprobs = extras
+def _composed(c: _LossCall):
+    """``linear_logprobs`` + ``grpo_loss`` (GSPO and no-grad calls): (loss, stats, tokens)."""
     out = linear_logprobs(
-        hidden,
-        weight,
-        train_labels,
-        temperature=temperature,
-        return_entropy=want_entropy,
-        bias=bias,
-        impl=impl,
+        c.hidden,
+        c.weight,
+        c.train_labels,
+        temperature=c.temperature,
+        return_entropy=c.want_entropy,
+        bias=c.bias,
+        impl=c.impl,
     )
-    logprobs, entropy = out if want_entropy else (out, None)
-    if prox_fn is not None:
-        kept = trained_positions_of(loss_mask, trained_positions)
+    logprobs, entropy = out if c.want_entropy else (out, None)
+    prox_logprobs = c.prox_logprobs
+    if c.prox_fn is not None:
+        kept = trained_positions_of(c.loss_mask, c.trained_positions)
         with torch.no_grad():
             kept_lp = logprobs.detach().index_select(0, kept)
-            kept_prox = _call_prox_fn(prox_fn, kept_lp, kept, torch.empty_like(kept_lp))
+            kept_prox = _call_prox_fn(c.prox_fn, kept_lp, kept, torch.empty_like(kept_lp))
             prox_logprobs = scatter_tokens(kept_prox, kept, logprobs.shape[0])
     loss_entropy = entropy
-    if entropy is not None and config.entropy_coef == 0:
+    if entropy is not None and c.config.entropy_coef == 0:
         loss_entropy = entropy.detach()  # logged only: no backward through it
-    loss, stats = grpo_loss(
-        logprobs,
-        old_logprobs,
-        advantages,
-        loss_mask,
-        cu_seqlens,
-        config,
-        prox_logprobs=prox_logprobs,
-        ref_logprobs=ref_logprobs,
-        entropy=loss_entropy,
-        engine_logprobs=engine_logprobs,
-    )
+    loss, stats = c.loss(logprobs, loss_entropy, prox_logprobs)
     tokens = FusedLossTokens(
         logprobs.detach(),
         None if entropy is None else entropy.detach(),
