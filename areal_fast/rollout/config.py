@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import List, Optional
 
 from areal_fast._checks import at_least, positive_finite
@@ -14,7 +14,12 @@ VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 @dataclass
 class VLLMConfig:
-    """vLLM engine settings (``rollout.vllm.*``), for ``rollout.engine`` vllm and vllm_server."""
+    """vLLM engine settings (``rollout.vllm.*``), for ``rollout.engine`` vllm and vllm_server.
+
+    Both vLLM engines take them as they are, after :meth:`for_model`
+    (:class:`~areal_fast.rollout.vllm_async.AsyncVLLMEngine`,
+    :class:`~areal_fast.rollout.vllm_server.VLLMServerEngine`).
+    """
 
     # weights and activations; auto: model.dtype
     dtype: str = "auto"
@@ -41,6 +46,12 @@ class VLLMConfig:
             )
         positive_finite("startup_timeout", self.startup_timeout)
         positive_finite("call_timeout", self.call_timeout)
+
+    def for_model(self, model_dtype: str) -> "VLLMConfig":
+        """These settings as an engine takes them: ``dtype`` "auto" replaced by
+        ``model_dtype`` (``model.dtype``, the trainer's), since an engine passes its dtype to
+        vLLM as it is and vLLM's own "auto" means the checkpoint's dtype."""
+        return replace(self, dtype=model_dtype) if self.dtype == "auto" else self
 
 
 @dataclass

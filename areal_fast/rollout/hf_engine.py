@@ -18,8 +18,9 @@ from areal_fast.rollout.engine import (
     check_requests,
     sample_seed,
 )
-from areal_fast.rollout.lora_merge import AdapterMerger, is_adapter_update
+from areal_fast.rollout.lora_merge import AdapterMerger
 from areal_fast.rollout.sampling import SeededSampler
+from areal_fast.sync.adapter import is_adapter_update
 
 
 @dataclass

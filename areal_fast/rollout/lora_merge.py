@@ -1,11 +1,11 @@
 """Installing a LoRA adapter into an engine's weights: W = W_base + B' A, per version.
 
-A LoRA trainer (:mod:`areal_fast.train.lora`) publishes, per adapted linear module ``m``,
-``m.lora_A`` = A [r, in] and ``m.lora_B`` = B' = s · B [out, r] (the scale s = alpha / r
-folded into B). :class:`AdapterMerger` keeps an untouched copy of the base weight of every
-module an adapter has touched (taken at its first adapter update) and writes
-``W_base + B' A`` into the served weight at each version, so versions never accumulate
-(Hu et al. 2021, "LoRA", §4.1: merged weights add no inference latency).
+A LoRA trainer publishes, per adapted linear module ``m``, ``m.lora_A`` = A [r, in] and
+``m.lora_B`` = B' = s · B [out, r], the scale s = alpha / r folded into B (the names and their
+grouping: :mod:`areal_fast.sync.adapter`). :class:`AdapterMerger` keeps an untouched copy of
+the base weight of every module an adapter has touched (taken at its first adapter update)
+and writes ``W_base + B' A`` into the served weight at each version, so versions never
+accumulate (Hu et al. 2021, "LoRA", §4.1: merged weights add no inference latency).
 """
 
 from __future__ import annotations
@@ -14,17 +14,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from areal_fast.train.lora import LORA_A, LORA_B
-
-
-def is_adapter_update(names: Iterable[str]) -> bool:
-    """Whether a weight update holds adapter tensors only (and at least one)."""
-    names = list(names)
-    return bool(names) and all(n.endswith((LORA_A, LORA_B)) for n in names)
-
-
-def _module_name(name: str) -> str:
-    return name[: -len(LORA_A)] if name.endswith(LORA_A) else name[: -len(LORA_B)]
+from areal_fast.sync.adapter import LORA_A, LORA_B, group_adapter, split_adapter_name
 
 
 class AdapterMerger:
@@ -53,23 +43,20 @@ class AdapterMerger:
         Every module named must be a submodule with a 2-D ``weight`` [out, in], come with
         both A [r, in] and B' [out, r] of the same r.
         """
-        modules: dict[str, dict[str, tuple]] = {}
-        for name, shape in shapes.items():
-            if not name.endswith((LORA_A, LORA_B)):
-                return f"tensor {name!r} is not an adapter tensor (.lora_A / .lora_B)"
-            part = LORA_A if name.endswith(LORA_A) else LORA_B
-            modules.setdefault(_module_name(name), {})[part] = tuple(shape)
-        for module, parts in modules.items():
+        try:
+            modules = group_adapter(shapes)
+        except ValueError as exc:
+            return str(exc)
+        for module, pair in modules.items():
             weight = self._weight(module)
             if weight is None:
                 return f"adapter for {module!r}: the engine has no such module with a 2-D weight"
-            if set(parts) != {LORA_A, LORA_B}:
-                missing = LORA_A if LORA_A not in parts else LORA_B
-                return f"adapter for {module!r}: {module}{missing} is missing"
-            (rank, fan_in), (fan_out, rank_b) = parts[LORA_A], parts[LORA_B]
+            if pair.missing(module):
+                return pair.missing(module)
+            (rank, fan_in), (fan_out, rank_b) = pair
             if rank != rank_b or (fan_out, fan_in) != tuple(weight.shape):
                 return (
-                    f"adapter for {module!r}: A {parts[LORA_A]} and B {parts[LORA_B]} do not "
+                    f"adapter for {module!r}: A {pair.a} and B {pair.b} do not "
                     f"make the weight's {tuple(weight.shape)}"
                 )
         return ""
@@ -96,7 +83,7 @@ class AdapterMerger:
         reason = self.check({k: tuple(v.shape) for k, v in incoming.items()})
         if reason:
             raise ValueError(f"adapter update: {reason}")
-        names = sorted({_module_name(n) for n in incoming})
+        names = sorted({split_adapter_name(n)[0] for n in incoming})
         for module in names:
             weight = self._weight(module)
             if module not in self.base:

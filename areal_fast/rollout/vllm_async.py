@@ -43,10 +43,11 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from areal_fast.rollout.config import VLLMConfig
 from areal_fast.rollout.engine import GenOutput, GenRequest
 from areal_fast.rollout.loop_engine import EngineError, LoopEngine, spans_to_versions
-from areal_fast.rollout.lora_merge import is_adapter_update
 from areal_fast.rollout.vllm_lora import VersionedAdapters, vllm_lora_args
+from areal_fast.sync.adapter import is_adapter_update
 from areal_fast.sync.shared_memory import SharedWeightBuffer, WeightBufferSpec
 
 VLLM_MISSING = (
@@ -101,28 +102,21 @@ class AsyncVLLMEngine(LoopEngine):
     model_path : str
         Model directory or hub id (already resolved, see
         :func:`areal_fast.models.loading.resolve_model_path`).
+    config : VLLMConfig
+        vLLM's settings (``rollout.vllm.*``): ``dtype`` (passed to vLLM as it is: "float32",
+        "bfloat16", "float16", or vLLM's "auto", the checkpoint's), ``max_model_len`` (default:
+        the model's positions), ``kv_cache_gib`` (KV cache on a CPU:
+        ``VLLM_CPU_KVCACHE_SPACE``, whole GiB), ``gpu_memory_utilization`` (on a GPU),
+        ``enforce_eager``, ``enable_prefix_caching``, ``seed`` (every request has its own seed
+        as well), ``call_timeout`` (seconds a pause, resume or weight update may take) and
+        ``startup_timeout`` (seconds vLLM may take to start).
     max_running : int
         Requests inside vLLM at most (its ``max_num_seqs``).
     pause_mode : {"abort", "keep"}
         See :mod:`areal_fast.rollout.loop_engine`.
-    dtype : str
-        vLLM dtype ("float32", "bfloat16", "float16", "auto").
-    max_model_len : int, optional
-        Prompt + completion tokens a sequence may reach (default: the model's positions).
-    kv_cache_gib : float
-        KV-cache size on CPU, GiB (``VLLM_CPU_KVCACHE_SPACE``, whole GiB, at least 1).
-    gpu_memory_utilization : float
-        Fraction of GPU memory vLLM may take (weights + KV cache) on a GPU.
-    enforce_eager, enable_prefix_caching : bool
-    seed : int
-        vLLM's engine seed (every request has its own seed as well).
     threads : int, optional
         OpenMP threads of vLLM's CPU worker (``OMP_NUM_THREADS``, no core binding), so that
         it shares the machine with the trainer the way ``launcher.rollout_threads`` says.
-    call_timeout : float
-        Seconds a pause, resume or weight update may take.
-    startup_timeout : float, optional
-        Seconds vLLM may take to start (default: ``call_timeout``).
     lora_rank : int
         Rank of the LoRA adapters the trainer sends (``actor.lora.rank``); 0: no LoRA, every
         update is a complete set of weights.
@@ -142,19 +136,11 @@ class AsyncVLLMEngine(LoopEngine):
     def __init__(
         self,
         model_path: str,
+        config: VLLMConfig,
         *,
         max_running: int,
         pause_mode: str = "abort",
-        dtype: str = "float32",
-        max_model_len: Optional[int] = None,
-        kv_cache_gib: float = 1.0,
-        gpu_memory_utilization: float = 0.5,
-        enforce_eager: bool = True,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
         threads: Optional[int] = None,
-        call_timeout: float = 600.0,
-        startup_timeout: Optional[float] = None,
         lora_rank: int = 0,
         engine_kwargs: Optional[dict[str, Any]] = None,
     ):
@@ -162,8 +148,8 @@ class AsyncVLLMEngine(LoopEngine):
             "vLLM engine (AsyncLLM)",
             max_running,
             pause_mode,
-            call_timeout=call_timeout,
-            startup_timeout=startup_timeout,
+            call_timeout=config.call_timeout,
+            startup_timeout=config.startup_timeout,
         )
         try:
             import vllm  # noqa: F401
@@ -171,18 +157,18 @@ class AsyncVLLMEngine(LoopEngine):
             raise ImportError(VLLM_MISSING.format(engine="vllm")) from exc
         self._args = dict(
             model=model_path,
-            dtype=dtype,
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            enforce_eager=bool(enforce_eager),
-            enable_prefix_caching=bool(enable_prefix_caching),
-            seed=int(seed),
+            dtype=config.dtype,
+            gpu_memory_utilization=float(config.gpu_memory_utilization),
+            enforce_eager=bool(config.enforce_eager),
+            enable_prefix_caching=bool(config.enable_prefix_caching),
+            seed=int(config.seed),
             max_num_seqs=int(max_running),
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
             **(engine_kwargs or {}),
         )
-        if max_model_len is not None:
-            self._args["max_model_len"] = int(max_model_len)
+        if config.max_model_len is not None:
+            self._args["max_model_len"] = int(config.max_model_len)
         self._adapters = None  # LoRA: the adapter folders and the served LoRARequest
         if lora_rank:
             if pause_mode == "keep":
@@ -191,7 +177,7 @@ class AsyncVLLMEngine(LoopEngine):
             for key, value in vllm_lora_args(int(lora_rank)).items():
                 self._args.setdefault(key, value)  # engine_kwargs may set max_loras etc.
             self._adapters = VersionedAdapters(model_path)
-        self._kv_cache_gib = kv_cache_gib
+        self._kv_cache_gib = config.kv_cache_gib
         self._threads = threads
         self._llm = None
 

@@ -1,7 +1,7 @@
 """LoRA adapter updates for vLLM: one PEFT adapter folder per weight version.
 
 A LoRA trainer publishes, per adapted linear module ``m``, ``m.lora_A`` = A [r, in] and
-``m.lora_B`` = B' = s · B [out, r] (:func:`areal_fast.train.lora.adapter_weights`).
+``m.lora_B`` = B' = s · B [out, r] (:mod:`areal_fast.sync.adapter`).
 :class:`VersionedAdapters` writes such an update as a PEFT adapter folder
 (``adapter_config.json`` with ``lora_alpha = r``, so vLLM's scale alpha / r is 1 and B' is
 used as it is; ``adapter_model.safetensors`` under peft's names
@@ -24,8 +24,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-from areal_fast.rollout.lora_merge import is_adapter_update
-from areal_fast.train.lora import LORA_A, LORA_B
+from areal_fast.sync.adapter import LORA_A, group_adapter, split_adapter_name
 
 # vLLM 0.32 accepts these max_lora_rank values only (vllm/config/lora.py MaxLoRARanks)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -72,8 +71,7 @@ def _peft_names(names: Iterable[str]) -> tuple[dict[str, str], list[str]]:
     (peft's ``target_modules``)."""
     mapping, targets = {}, set()
     for name in names:
-        suffix = LORA_A if name.endswith(LORA_A) else LORA_B
-        module = name[: -len(suffix)]
+        module, suffix = split_adapter_name(name)
         mapping[name] = f"{PEFT_PREFIX}{module}{suffix}.weight"
         targets.add(module.rsplit(".", 1)[-1])
     return mapping, sorted(targets)
@@ -174,19 +172,17 @@ class VersionedAdapters:
 def check_adapter(tensors: dict[str, torch.Tensor]) -> str:
     """'' if ``tensors`` is an adapter update (every module with A [r, in] and B' [out, r]
     of one r, all modules of the same r), else a one-line reason naming the tensor/module."""
-    if not is_adapter_update(tensors):
-        bad = next((n for n in tensors if not n.endswith((LORA_A, LORA_B))), None)
-        return f"tensor {bad!r} is not an adapter tensor" if bad else "no adapter tensors"
-    modules: dict[str, dict[str, tuple]] = {}
-    for name, t in tensors.items():
-        suffix = LORA_A if name.endswith(LORA_A) else LORA_B
-        modules.setdefault(name[: -len(suffix)], {})[suffix] = tuple(t.shape)
+    if not tensors:
+        return "no adapter tensors"
+    try:
+        modules = group_adapter({name: tuple(t.shape) for name, t in tensors.items()})
+    except ValueError as exc:
+        return str(exc)
     ranks = set()
-    for module, parts in modules.items():
-        if set(parts) != {LORA_A, LORA_B}:
-            missing = LORA_A if LORA_A not in parts else LORA_B
-            return f"adapter for {module!r}: {module}{missing} is missing"
-        a, b = parts[LORA_A], parts[LORA_B]
+    for module, pair in modules.items():
+        if pair.missing(module):
+            return pair.missing(module)
+        a, b = pair
         if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
             return f"adapter for {module!r}: A {a} and B {b} are not [r, in] and [out, r]"
         ranks.add(a[0])

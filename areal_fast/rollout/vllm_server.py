@@ -71,7 +71,7 @@ import weakref
 from pathlib import Path
 from typing import Optional
 
-import areal_fast
+from areal_fast.rollout.config import VLLMConfig
 from areal_fast.rollout.engine import GenOutput, GenRequest
 from areal_fast.rollout.http_json import JsonHttpClient, expect_dict, one_line
 from areal_fast.rollout.loop_engine import EngineError, LoopEngine, spans_to_versions
@@ -173,20 +173,20 @@ class VLLMServerEngine(LoopEngine):
     ----------
     model_path : str
         Model directory or hub id (served, when the engine starts the server).
+    config : VLLMConfig
+        vLLM's settings (``rollout.vllm.*``), as in
+        :class:`~areal_fast.rollout.vllm_async.AsyncVLLMEngine`: all but the two timeouts are
+        used only when the engine starts the server; ``call_timeout``: seconds any HTTP call
+        may take (a whole generation included), ``startup_timeout``: seconds the started
+        server may take to answer ``/health``.
     max_running : int
         Requests inside vLLM at most (its ``--max-num-seqs`` when started here).
     pause_mode : {"abort", "keep"}
+    threads : int, optional
+        As in :class:`~areal_fast.rollout.vllm_async.AsyncVLLMEngine`, for a started server.
     server_url : str, optional
         ``http://host:port`` of a running server (set up as the module docstring says);
         None: start one.
-    dtype, max_model_len, kv_cache_gib, gpu_memory_utilization, enforce_eager,
-    enable_prefix_caching, seed, threads :
-        As in :class:`~areal_fast.rollout.vllm_async.AsyncVLLMEngine`; used only when the
-        engine starts the server.
-    call_timeout : float
-        Seconds any HTTP call may take (a whole generation included).
-    startup_timeout : float
-        Seconds the started server may take to answer ``/health``.
     api_key : str, optional
         Key of a server at ``server_url`` (a started server gets a random one).
     log_dir : str, optional
@@ -203,49 +203,34 @@ class VLLMServerEngine(LoopEngine):
     def __init__(
         self,
         model_path: str,
+        config: VLLMConfig,
         *,
         max_running: int,
         pause_mode: str = "abort",
-        server_url: Optional[str] = None,
-        dtype: str = "float32",
-        max_model_len: Optional[int] = None,
-        kv_cache_gib: float = 1.0,
-        gpu_memory_utilization: float = 0.5,
-        enforce_eager: bool = True,
-        enable_prefix_caching: bool = True,
-        seed: int = 0,
         threads: Optional[int] = None,
-        call_timeout: float = 600.0,
-        startup_timeout: float = 600.0,
+        server_url: Optional[str] = None,
         api_key: Optional[str] = None,
         log_dir: Optional[str] = None,
         extra_args: Optional[list[str]] = None,
     ):
         where = server_url or "started here"
         super().__init__(
-            f"vLLM server engine ({where})", max_running, pause_mode, call_timeout=call_timeout
+            f"vLLM server engine ({where})",
+            max_running,
+            pause_mode,
+            call_timeout=config.call_timeout,
+            startup_timeout=config.startup_timeout,
         )
         if server_url is not None:
             # checks the URL now, before anything starts
-            JsonHttpClient(server_url, self.name, call_timeout)
-        if not startup_timeout > 0:
-            raise ValueError(f"startup_timeout = {startup_timeout} must be > 0")
+            JsonHttpClient(server_url, self.name, config.call_timeout)
         self.model_path = model_path
         self.server_url = server_url
-        self.startup_timeout = float(startup_timeout)
+        self.config = config
+        self.threads = threads
         self._api_key = api_key
         self._log_dir = log_dir
-        self._serve = dict(
-            dtype=dtype,
-            max_model_len=None if max_model_len is None else int(max_model_len),
-            kv_cache_gib=kv_cache_gib,
-            gpu_memory_utilization=float(gpu_memory_utilization),
-            enforce_eager=bool(enforce_eager),
-            enable_prefix_caching=bool(enable_prefix_caching),
-            seed=int(seed),
-            threads=threads,
-            extra_args=list(extra_args or []),
-        )
+        self._extra_args = list(extra_args or [])
         self.process: Optional[subprocess.Popen] = None
         self.log_path: Optional[Path] = None
         self.http: Optional[JsonHttpClient] = None
@@ -258,44 +243,45 @@ class VLLMServerEngine(LoopEngine):
         """The argument list that starts the server on ``127.0.0.1:port`` (no shell)."""
         from areal_fast.sync.receivers.vllm import BACKEND_NAME, WORKER_EXTENSION
 
-        s = self._serve
+        c = self.config
         args = [
             sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry",
             "--model", self.model_path,
             "--host", "127.0.0.1",
             "--port", str(port),
-            "--dtype", s["dtype"],
+            "--dtype", c.dtype,
             "--max-num-seqs", str(self.max_running),
-            "--gpu-memory-utilization", str(s["gpu_memory_utilization"]),
-            "--seed", str(s["seed"]),
+            "--gpu-memory-utilization", str(float(c.gpu_memory_utilization)),
+            "--seed", str(int(c.seed)),
             "--logprobs-mode", "processed_logprobs",
             "--weight-transfer-config", json.dumps({"backend": BACKEND_NAME}),
             "--worker-extension-cls", WORKER_EXTENSION,
             "--enable-scale-out",
             "--disable-uvicorn-access-log",
-            "--enable-prefix-caching" if s["enable_prefix_caching"] else
+            "--enable-prefix-caching" if c.enable_prefix_caching else
             "--no-enable-prefix-caching",
         ]  # fmt: skip
-        if s["max_model_len"] is not None:
-            args += ["--max-model-len", str(s["max_model_len"])]
-        scheduling = cpu_scheduling(self.model_path, s["max_model_len"])  # see its docstring
+        max_model_len = None if c.max_model_len is None else int(c.max_model_len)
+        if max_model_len is not None:
+            args += ["--max-model-len", str(max_model_len)]
+        scheduling = cpu_scheduling(self.model_path, max_model_len)  # see its docstring
         if scheduling:
             args += ["--no-enable-chunked-prefill", "--max-num-batched-tokens",
                      str(scheduling["max_num_batched_tokens"])]  # fmt: skip
-        if s["enforce_eager"]:
+        if c.enforce_eager:
             args.append("--enforce-eager")
-        return args + s["extra_args"]
+        return args + self._extra_args
 
     def _serve_env(self, api_key: str) -> dict[str, str]:
         env = dict(os.environ)
-        root = str(Path(areal_fast.__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])  # the folder holding areal_fast/
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env["VLLM_API_KEY"] = api_key
         env["VLLM_SERVER_DEV_MODE"] = "1"
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self._serve["kv_cache_gib"])))
-        if self._serve["threads"]:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(self.config.kv_cache_gib)))
+        if self.threads:
             env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
-            env["OMP_NUM_THREADS"] = str(self._serve["threads"])
+            env["OMP_NUM_THREADS"] = str(self.threads)
         return env
 
     def _launch(self) -> None:

@@ -6,10 +6,12 @@ CUDA twins (``cuda_slots``). Every rollout worker on the node reads its slot in 
 next pause (:class:`~areal_fast.wire.messages.UpdateWeights`): an engine on the
 trainer's GPU copies from the CUDA slot device to device, any other from shared memory;
 workers on other nodes get each version over a weight link (``slot_broadcast``). ``config``
-chooses the path of each worker (``sync.transport``).
+chooses the path of each worker (``sync.transport``). With LoRA a version is the adapter alone,
+its tensors named as ``adapter`` says (the trainer and the engines both read it there).
 
 The rest is a library for engines outside the training loop (vLLM, SGLang, other nodes), used
-by ``rollout/vllm_engine.py``, the receivers and the benchmarks:
+by the receivers and the benchmarks (``benches/_vllm_offline.py``: a ``vllm.LLM`` on a sync
+group):
 
 =================  ==========================================================================
 module             holds

@@ -5,7 +5,8 @@ keeps two device buffers beside its shared-memory slots (version v in slot v % 2
 exactly like them (:func:`~areal_fast.sync.shared_memory.plan_layout`), and exports each
 buffer once with CUDA IPC (``cudaIpcGetMemHandle`` through
 ``torch.UntypedStorage._share_cuda_``, as :class:`~areal_fast.sync.transports.CudaIpcTransport`
-does for its buckets). The export travels as a :class:`CudaSlotSpec` in the slot's
+does for its buckets). The export travels as a
+:class:`~areal_fast.sync.shared_memory.CudaSlotSpec` in the slot's
 :class:`~areal_fast.sync.shared_memory.WeightBufferSpec` (its ``cuda`` field): the GPU's UUID
 and the eight export fields as JSON text, bytes in base64. Nothing is pickled; a reader checks
 the number and the type of every field before torch sees them, finds its device by the UUID
@@ -28,12 +29,12 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
-from areal_fast.sync.shared_memory import SharedWeightBuffer, WeightBufferSpec
+from areal_fast.sync.shared_memory import CudaSlotSpec, SharedWeightBuffer, WeightBufferSpec
 from areal_fast.sync.transports import cuda_device_by_uuid, cuda_device_uuid
 
 # the fields of UntypedStorage._share_cuda_(): device index, IPC memory handle, storage bytes,
@@ -49,26 +50,6 @@ SHARE_FIELDS = (
     ("event_handle", bytes),
     ("event_sync_required", bool),
 )
-
-
-@dataclass(frozen=True)
-class CudaSlotSpec:
-    """The CUDA twin of one weight slot: which GPU holds it and its CUDA-IPC export.
-
-    Attributes
-    ----------
-    device_uuid : str
-        UUID of the GPU (``torch.cuda.get_device_properties(d).uuid``).
-    nbytes : int
-        Size of the device buffer in bytes (the slot's ``total_bytes``).
-    share : str
-        JSON list of the eight ``_share_cuda_`` fields (:data:`SHARE_FIELDS`); bytes fields
-        are ``{"b64": <base64 text>}``.
-    """
-
-    device_uuid: str
-    nbytes: int
-    share: str
 
 
 def encode_share(fields) -> str:

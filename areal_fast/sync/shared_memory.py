@@ -14,14 +14,11 @@ import tempfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional
+from typing import Iterable, Iterator, Optional
 
 import torch
 
 from areal_fast.sync.buckets import ALIGNMENT, TensorSpec, plan_buckets
-
-if TYPE_CHECKING:
-    from areal_fast.sync.cuda_slots import CudaSlotSpec
 
 
 @dataclass(frozen=True)
@@ -33,6 +30,27 @@ class WeightEntry:
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float32"
     offset: int
     nbytes: int
+
+
+@dataclass(frozen=True)
+class CudaSlotSpec:
+    """The CUDA twin of one weight slot: which GPU holds it and its CUDA-IPC export.
+
+    Attributes
+    ----------
+    device_uuid : str
+        UUID of the GPU (``torch.cuda.get_device_properties(d).uuid``).
+    nbytes : int
+        Size of the device buffer in bytes (the slot's ``total_bytes``).
+    share : str
+        JSON list of the eight ``_share_cuda_`` fields
+        (:data:`areal_fast.sync.cuda_slots.SHARE_FIELDS`); bytes fields are
+        ``{"b64": <base64 text>}``.
+    """
+
+    device_uuid: str
+    nbytes: int
+    share: str
 
 
 @dataclass(frozen=True)

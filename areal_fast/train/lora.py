@@ -8,8 +8,8 @@ decoder pass and the fused LM-head loss run on it unchanged.
 
 Engines receive the adapter alone (:func:`adapter_weights`): per adapted module
 ``<module>.lora_A`` = A and ``<module>.lora_B`` = s · B (the scale folded into B), under the
-module names of the plain model; an engine installs W_base + (s · B) A, see
-:class:`areal_fast.rollout.lora_merge.AdapterMerger`.
+module names of the plain model (:mod:`areal_fast.sync.adapter`, the names both sides use);
+an engine installs W_base + (s · B) A.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Iterator, List
 
 import torch
 
-LORA_A, LORA_B = ".lora_A", ".lora_B"  # suffixes of the adapter tensors engines receive
+from areal_fast.sync.adapter import LORA_A, LORA_B
+
 ALL_LINEAR = "all-linear"
 ADAPTER = "default"  # peft's adapter name
 LORA_ATTR = "areal_lora"  # set on a model wrapped by apply_lora (its LoraConfig)

@@ -9,8 +9,8 @@ import torch
 
 from areal_fast._checks import positive_finite
 from areal_fast.models.packed_attention import register_packed_attention
+from areal_fast.ops.fused_pass import fused_pass_logprobs
 from areal_fast.ops.logprobs import linear_logprobs
-from areal_fast.ops.loss import fused_linear_grpo_loss, fused_pass_logprobs
 from areal_fast.ops.packing import partition_balanced
 from areal_fast.ops.segment import segment_sum
 from areal_fast.rl.batch import PackedBatch, select_sequences
@@ -20,6 +20,7 @@ from areal_fast.rl.decoupled import (
     loglinear_prox_logprobs,
     staleness_stats,
 )
+from areal_fast.rl.fused_loss import fused_linear_grpo_loss
 from areal_fast.rl.objectives import grpo_loss
 from areal_fast.train.config import LR_SCHEDULES, PROX_LOGP_METHODS, ActorConfig, OptimizerConfig  # noqa: F401
 from areal_fast.train.lora import (
@@ -125,7 +126,7 @@ def packed_forward_loss(model, batch: PackedBatch, head_loss):
     :func:`areal_fast.train.fsdp.shard_model` carries this as the FSDP2 forward method
     ``SHARDED_LOSS``, so the root parameters (embeddings, final norm, LM head) are gathered
     while ``head_loss`` runs: a loss that hands back an LM-head weight gradient computed in
-    its forward (:func:`~areal_fast.ops.loss.fused_linear_grpo_loss`) gives it to the
+    its forward (:func:`~areal_fast.rl.fused_loss.fused_linear_grpo_loss`) gives it to the
     gathered weight, whose gradient FSDP reduce-scatters after the backward.
     """
     sharded_forward = getattr(model, SHARDED_LOSS, None)
@@ -189,7 +190,7 @@ class TorchTrainEngine:
     partitioner (``max_tokens_per_mb`` tokens at most each), accumulates gradients so that
     the result equals one pass over the whole batch for the configured aggregation, clips the
     global gradient norm and takes one AdamW step. Each micro-batch's loss comes from
-    :func:`~areal_fast.ops.loss.fused_linear_grpo_loss` on the final hidden states (one pass
+    :func:`~areal_fast.rl.fused_loss.fused_linear_grpo_loss` on the final hidden states (one pass
     over the vocabulary that also yields the logged entropy, log-probs and proximal
     log-probs), run through :func:`packed_forward_loss`.
 
@@ -486,7 +487,7 @@ class TorchTrainEngine:
         """The current weights' log-probs of ``batch``, micro-batch by micro-batch, no grad.
 
         Computed as the loss computes them (with the fused loss:
-        :func:`~areal_fast.ops.loss.fused_pass_logprobs`), so that they equal the gradient
+        :func:`~areal_fast.ops.fused_pass.fused_pass_logprobs`), so that they equal the gradient
         pass's log-probs of the same micro-batch bitwise.
 
         Returns

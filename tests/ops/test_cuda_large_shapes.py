@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from areal_fast.ops.logprobs import linear_logprobs
-from areal_fast.ops.loss import fused_linear_grpo_loss
 from areal_fast.rl.config import LossConfig
+from areal_fast.rl.fused_loss import fused_linear_grpo_loss
 from areal_fast.rl.objectives import grpo_loss
 
 pytestmark = [

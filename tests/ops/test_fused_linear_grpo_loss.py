@@ -437,7 +437,7 @@ def test_no_host_sync_on_cuda(fresh_seed):
 
 
 def test_fused_chunk_rows_follow_the_logits_budget_on_the_cpu(monkeypatch):
-    from areal_fast.ops.loss import fused_chunk_rows
+    from areal_fast.ops.fused_pass import fused_chunk_rows
 
     cpu, vocab = torch.device("cpu"), 70_000
     monkeypatch.setenv("AREAL_FAST_LOGITS_CACHE_MB", "0")

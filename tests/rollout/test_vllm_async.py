@@ -52,9 +52,11 @@ def slot(model):
 @pytest.fixture(scope="module")
 def engine():
     from areal_fast.models.loading import demo_model_dir
+    from areal_fast.rollout.config import VLLMConfig
     from areal_fast.rollout.vllm_async import AsyncVLLMEngine
 
-    eng = AsyncVLLMEngine(str(demo_model_dir()), max_running=64, max_model_len=1024)
+    config = VLLMConfig(dtype="float32", max_model_len=1024)
+    eng = AsyncVLLMEngine(str(demo_model_dir()), config, max_running=64)
     eng.start()
     yield eng
     eng.close()

@@ -46,11 +46,11 @@ def trainer():
 @pytest.fixture(scope="module")
 def engine():
     from areal_fast.models.loading import demo_model_dir
+    from areal_fast.rollout.config import VLLMConfig
     from areal_fast.rollout.vllm_async import AsyncVLLMEngine
 
-    eng = AsyncVLLMEngine(
-        str(demo_model_dir()), max_running=8, max_model_len=512, dtype="float32", lora_rank=8
-    )
+    config = VLLMConfig(dtype="float32", max_model_len=512)
+    eng = AsyncVLLMEngine(str(demo_model_dir()), config, max_running=8, lora_rank=8)
     eng.start()
     yield eng
     eng.close()
@@ -127,10 +127,12 @@ def test_each_adapter_version_is_served_as_the_trainer_computes_it(engine, train
 
 def test_an_adapter_update_to_an_engine_without_lora_is_refused():
     from areal_fast.models.loading import demo_model_dir
+    from areal_fast.rollout.config import VLLMConfig
     from areal_fast.rollout.loop_engine import EngineError
     from areal_fast.rollout.vllm_async import AsyncVLLMEngine
 
-    plain = AsyncVLLMEngine(str(demo_model_dir()), max_running=1)  # not started: no vLLM
+    config = VLLMConfig(dtype="float32")
+    plain = AsyncVLLMEngine(str(demo_model_dir()), config, max_running=1)  # not started
     update = [("model.layers.0.mlp.up_proj.lora_A", torch.zeros(8, 576))]
     with pytest.raises(EngineError, match=r"adapter-only update \(v3\).*without LoRA"):
         asyncio.run(plain._load_adapter(update, 3))
@@ -138,7 +140,10 @@ def test_an_adapter_update_to_an_engine_without_lora_is_refused():
 
 def test_lora_with_a_kept_pause_is_refused():
     from areal_fast.models.loading import demo_model_dir
+    from areal_fast.rollout.config import VLLMConfig
     from areal_fast.rollout.vllm_async import AsyncVLLMEngine
 
     with pytest.raises(ValueError, match=r"lora_rank > 0 needs pause_mode = 'abort'"):
-        AsyncVLLMEngine(str(demo_model_dir()), max_running=1, pause_mode="keep", lora_rank=8)
+        AsyncVLLMEngine(
+            str(demo_model_dir()), VLLMConfig(), max_running=1, pause_mode="keep", lora_rank=8
+        )

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import areal_fast
+from areal_fast.rollout.config import VLLMConfig
 from areal_fast.rollout.engine import GenRequest
 from areal_fast.rollout.loop_engine import EngineError
 from areal_fast.rollout.vllm_server import GENERATE, VLLMServerEngine
@@ -214,8 +215,8 @@ def fake():
 
 def _engine(fake, **kw) -> VLLMServerEngine:
     kw.setdefault("max_running", 4)
-    kw.setdefault("call_timeout", WAIT_S)
-    engine = VLLMServerEngine("unused-model", server_url=fake.url, api_key=KEY, **kw)
+    config = VLLMConfig(dtype="float32", call_timeout=kw.pop("call_timeout", WAIT_S))
+    engine = VLLMServerEngine("unused-model", config, server_url=fake.url, api_key=KEY, **kw)
     engine.start()
     return engine
 
@@ -369,7 +370,7 @@ def test_a_url_nobody_listens_on_fails_within_the_timeout():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     engine = VLLMServerEngine(
-        "m", max_running=1, server_url=f"http://127.0.0.1:{port}", call_timeout=5.0
+        "m", VLLMConfig(call_timeout=5.0), max_running=1, server_url=f"http://127.0.0.1:{port}"
     )
     start = time.monotonic()
     with pytest.raises(EngineError, match=f"vLLM server engine.*127.0.0.1:{port}.*connect"):
@@ -379,9 +380,9 @@ def test_a_url_nobody_listens_on_fails_within_the_timeout():
 
 
 def test_the_serve_command_binds_localhost_and_keeps_the_key_off_the_command_line():
-    engine = VLLMServerEngine("/models/x", max_running=3, dtype="bfloat16", max_model_len=512,
-                              kv_cache_gib=2, enable_prefix_caching=False, seed=4,
-                              threads=2)  # fmt: skip
+    config = VLLMConfig(dtype="bfloat16", max_model_len=512, kv_cache_gib=2,
+                        enable_prefix_caching=False, seed=4)  # fmt: skip
+    engine = VLLMServerEngine("/models/x", config, max_running=3, threads=2)
     args = engine.serve_command(18000)
     env = engine._serve_env("secret-key")
     assert args[1:3] == ["-m", "vllm.entrypoints.launchers.api_server.entry"]
@@ -403,11 +404,11 @@ def test_the_serve_command_binds_localhost_and_keeps_the_key_off_the_command_lin
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="http"):
-        VLLMServerEngine("m", max_running=1, server_url="127.0.0.1:8000")
+        VLLMServerEngine("m", VLLMConfig(), max_running=1, server_url="127.0.0.1:8000")
     with pytest.raises(ValueError, match="startup_timeout"):
-        VLLMServerEngine("m", max_running=1, startup_timeout=0)
+        VLLMServerEngine("m", VLLMConfig(startup_timeout=0), max_running=1)
     with pytest.raises(ValueError, match="pause_mode"):
-        VLLMServerEngine("m", max_running=1, pause_mode="wait")
+        VLLMServerEngine("m", VLLMConfig(), max_running=1, pause_mode="wait")
 
 
 # ------------------------------------------------------------------ live vLLM server
@@ -422,10 +423,9 @@ TEMPERATURE = 0.8
 def served():
     from areal_fast.models.loading import demo_model_dir
 
-    engine = VLLMServerEngine(
-        str(demo_model_dir()), max_running=4, dtype="float32", max_model_len=512,
-        kv_cache_gib=1, call_timeout=120, startup_timeout=300,
-    )  # fmt: skip
+    config = VLLMConfig(dtype="float32", max_model_len=512, kv_cache_gib=1, call_timeout=120,
+                        startup_timeout=300)  # fmt: skip
+    engine = VLLMServerEngine(str(demo_model_dir()), config, max_running=4)
     start = time.monotonic()
     engine.start()
     print(f"vllm serve started in {time.monotonic() - start:.1f} s, log {engine.log_path}")

@@ -15,14 +15,13 @@ import torch
 
 from areal_fast.sync.config import SyncConfig, choose_transport, cuda_slots_usable
 from areal_fast.sync.cuda_slots import (
-    CudaSlotSpec,
     CudaWeightSlot,
     decode_share,
     encode_share,
     engine_gpu,
     slot_gpu,
 )
-from areal_fast.sync.shared_memory import SharedWeightBuffer
+from areal_fast.sync.shared_memory import CudaSlotSpec, SharedWeightBuffer
 from areal_fast.sync.slot_broadcast import buffer_checksum
 from areal_fast.sync.trainer_slots import TrainerSlots, cast_weights
 from areal_fast.wire import messages as msg

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from areal_fast.models.loading import load_causal_lm
-from areal_fast.ops import loss as loss_ops
+from areal_fast.rl import fused_loss as loss_ops
 from areal_fast.rl.batch import Trajectory, pack_trajectories
 from areal_fast.rl.config import LossConfig
 from areal_fast.train import torch_engine

