@@ -333,9 +333,30 @@ def test_failure_while_running_is_one_line(tiny_model_dir, tmp_path, capsys):
     assert set(Path("/dev/shm").glob("areal_fast-weights-*")) <= before
 
 
-def test_train_without_config_says_it_uses_the_defaults(tmp_path, capsys):
-    missing = tmp_path / "no-such-model"
-    assert main(["train", f"fileroot={tmp_path}", f"model.path={missing}"]) == 2
-    err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("areal-fast: no --config: the built-in defaults")
-    assert str(missing) in err[-1] and not (tmp_path / "grpo-arith").exists()
+def test_train_and_eval_need_a_config(tmp_path, monkeypatch, capsys):
+    """No --config: the usage and one argparse error naming --config, exit 2; nothing is
+    written (a job on built-in defaults would take another run's directory)."""
+    monkeypatch.chdir(tmp_path)
+    for command in ("train", "eval"):
+        with pytest.raises(SystemExit) as info:
+            main([command, "total_steps=1"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[0].startswith(f"usage: areal-fast {command} [-h] --config FILE")
+        assert err[-1] == (
+            f"areal-fast {command}: error: the following arguments are required: --config"
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_version_and_train_description(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"areal-fast {version('areal_fast')}"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert out.splitlines()[2].startswith("Train a policy with fully asynchronous GRPO")

@@ -27,8 +27,11 @@ def test_demo_model_facts():
 
 def test_one_grpo_step_on_demo_model(tmp_path):
     """One real step: engine samples, trainer updates, engine receives the new weights."""
+    config = tmp_path / "grpo-arith.yaml"  # the built-in defaults, under the name used below
+    config.write_text("{}\n")
     args = [
         "train",
+        f"--config={config}",
         "--no-progress",
         f"fileroot={tmp_path}",
         "total_steps=1",
