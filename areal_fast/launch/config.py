@@ -197,11 +197,6 @@ class LoggingConfig:
     tensorboard: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)  # needs wandb unless disabled
 
-    def __post_init__(self):
-        from areal_fast.launch.log_sinks import check_packages
-
-        check_packages(self)
-
 
 @dataclass
 class ExperimentConfig:

@@ -37,6 +37,7 @@ from areal_fast.launch.interrupt import (
     write_interrupted,
 )
 from areal_fast.launch.log_sinks import LogSinks
+from areal_fast.launch.packages import check_packages
 from areal_fast.launch.run_dir import (
     check_run_dir,
     check_trajectory_dir,
@@ -45,7 +46,6 @@ from areal_fast.launch.run_dir import (
     write_eval_records,
 )
 from areal_fast.launch.worker_specs import (
-    check_engine,
     check_resources,
     check_reward,
     check_sync,
@@ -120,8 +120,8 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
-    check_run_dir(cfg)  # raises the one-line error before any slow work
-    check_engine(cfg)
+    check_packages(cfg)  # raises the one-line error before any slow work
+    check_run_dir(cfg)
     check_sync(cfg)
     check_resources(cfg)
     check_reward(cfg)
