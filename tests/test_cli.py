@@ -360,3 +360,38 @@ def test_version_and_train_description(capsys):
         main(["train", "--help"])
     out = capsys.readouterr().out
     assert out.splitlines()[2].startswith("Train a policy with fully asynchronous GRPO")
+
+
+def test_eval_names_a_missing_model_folder_and_a_run_directory(tiny_model_dir, tmp_path, capsys):
+    """model.path: a folder that is not there, a run directory instead of its checkpoint/, a
+    run directory without a final model and a folder without a model are one line each,
+    exit 2, and no evaluation directory is written."""
+    run = tmp_path / "runs" / "grpo-arith" / "trial0"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "config.yaml").write_text("old: run\n")
+
+    def evaluate(path):
+        args = ["eval", "--config", str(_EXAMPLE), f"model.path={path}", f"fileroot={tmp_path}"]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and not (tmp_path / "grpo-arith").exists()
+        return err.removeprefix("areal-fast: error: ").strip()
+
+    missing = run.parent / "trial9" / "checkpoint"
+    assert evaluate(missing) == f"model.path = '{missing}': the folder {missing} does not exist"
+    relative = "runs/grpo-arith/trial9/checkpoint"  # not a hub id: two slashes
+    assert evaluate(relative) == f"model.path = '{relative}': the folder {relative} does not exist"
+    assert evaluate(run) == (
+        f"model.path = '{run}' is a run directory without a trained model (checkpoint/ is "
+        f"written when a run finishes, unless checkpoint.final_model=false)"
+    )
+    for name in ("config.json", "model.safetensors"):
+        (run / "checkpoint" / name).write_bytes((tiny_model_dir / name).read_bytes())
+    assert evaluate(run) == (
+        f"model.path = '{run}' is a run directory, not a model; its trained model is in "
+        f"checkpoint/: model.path={run}/checkpoint"
+    )
+    assert (
+        evaluate(run.parent)
+        == f"model.path = '{run.parent}': the folder holds no model (no config.json)"
+    )
