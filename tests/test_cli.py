@@ -395,3 +395,27 @@ def test_eval_names_a_missing_model_folder_and_a_run_directory(tiny_model_dir, t
         evaluate(run.parent)
         == f"model.path = '{run.parent}': the folder holds no model (no config.json)"
     )
+
+
+def test_a_batch_larger_than_the_training_set_is_refused(tiny_model_dir, tmp_path, capsys):
+    """20 generated one-digit additions (some also held out) cannot fill a batch of 40: one
+    line with both numbers and both keys, exit 2, no run directory."""
+    assert main(_args(tiny_model_dir, tmp_path, "data.train_size=20", "batch_size=40")) == 2
+    err = capsys.readouterr().err
+    match = re.fullmatch(
+        r"areal-fast: error: batch_size = 40 is more than the (\d+) training problems "
+        r"\(data.train_size = 20(, less (\d+) also held out)?\): a step would train some of "
+        r"them twice; lower batch_size or raise data.train_size\n",
+        err,
+    )
+    assert match, err
+    assert int(match.group(1)) + int(match.group(3) or 0) == 20
+    assert not (tmp_path / "grpo-arith").exists()
+    custom = _EXAMPLE.with_name("custom_data.yaml")  # 200 rows of examples/data/word_arith
+    args = ["train", "--config", str(custom), f"model.path={tiny_model_dir}"]
+    assert main([*args, f"fileroot={tmp_path}", "batch_size=201", "data.eval_size=4"]) == 2
+    assert capsys.readouterr().err == (
+        "areal-fast: error: batch_size = 201 is more than the 200 training problems (the "
+        "training rows of data.path = 'examples/data/word_arith', data.train_size = null): a "
+        "step would train some of them twice; lower batch_size\n"
+    )

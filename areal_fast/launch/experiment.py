@@ -26,7 +26,7 @@ from areal_fast.controller.workers import WorkerError, wait_messages
 from areal_fast.launch import console
 from areal_fast.launch.cluster import Cluster
 from areal_fast.launch.config import ExperimentConfig
-from areal_fast.launch.inputs import check_lengths, load_datasets
+from areal_fast.launch.inputs import check_batch_size, check_lengths, load_datasets
 from areal_fast.launch.interrupt import (
     CHECKPOINT_WAIT_SECONDS,
     RunInterrupted,
@@ -132,6 +132,7 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
         load_agent(cfg.agent.path, cfg.agent.kwargs, construct=False)
         check_trajectory_dir(cfg)
     train_set, eval_set, removed = load_datasets(cfg)
+    check_batch_size(cfg, train_set, removed)
     tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)
     model_config = load_model_config(cfg.model.path)
