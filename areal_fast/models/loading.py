@@ -8,6 +8,7 @@ later runs load directly.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -223,6 +224,28 @@ def load_model_config(path: str):
         ) from exc
 
 
+@contextlib.contextmanager
+def _no_bar_for_local(resolved: str):
+    """Switch transformers' progress bars off while a model is read from a local folder (the
+    demo model's cache, a run's checkpoint): its "Loading weights" bar, drawn once per
+    process that loads the model, would show a load that takes a moment. A hub id keeps
+    them: its download and load can take long. Restored afterwards."""
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    if not Path(resolved).is_dir() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hub_bars_off = hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # transformers' bars and the hub's
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+        if hub_bars_off:
+            hub_utils.disable_progress_bars()
+
+
 def load_causal_lm(
     path: str,
     dtype: str = "float32",
@@ -258,9 +281,10 @@ def load_causal_lm(
     torch_dtype = resolve_dtype(dtype)
     resolved = resolve_model_path(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            resolved, dtype=torch_dtype, attn_implementation=attn_implementation
-        )
+        with _no_bar_for_local(resolved):
+            model = AutoModelForCausalLM.from_pretrained(
+                resolved, dtype=torch_dtype, attn_implementation=attn_implementation
+            )
     except Exception as exc:
         raise ValueError(
             f"model.path = {path!r}: cannot load a causal LM "
