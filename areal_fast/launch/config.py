@@ -167,7 +167,8 @@ DEFAULT_EXPERIMENT = "default"  # experiment_name of a config built without a YA
 
 @dataclass
 class WandbConfig:
-    """A Weights & Biases run fed each step's record, the held-out accuracies and the config.
+    """A Weights & Biases run fed each step's record, the held-out accuracies and the config;
+    needs the wandb package unless ``mode`` is ``disabled``.
 
     The API key is wandb's own (``wandb login`` or ``WANDB_API_KEY``), never a config key.
     """
@@ -190,7 +191,11 @@ class WandbConfig:
 
 @dataclass
 class LoggingConfig:
-    """Logging sinks besides metrics.jsonl and progress.png (:mod:`areal_fast.launch.log_sinks`)."""
+    """Dashboards besides metrics.jsonl and progress.png: TensorBoard event files and a Weights
+    & Biases run (docs/logging.md).
+
+    Written by :mod:`areal_fast.launch.log_sinks`.
+    """
 
     # TensorBoard event files in <run dir>/tensorboard/: each step's numeric keys as
     # scalars, the staleness histogram, the held-out accuracies (needs the tensorboard package)

@@ -151,6 +151,21 @@ def test_yaml_errors_give_file_line_and_column(tmp_path):
         load_config(str(wrong_type))
 
 
+def test_section_titles_read_as_one_sentence():
+    """Each section's title in `areal-fast config` and docs/config.md is its dataclass's
+    own sentence: no parenthesis appended to it or nested in another, no internal module."""
+    import re
+
+    for section in ref.sections():
+        about = section.about
+        assert about and about.endswith("."), section.name
+        assert "((" not in about and "))" not in about and ". (" not in about, about
+        assert not re.search(r"areal_fast\.\w+\.", about), about
+    text = ref.render_text()
+    assert "[actor.lora]  LoRA on the trained policy" in text
+    assert "\n[logging]  Dashboards besides metrics.jsonl and progress.png: TensorBoard" in text
+
+
 def test_a_section_check_names_the_full_key_once(tmp_path):
     """A nested section's check that names its key from a section above (``lora.rank`` in
     ``actor.lora``) is reported under the full key, not ``actor.lora.lora.rank``."""
