@@ -11,7 +11,19 @@ import argparse
 import os
 import signal
 import sys
+import textwrap
 
+_TRAIN_ABOUT = (
+    "Train a policy with fully asynchronous GRPO: rollout workers generate while the trainer "
+    "trains, under a staleness bound. The held-out set is evaluated before and after "
+    "training; everything goes to the run directory fileroot/experiment_name/trial_name."
+)
+_EVAL_ABOUT = (
+    "Evaluate model.path (a directory such as a run's checkpoint/, an HF id, or demo:...) "
+    "greedily on the held-out set of data.*, on the same rollout workers as training; prints "
+    "the accuracy and writes eval.jsonl and summary.json into --out (default "
+    "fileroot/experiment_name/eval-<trial_name>)."
+)
 _KEYS_HELP = (
     "config keys, by section (dotted, as key=value after the options;\n"
     "`areal-fast config` prints each with its type, default and meaning):"
@@ -24,16 +36,29 @@ def _keys_epilog() -> str:
     return f"{_KEYS_HELP}\n{section_index()}"
 
 
+def version() -> str:
+    """The installed package's version (its metadata), or a note that it is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("areal_fast")
+    except PackageNotFoundError:
+        return "unknown (areal_fast is not installed: pip install .)"
+
+
 def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
     """The argument parser; ``with_keys`` adds the key index to the train/eval help."""
     parser = argparse.ArgumentParser(
         prog="areal-fast", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"areal-fast {version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     epilog = _keys_epilog() if with_keys else None
     train = sub.add_parser(
         "train",
         help="run asynchronous GRPO training (local launcher)",
+        description=textwrap.fill(_TRAIN_ABOUT, 90),
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -42,14 +67,15 @@ def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
         help="greedy held-out accuracy of model.path (no training)",
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Evaluate model.path (a directory such as a run's checkpoint/, an HF id, "
-        "or demo:...) greedily on the held-out set of data.*, on the same rollout "
-        "workers as training; prints the accuracy and writes eval.jsonl and "
-        "summary.json into --out (default fileroot/experiment_name/"
-        "eval-<trial_name>).",
+        description=textwrap.fill(_EVAL_ABOUT, 90),
     )
     for command in (train, evaluate):
-        command.add_argument("--config", help="YAML experiment config (e.g. examples/arith.yaml)")
+        command.add_argument(
+            "--config",
+            required=True,
+            metavar="FILE",
+            help="YAML experiment config (e.g. examples/arith.yaml; examples/ holds ready ones)",
+        )
         command.add_argument("--no-progress", action="store_true", help="hide progress bars")
         command.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     evaluate.add_argument(
@@ -104,12 +130,6 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         cfg = load_config(args.config, args.overrides)
-        if args.config is None:
-            print(
-                "areal-fast: no --config: the built-in defaults and the key=value items are "
-                "used (`areal-fast config` lists them; examples/ has ready configs)",
-                file=sys.stderr,
-            )
         if args.command == "eval":
             from areal_fast.launch.evaluation import accuracy_line, run_evaluation
 

@@ -333,9 +333,89 @@ def test_failure_while_running_is_one_line(tiny_model_dir, tmp_path, capsys):
     assert set(Path("/dev/shm").glob("areal_fast-weights-*")) <= before
 
 
-def test_train_without_config_says_it_uses_the_defaults(tmp_path, capsys):
-    missing = tmp_path / "no-such-model"
-    assert main(["train", f"fileroot={tmp_path}", f"model.path={missing}"]) == 2
-    err = capsys.readouterr().err.splitlines()
-    assert err[0].startswith("areal-fast: no --config: the built-in defaults")
-    assert str(missing) in err[-1] and not (tmp_path / "grpo-arith").exists()
+def test_train_and_eval_need_a_config(tmp_path, monkeypatch, capsys):
+    """No --config: the usage and one argparse error naming --config, exit 2; nothing is
+    written (a job on built-in defaults would take another run's directory)."""
+    monkeypatch.chdir(tmp_path)
+    for command in ("train", "eval"):
+        with pytest.raises(SystemExit) as info:
+            main([command, "total_steps=1"])
+        assert info.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[0].startswith(f"usage: areal-fast {command} [-h] --config FILE")
+        assert err[-1] == (
+            f"areal-fast {command}: error: the following arguments are required: --config"
+        )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_version_and_train_description(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"areal-fast {version('areal_fast')}"
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = capsys.readouterr().out
+    assert out.splitlines()[2].startswith("Train a policy with fully asynchronous GRPO")
+
+
+def test_eval_names_a_missing_model_folder_and_a_run_directory(tiny_model_dir, tmp_path, capsys):
+    """model.path: a folder that is not there, a run directory instead of its checkpoint/, a
+    run directory without a final model and a folder without a model are one line each,
+    exit 2, and no evaluation directory is written."""
+    run = tmp_path / "runs" / "grpo-arith" / "trial0"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "config.yaml").write_text("old: run\n")
+
+    def evaluate(path):
+        args = ["eval", "--config", str(_EXAMPLE), f"model.path={path}", f"fileroot={tmp_path}"]
+        assert main(args) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and not (tmp_path / "grpo-arith").exists()
+        return err.removeprefix("areal-fast: error: ").strip()
+
+    missing = run.parent / "trial9" / "checkpoint"
+    assert evaluate(missing) == f"model.path = '{missing}': the folder {missing} does not exist"
+    relative = "runs/grpo-arith/trial9/checkpoint"  # not a hub id: two slashes
+    assert evaluate(relative) == f"model.path = '{relative}': the folder {relative} does not exist"
+    assert evaluate(run) == (
+        f"model.path = '{run}' is a run directory without a trained model (checkpoint/ is "
+        f"written when a run finishes, unless checkpoint.final_model=false)"
+    )
+    for name in ("config.json", "model.safetensors"):
+        (run / "checkpoint" / name).write_bytes((tiny_model_dir / name).read_bytes())
+    assert evaluate(run) == (
+        f"model.path = '{run}' is a run directory, not a model; its trained model is in "
+        f"checkpoint/: model.path={run}/checkpoint"
+    )
+    assert (
+        evaluate(run.parent)
+        == f"model.path = '{run.parent}': the folder holds no model (no config.json)"
+    )
+
+
+def test_a_batch_larger_than_the_training_set_is_refused(tiny_model_dir, tmp_path, capsys):
+    """20 generated one-digit additions (some also held out) cannot fill a batch of 40: one
+    line with both numbers and both keys, exit 2, no run directory."""
+    assert main(_args(tiny_model_dir, tmp_path, "data.train_size=20", "batch_size=40")) == 2
+    err = capsys.readouterr().err
+    match = re.fullmatch(
+        r"areal-fast: error: batch_size = 40 is more than the (\d+) training problems "
+        r"\(data.train_size = 20(, less (\d+) also held out)?\): a step would train some of "
+        r"them twice; lower batch_size or raise data.train_size\n",
+        err,
+    )
+    assert match, err
+    assert int(match.group(1)) + int(match.group(3) or 0) == 20
+    assert not (tmp_path / "grpo-arith").exists()
+    custom = _EXAMPLE.with_name("custom_data.yaml")  # 200 rows of examples/data/word_arith
+    args = ["train", "--config", str(custom), f"model.path={tiny_model_dir}"]
+    assert main([*args, f"fileroot={tmp_path}", "batch_size=201", "data.eval_size=4"]) == 2
+    assert capsys.readouterr().err == (
+        "areal-fast: error: batch_size = 201 is more than the 200 training problems (the "
+        "training rows of data.path = 'examples/data/word_arith', data.train_size = null): a "
+        "step would train some of them twice; lower batch_size\n"
+    )

@@ -92,6 +92,12 @@ def _looks_like_path(source: str) -> bool:
     )
 
 
+def is_dataset_id(source: str) -> bool:
+    """Whether :func:`load_gsm8k` reads ``source`` from the Hugging Face hub (with the
+    ``datasets`` package) rather than from a local file or folder."""
+    return not Path(source).expanduser().exists() and not _looks_like_path(source)
+
+
 def load_gsm8k(source: str, split: str = "train") -> list[MathProblem]:
     """Load GSM8K problems.
 

@@ -8,6 +8,7 @@ only consulted when a numeric comparison is impossible (symbolic gold answers su
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Mapping, Sequence
@@ -174,13 +175,32 @@ def extract_answer(text: str) -> str | None:
 # --------------------------------------------------------------------------- reward
 
 
+_MATH_VERIFY_LOGGERS = ("math_verify.parser", "math_verify.grader")
+"""The loggers of ``parse`` and ``verify``."""
+
+
+class _TimeoutOffOnPurpose(logging.Filter):
+    """Drops ``math_verify``'s "Timeout is disabled ..." warning, which ``parse`` and
+    ``verify`` log once per process when called with the timeout switched off: this module
+    switches it off on purpose off the main thread and bounds the input instead (see
+    :func:`_math_verify_match`). Its other records, such as a timeout that struck, pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """False for the timeout-disabled warning only."""
+        return not record.getMessage().startswith("Timeout is disabled")
+
+
+_TIMEOUT_FILTER = _TimeoutOffOnPurpose()
+
+
 def _math_verify_match(completion_text: str, predicted: str | None, gold: str) -> bool:
     """Symbolic equivalence through ``math_verify``; False on any failure.
 
     ``math_verify`` enforces its timeouts with ``signal.alarm``, which Python allows only
     on the main thread (elsewhere ``parse`` raises ``ValueError``). Off the main thread
-    the timeout is therefore switched off and the input is capped at
-    ``_MATH_VERIFY_MAX_CHARS`` characters instead.
+    the timeout is therefore switched off (``parsing_timeout`` / ``timeout_seconds`` None,
+    as math_verify asks for threads) and the input is capped at ``_MATH_VERIFY_MAX_CHARS``
+    characters instead; math_verify's warning that its timeout is off is not shown.
     """
     try:
         from math_verify import parse, verify
@@ -189,6 +209,9 @@ def _math_verify_match(completion_text: str, predicted: str | None, gold: str) -
         return False
     on_main = threading.current_thread() is threading.main_thread()
     timeout = MATH_VERIFY_TIMEOUT_S if on_main else None
+    if timeout is None:
+        for name in _MATH_VERIFY_LOGGERS:  # adding the same filter twice keeps one
+            logging.getLogger(name).addFilter(_TIMEOUT_FILTER)
     try:
         gold_parsed = parse(f"${gold}$", parsing_timeout=timeout)
         if not gold_parsed:

@@ -15,6 +15,7 @@ are watched so that the death of any rank stops the step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import secrets
@@ -430,13 +431,33 @@ class Cluster:
             Path(spec.path).unlink(missing_ok=True)
 
 
+def _exit_on_sigterm(signum: int, frame) -> None:
+    """SIGTERM handler of a local worker: exit through Python (see :func:`worker_main`)."""
+    raise SystemExit(128 + signum)
+
+
+def worker_main(target, conn, name: str, spec, authkey: bytes) -> None:
+    """Run a local worker's ``target(conn, name, spec, authkey)`` with SIGTERM turned into
+    a clean exit.
+
+    A SIGTERM sent to the whole process group (``timeout``, a batch scheduler) reaches the
+    workers too. Killed by its default action, a worker leaves what multiprocessing made in
+    it, such as the semaphore of tqdm's lock that a progress bar creates, for the resource
+    tracker to report as leaked when the launcher exits; exiting through Python runs the
+    finalizers that remove them.
+    """
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    target(conn, name, spec, authkey)
+
+
 class LocalCluster(Cluster):
     """Every worker as a ``spawn`` process on this machine.
 
     Each ignores SIGINT: a Ctrl-C in the terminal reaches the whole process group, and only
     the launcher acts on it (it stops the workers), so the workers print no tracebacks. The
     launcher ignores SIGINT while it starts a process (an ignored signal is the one
-    disposition that a new interpreter keeps); a Ctrl-C in that moment is lost.
+    disposition that a new interpreter keeps); a Ctrl-C in that moment is lost. A SIGTERM
+    ends a worker through Python (:func:`worker_main`).
 
     With ``shared_cores`` it makes the core table of the workers before starting them
     and deletes it when they stop.
@@ -459,6 +480,7 @@ class LocalCluster(Cluster):
             self._cores = None
 
     def _start_worker(self, name: str, target, spec) -> WorkerHandle:
+        target = functools.partial(worker_main, target)
         if threading.current_thread() is not threading.main_thread():
             return spawn_worker(name, target, spec, self.authkey)
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)

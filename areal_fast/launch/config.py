@@ -4,7 +4,8 @@
 command-line overrides (``actor.optim.lr=2e-5``; ``data.task_kwargs={}`` empties a mapping)
 with OmegaConf, which rejects unknown keys (the error names the closest known ones) and values
 of the wrong type; the dataclasses' ``__post_init__`` then checks ranges. Errors about a value
-from the YAML file give its ``file:line:column``. Every key's meaning is the comment beside its
+from the YAML file give its ``file:line:column``; a conflict between a value of the file and a
+``key=value`` item names the item. ``experiment_name`` defaults to the YAML file's name. Every key's meaning is the comment beside its
 field: :mod:`areal_fast.launch.config_reference` turns them into ``docs/config.md``.
 """
 
@@ -161,11 +162,13 @@ class EvalConfig:
 
 
 WANDB_MODES = ("online", "offline", "disabled")
+DEFAULT_EXPERIMENT = "default"  # experiment_name of a config built without a YAML file
 
 
 @dataclass
 class WandbConfig:
-    """A Weights & Biases run fed each step's record, the held-out accuracies and the config.
+    """A Weights & Biases run fed each step's record, the held-out accuracies and the config;
+    needs the wandb package unless ``mode`` is ``disabled``.
 
     The API key is wandb's own (``wandb login`` or ``WANDB_API_KEY``), never a config key.
     """
@@ -188,24 +191,25 @@ class WandbConfig:
 
 @dataclass
 class LoggingConfig:
-    """Logging sinks besides metrics.jsonl and progress.png (:mod:`areal_fast.launch.log_sinks`)."""
+    """Dashboards besides metrics.jsonl and progress.png: TensorBoard event files and a Weights
+    & Biases run (docs/logging.md).
+
+    Written by :mod:`areal_fast.launch.log_sinks`.
+    """
 
     # TensorBoard event files in <run dir>/tensorboard/: each step's numeric keys as
     # scalars, the staleness histogram, the held-out accuracies (needs the tensorboard package)
     tensorboard: bool = False
     wandb: WandbConfig = field(default_factory=WandbConfig)  # needs wandb unless disabled
 
-    def __post_init__(self):
-        from areal_fast.launch.log_sinks import check_packages
-
-        check_packages(self)
-
 
 @dataclass
 class ExperimentConfig:
     """Everything one ``areal-fast train`` run needs."""
 
-    experiment_name: str = "grpo-arith"  # first folder of the run directory, under fileroot
+    # first folder of the run directory, under fileroot; null: the config file's name without
+    # its extension (my_task.yaml -> my_task), "default" without a file
+    experiment_name: Optional[str] = None
     trial_name: str = "trial0"  # second folder of the run directory: one per run
     fileroot: str = "runs"  # run directory = fileroot/experiment_name/trial_name
     overwrite: bool = False  # replace an existing run directory
@@ -279,6 +283,8 @@ class ExperimentConfig:
             raise ValueError("resume=true and overwrite=true contradict each other")
         if self.agent.path:
             self._check_agent_lengths()
+        if self.experiment_name is None:
+            self.experiment_name = DEFAULT_EXPERIMENT
         for key in ("experiment_name", "trial_name"):
             value = getattr(self, key)
             if not value or "/" in value or value.startswith("."):
@@ -358,7 +364,8 @@ def load_config(
     overrides : list of str
         Dotted overrides applied in order, e.g. ``["actor.optim.lr=2e-5", "total_steps=5"]``.
         A mapping value is merged into the mapping already there, except ``{}``, which
-        empties a mapping key (``data.task_kwargs={}``).
+        empties a mapping key (``data.task_kwargs={}``). ``experiment_name``, when neither
+        sets it, is the YAML file's name without its extension.
 
     Raises
     ------
@@ -380,13 +387,13 @@ def load_config(
             raise ConfigError(
                 _located(_omegaconf_message(exc), getattr(exc, "full_key", None), yaml_path, where)
             ) from exc
-    given = []
+        if merged.experiment_name is None:  # each config file gets a folder of its own
+            merged.experiment_name = Path(yaml_path).stem.lstrip(".") or DEFAULT_EXPERIMENT
     for item in overrides or []:
         key, _, value = item.partition("=")
         key = key.strip()
         if "=" not in item or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        given.append(key)
         try:
             if value.strip() == "{}" and key in _mapping_keys():
                 OmegaConf.update(merged, key, {}, merge=False)
@@ -403,12 +410,39 @@ def load_config(
             if isinstance(exc, OmegaConfBaseException)
             else str(exc).splitlines()[0]
         )
-        # sections whose checks already name their full key (agent.*, trajectory.*)
-        message = message if message.startswith(prefix) else f"{prefix}{message}"
-        key = re.match(r"[\w.]*", message).group(0)
-        if key in given or key not in where:  # the value is not the file's
-            raise ConfigError(message) from exc
-        raise ConfigError(_located(message, key, yaml_path, where)) from exc
+        message = _full_keyed(prefix, message)
+        raise ConfigError(_blamed(message, prefix, overrides or [], yaml_path, where)) from exc
+
+
+def _full_keyed(prefix: str, message: str) -> str:
+    """``message`` of a check in section ``prefix`` (``"actor.lora."``) led by the full key.
+
+    A section's check names its key relative to itself (``rank = -1``), to a section above
+    (``lora.rank = -1``), or in full (``agent.*``, ``trajectory.*`` checks); the part of
+    ``prefix`` the message does not already name is put in front.
+    """
+    parts = prefix.rstrip(".").split(".") if prefix else []
+    for i in range(len(parts)):
+        if message.startswith(".".join(parts[i:]) + "."):
+            return ".".join(parts[:i]) + ("." if i else "") + message
+    return prefix + message
+
+
+def _blamed(message: str, prefix: str, overrides: list[str], yaml_path, where: dict) -> str:
+    """``message`` with where its value came from: the command-line item that set the key it
+    starts with, else the YAML file's ``file:line:column`` of that key; when the key is the
+    file's but another key the message names was set on the command line (a conflict
+    between the two), that command-line item is blamed instead of the file's line."""
+    items = {item.partition("=")[0].strip(): item for item in overrides}
+    key = re.match(r"[\w.]*", message).group(0)
+    if key in items or key not in where:  # the value is not the file's
+        return message
+    known = set(_known_keys())
+    for word in re.findall(r"[A-Za-z_]\w*(?:\.\w+)*", message):
+        for name in (word, prefix + word):
+            if name != key and name in known and name in items:
+                return f"command line {items[name]!r}: {message}"
+    return _located(message, key, yaml_path, where)
 
 
 @functools.lru_cache(maxsize=1)

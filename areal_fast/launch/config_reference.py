@@ -169,7 +169,8 @@ def field_meanings(cls) -> dict[str, str]:
 
 
 def _about(cls) -> str:
-    """First paragraph of a dataclass's docstring, on one line."""
+    """A section's title: the first paragraph of its dataclass's docstring, on one line (the
+    comment beside the section's field in the parent, a shorter name, is not repeated)."""
     return _clean(inspect.cleandoc(cls.__doc__ or "").split("\n\n")[0])
 
 
@@ -210,7 +211,7 @@ def sections(root=None, strict: bool = True) -> list[Section]:
         for f in fields(cls):
             dotted = f"{prefix}{f.name}"
             if is_dataclass(hints[f.name]):
-                nested.append((hints[f.name], f"{dotted}.", meanings.get(f.name, "")))
+                nested.append((hints[f.name], f"{dotted}."))
                 continue
             if strict and not meanings.get(f.name):
                 raise ValueError(
@@ -227,8 +228,8 @@ def sections(root=None, strict: bool = True) -> list[Section]:
                 )
             )
         out.append(Section(prefix.rstrip(".") or TOP_LEVEL, about, tuple(keys)))
-        for sub_cls, sub_prefix, sub_about in nested:
-            walk(sub_cls, sub_prefix, _about(sub_cls) + (f" ({sub_about})" if sub_about else ""))
+        for sub_cls, sub_prefix in nested:
+            walk(sub_cls, sub_prefix, _about(sub_cls))
 
     walk(root, "", _about(root))
     return out

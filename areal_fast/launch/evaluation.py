@@ -24,6 +24,7 @@ from areal_fast.controller.requests import ChatPrompts, eval_requests
 from areal_fast.launch.cluster import ClusterSpec
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
 from areal_fast.launch.inputs import check_positions, load_eval_set
+from areal_fast.launch.packages import check_packages
 from areal_fast.launch.run_dir import write_eval_records
 from areal_fast.launch.worker_specs import (
     check_resources,
@@ -155,6 +156,7 @@ def run_evaluation(cfg: ExperimentConfig, out: str | None = None) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     start = time.perf_counter()
+    check_packages(cfg, training=False)
     path = eval_dir(cfg, out)
     check_eval_dir(path, cfg.overwrite)
     check_resources(cfg)

@@ -24,7 +24,7 @@ from areal_fast.controller.step_evals import StepEvals
 from areal_fast.launch import console
 from areal_fast.launch.cluster import Cluster
 from areal_fast.launch.config import ExperimentConfig
-from areal_fast.launch.inputs import check_lengths, load_datasets
+from areal_fast.launch.inputs import check_batch_size, check_lengths, load_datasets
 from areal_fast.launch.interrupt import (
     CHECKPOINT_WAIT_SECONDS,
     RunInterrupted,
@@ -35,6 +35,7 @@ from areal_fast.launch.interrupt import (
     write_interrupted,
 )
 from areal_fast.launch.log_sinks import LogSinks
+from areal_fast.launch.packages import check_packages
 from areal_fast.launch.run_dir import (
     check_run_dir,
     check_trajectory_dir,
@@ -43,7 +44,6 @@ from areal_fast.launch.run_dir import (
     write_eval_records,
 )
 from areal_fast.launch.worker_specs import (
-    check_engine,
     check_resources,
     check_reward,
     check_sync,
@@ -120,8 +120,8 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     seed_everything(cfg.seed)
-    check_run_dir(cfg)  # raises the one-line error before any slow work
-    check_engine(cfg)
+    check_packages(cfg)  # raises the one-line error before any slow work
+    check_run_dir(cfg)
     check_sync(cfg)
     check_resources(cfg)
     check_reward(cfg)
@@ -132,6 +132,7 @@ def _run_experiment(cfg: ExperimentConfig, show_progress: bool, progress: _Progr
         load_agent(cfg.agent.path, cfg.agent.kwargs, construct=False)
         check_trajectory_dir(cfg)
     train_set, eval_set, removed = load_datasets(cfg)
+    check_batch_size(cfg, train_set, removed)
     tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
     prompts = ChatPrompts(tokenizer, cfg.data.instruction)
     model_config = load_model_config(cfg.model.path)

@@ -1,5 +1,6 @@
 """A run's inputs, loaded and checked before any worker starts: the training and held-out
-problems (questions in both are dropped from training) and the lengths they need."""
+problems (questions in both are dropped from training), a batch they can fill and the
+lengths they need."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from areal_fast.controller.requests import ChatPrompts
 from areal_fast.data.config import USER_TASKS
 from areal_fast.data.tasks import drop_eval_overlap, load_problems
 from areal_fast.data.user_data import load_user_data
-from areal_fast.launch.config import ExperimentConfig
+from areal_fast.launch.config import ConfigError, ExperimentConfig
 
 
 def unique_questions(problems):
@@ -43,6 +44,31 @@ def load_datasets(cfg: ExperimentConfig):
             f"({removed} removed); raise data.train_size or change the task"
         )
     return train_set, eval_set, removed
+
+
+def check_batch_size(cfg: ExperimentConfig, train_set, removed: int) -> None:
+    """Fail before any work when a step would take more problems than training has (each
+    step draws ``batch_size`` problems without repeats until the set runs out).
+
+    Raises
+    ------
+    ConfigError
+        Naming ``batch_size``, the number of training problems and the key that sets it.
+    """
+    if cfg.batch_size <= len(train_set):
+        return
+    d = cfg.data
+    size = "null" if d.train_size is None else d.train_size
+    source = f"data.train_size = {size}"
+    if d.task in USER_TASKS:
+        source = f"the training rows of data.path = {d.path!r}, {source}"
+    if removed:
+        source += f", less {removed} also held out"
+    fix = "lower batch_size" + (" or raise data.train_size" if d.train_size is not None else "")
+    raise ConfigError(
+        f"batch_size = {cfg.batch_size} is more than the {len(train_set)} training problems "
+        f"({source}): a step would train some of them twice; {fix}"
+    )
 
 
 def _generated_or_gsm8k_train(cfg: ExperimentConfig):

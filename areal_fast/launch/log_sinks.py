@@ -5,8 +5,8 @@ of each step's record as a scalar (so a key added to the record later is logged 
 change here), each list key ending in ``_hist`` (``staleness_hist``: trained tokens per
 staleness 0, 1, 2, ...) as a histogram of counts per integer value, and the held-out
 accuracies ``eval_before`` (step 0) and ``eval_after`` (the last step). The packages are
-optional: :func:`check_packages` (run by :class:`~areal_fast.launch.config.LoggingConfig`)
-refuses an enabled sink whose package is missing, before anything runs.
+optional: :func:`~areal_fast.launch.packages.check_packages` refuses an enabled sink whose
+package is missing, before anything is written.
 
 A resumed run writes to the same places: TensorBoard to the same folder, hiding the events
 of the steps that are trained again (``SummaryWriter(purge_step=...)``); wandb resumes the
@@ -17,7 +17,6 @@ order by ``wandb sync``).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import numbers
 import uuid
@@ -27,34 +26,12 @@ from typing import TYPE_CHECKING, Optional
 from areal_fast.launch.config import ConfigError
 
 if TYPE_CHECKING:
-    from areal_fast.launch.config import ExperimentConfig, LoggingConfig
+    from areal_fast.launch.config import ExperimentConfig
 
 log = logging.getLogger("areal_fast.launch")
 
 TENSORBOARD_FOLDER = "tensorboard"  # under the run directory
 WANDB_ID_FILE = Path("wandb") / "run_id"  # under the run directory
-
-
-def check_packages(cfg: "LoggingConfig") -> None:
-    """Raise one line naming the package and its install command for each enabled sink whose
-    package is not installed.
-
-    Raises
-    ------
-    ValueError
-        ``tensorboard = true`` without the ``tensorboard`` package, or ``wandb.mode`` other
-        than ``disabled`` without ``wandb`` (the config loader prefixes ``logging.``).
-    """
-    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ValueError(
-            "tensorboard = true needs the tensorboard package, which is not installed: "
-            "pip install 'tensorboard>=2.14' (or pip install 'areal_fast[tensorboard]')"
-        )
-    if cfg.wandb.mode != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise ValueError(
-            f"wandb.mode = {cfg.wandb.mode!r} needs the wandb package, which is not "
-            "installed: pip install 'wandb>=0.17' (or pip install 'areal_fast[wandb]')"
-        )
 
 
 def split_record(record: dict) -> tuple[int, dict[str, float], dict[str, list[int]]]:

@@ -23,6 +23,12 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
                 f"fileroot: {parent} is a file, so run directory {run_dir} cannot be created"
             )
     if cfg.resume:
+        if not run_dir.exists():
+            raise ConfigError(
+                f"resume=true: there is no run to resume at {run_dir} (fileroot/"
+                f"experiment_name/trial_name); without resume=true the run starts there, or "
+                f"set fileroot, experiment_name and trial_name to those of the run to continue"
+            )
         if not (run_dir / "config.yaml").is_file():
             raise ConfigError(
                 f"resume=true: {run_dir} is not an areal-fast run directory (no config.yaml)"

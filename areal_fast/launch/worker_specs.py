@@ -106,32 +106,6 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
     )
 
 
-def check_engine(cfg: ExperimentConfig) -> None:
-    """Fail before anything is written when ``rollout.engine`` needs a package that is not
-    installed: vLLM for vllm and for a vllm_server the workers start (one at
-    ``rollout.server_url`` needs only HTTP); SGLang for sglang_server (its serializer packs
-    the weight updates).
-
-    Raises
-    ------
-    ConfigError
-        Naming the key and what to install.
-    """
-    import importlib.util
-
-    r = cfg.rollout
-    needs_vllm = r.engine == "vllm" or (r.engine == "vllm_server" and not r.server_url)
-    if needs_vllm and importlib.util.find_spec("vllm") is None:
-        from areal_fast.rollout.vllm_async import VLLM_MISSING
-
-        raise ConfigError(VLLM_MISSING.format(engine=r.engine))
-    if r.engine == "sglang_server" and importlib.util.find_spec("sglang") is None:
-        raise ConfigError(
-            "rollout.engine = 'sglang_server' needs SGLang in the rollout workers too (its "
-            "serializer packs the weight updates): pip install sglang"
-        )
-
-
 def check_reward(cfg: ExperimentConfig) -> None:
     """Fail before any worker starts when ``reward.path`` cannot be loaded or called (its
     module is imported here, in the controller process, as in every rollout worker).
@@ -201,17 +175,12 @@ def check_resources(cfg: ExperimentConfig) -> None:
     Raises
     ------
     ConfigError
-        Ray is not installed, or the workers need more CPUs or GPUs than the local instance
-        has; the message shows the sum and names the keys.
+        The workers need more CPUs or GPUs than the local instance has; the message shows
+        the sum and names the keys (a missing Ray is
+        :func:`~areal_fast.launch.packages.check_packages`'s).
     """
     s = cfg.scheduler
-    if s.type != "ray":
-        return
-    import importlib.util
-
-    if importlib.util.find_spec("ray") is None:
-        raise ConfigError("scheduler.type = 'ray' needs Ray: pip install 'areal_fast[ray]'")
-    if s.ray_address is not None:
+    if s.type != "ray" or s.ray_address is not None:
         return
     ranks, workers = s.train_world_size, cfg.rollout.num_workers
     have = {"CPU": s.ray_num_cpus or _ray_cpus(), "GPU": torch.cuda.device_count()}

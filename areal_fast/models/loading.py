@@ -8,6 +8,7 @@ later runs load directly.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import shutil
@@ -132,15 +133,52 @@ def resolve_model_path(path: str) -> str:
     """Turn a config ``model.path`` into something ``from_pretrained`` accepts.
 
     ``"demo:SmolLM2-135M-Instruct"`` maps to the cached demo directory; an existing local
-    directory is used as is; anything else is passed on as a Hugging Face hub id.
+    directory that holds a model is used as is; a name of the form ``name`` or
+    ``namespace/name`` that is not a local path is passed on as a Hugging Face hub id.
+
+    Raises
+    ------
+    ValueError
+        One line naming ``model.path``: an unknown demo name; a local path (absolute,
+        ``./``, ``~``, or with more than one ``/``, which no hub id has) that does not exist;
+        a file; a folder without a model, pointing to ``checkpoint/`` when it is a run
+        directory.
     """
     if path == DEMO_MODEL:
         return str(demo_model_dir())
     if path.startswith("demo:"):
         raise ValueError(f"model.path = {path!r}: the only demo model is {DEMO_MODEL!r}")
-    if path.startswith(("/", "./", "../", "~")) and not Path(path).expanduser().is_dir():
-        raise ValueError(f"model.path = {path!r}: no such local directory")
-    return str(Path(path).expanduser()) if path.startswith("~") else path
+    local = Path(path).expanduser()
+    if local.is_dir():
+        _check_model_dir(path, local)
+        return str(local) if path.startswith("~") else path
+    if local.exists():
+        raise ValueError(
+            f"model.path = {path!r} is a file; a model is a folder (config.json, weights, "
+            f"tokenizer), a Hugging Face id or {DEMO_MODEL!r}"
+        )
+    if path.startswith(("/", ".", "~")) or path.count("/") > 1:
+        raise ValueError(f"model.path = {path!r}: the folder {local} does not exist")
+    return path
+
+
+def _check_model_dir(path: str, folder: Path) -> None:
+    """Raise one line unless ``folder`` holds a model (``config.json``); a run directory
+    (``config.yaml``) is pointed to its trained model, ``checkpoint/``."""
+    if (folder / "config.json").is_file():
+        return
+    if (folder / "checkpoint" / "config.json").is_file():
+        inner = f"{path.rstrip('/')}/checkpoint"
+        raise ValueError(
+            f"model.path = {path!r} is a run directory, not a model; its trained model is "
+            f"in checkpoint/: model.path={inner}"
+        )
+    if (folder / "config.yaml").is_file():
+        raise ValueError(
+            f"model.path = {path!r} is a run directory without a trained model (checkpoint/ "
+            f"is written when a run finishes, unless checkpoint.final_model=false)"
+        )
+    raise ValueError(f"model.path = {path!r}: the folder holds no model (no config.json)")
 
 
 def load_tokenizer(path: str):
@@ -186,6 +224,28 @@ def load_model_config(path: str):
         ) from exc
 
 
+@contextlib.contextmanager
+def _no_bar_for_local(resolved: str):
+    """Switch transformers' progress bars off while a model is read from a local folder (the
+    demo model's cache, a run's checkpoint): its "Loading weights" bar, drawn once per
+    process that loads the model, would show a load that takes a moment. A hub id keeps
+    them: its download and load can take long. Restored afterwards."""
+    from huggingface_hub import utils as hub_utils
+    from transformers.utils import logging as hf_logging
+
+    if not Path(resolved).is_dir() or not hf_logging.is_progress_bar_enabled():
+        yield
+        return
+    hub_bars_off = hub_utils.are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()  # transformers' bars and the hub's
+    try:
+        yield
+    finally:
+        hf_logging.enable_progress_bar()
+        if hub_bars_off:
+            hub_utils.disable_progress_bars()
+
+
 def load_causal_lm(
     path: str,
     dtype: str = "float32",
@@ -221,9 +281,10 @@ def load_causal_lm(
     torch_dtype = resolve_dtype(dtype)
     resolved = resolve_model_path(path)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            resolved, dtype=torch_dtype, attn_implementation=attn_implementation
-        )
+        with _no_bar_for_local(resolved):
+            model = AutoModelForCausalLM.from_pretrained(
+                resolved, dtype=torch_dtype, attn_implementation=attn_implementation
+            )
     except Exception as exc:
         raise ValueError(
             f"model.path = {path!r}: cannot load a causal LM "

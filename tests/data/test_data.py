@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -382,3 +384,26 @@ def test_apply_chat_template_without_template():
     ids = apply_chat_template(tok, build_prompt_messages("Calculate 5 + 8."))
     assert ids == tok.encode("Calculate 5 + 8.\nGive only the final answer as a number.\nAnswer:")
     assert ids[-2:] == [vocab["Answer"], vocab[":"]]
+
+
+def test_math_verify_off_the_main_thread_warns_nothing(tmp_path):
+    """A reward thread (reward.path runs in a pool of them) calls math_verify with its
+    timeout off, on purpose: math_verify's "Timeout is disabled" warnings (one from parse,
+    one from verify in each process) are not shown; a fresh process, since they come once."""
+    code = (
+        "import threading\n"
+        "from areal_fast.data.rewards import math_reward\n"
+        "out = []\n"
+        "def score():\n"
+        "    out.append(math_reward('The answer is 0.5', '\\\\frac{1}{2}'))\n"
+        "thread = threading.Thread(target=score)\n"
+        "thread.start()\n"
+        "thread.join()\n"
+        "print(out[0], math_reward('The answer is 0.5', '\\\\frac{1}{2}'))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["1.0", "1.0"]  # symbolic equivalence on either thread
+    assert "Timeout is disabled" not in proc.stderr, proc.stderr

@@ -54,7 +54,7 @@ def test_reference_has_every_key_with_a_meaning():
     assert by_name["tags"].type == "list[str]" and by_name["tags"].default == "[]"
     assert by_name["data.task_kwargs"].type == "dict"
     assert by_name["rollout.drop_stale"].default == "true"
-    assert by_name["experiment_name"].default == '"grpo-arith"'
+    assert by_name["experiment_name"].default == "null"
     # meanings come from the comment beside the field, or else the docstring's entry
     assert "openai/gsm8k" in by_name["data.path"].meaning
     assert "{split}.jsonl" in by_name["data.path"].meaning
@@ -149,6 +149,75 @@ def test_yaml_errors_give_file_line_and_column(tmp_path):
         r"'total_steps': Value 'abc'",
     ):
         load_config(str(wrong_type))
+
+
+def test_section_titles_read_as_one_sentence():
+    """Each section's title in `areal-fast config` and docs/config.md is its dataclass's
+    own sentence: no parenthesis appended to it or nested in another, no internal module."""
+    import re
+
+    for section in ref.sections():
+        about = section.about
+        assert about and about.endswith("."), section.name
+        assert "((" not in about and "))" not in about and ". (" not in about, about
+        assert not re.search(r"areal_fast\.\w+\.", about), about
+    text = ref.render_text()
+    assert "[actor.lora]  LoRA on the trained policy" in text
+    assert "\n[logging]  Dashboards besides metrics.jsonl and progress.png: TensorBoard" in text
+
+
+def test_a_section_check_names_the_full_key_once(tmp_path):
+    """A nested section's check that names its key from a section above (``lora.rank`` in
+    ``actor.lora``) is reported under the full key, not ``actor.lora.lora.rank``."""
+    with pytest.raises(ConfigError) as info:
+        load_config(str(ARITH), ["actor.lora.rank=-1"])
+    assert str(info.value) == "actor.lora.rank = -1 must be an int >= 0 (0: off)"
+    config = tmp_path / "lora.yaml"
+    config.write_text("actor:\n  lora: {rank: -3}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(config))
+    assert str(info.value) == (
+        f"config file {config}:2:10: actor.lora.rank = -3 must be an int >= 0 (0: off)"
+    )
+    with pytest.raises(ConfigError, match=r"^rollout\.vllm\.max_model_len = 1 must be"):
+        load_config(str(ARITH), ["rollout.vllm.max_model_len=1"])
+
+
+def test_a_conflict_with_a_command_line_item_blames_the_item(tmp_path):
+    """Two keys that contradict each other, one from the file and one from the command line:
+    the error names the command-line item, not the file's line of the other key."""
+    config = tmp_path / "resume.yaml"
+    config.write_text("total_steps: 1\nresume: true\nbatch_size: 4\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(config), ["overwrite=true"])
+    assert str(info.value) == (
+        "command line 'overwrite=true': resume=true and overwrite=true contradict each other"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(str(config), ["resume=false", "scheduler.train_world_size=8"])
+    assert str(info.value).startswith("scheduler.train_world_size = 8 is more than batch_size")
+    config.write_text("batch_size: 4\nscheduler: {train_world_size: 8}\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(config))
+    assert str(info.value).startswith(f"config file {config}:2:13: scheduler.train_world_size")
+    with pytest.raises(ConfigError) as info:
+        load_config(str(config), ["batch_size=2"])
+    assert str(info.value).startswith(
+        "command line 'batch_size=2': scheduler.train_world_size = 8 is more than batch_size = 2"
+    )
+
+
+def test_experiment_name_defaults_to_the_config_files_name(tmp_path):
+    """A config without experiment_name never lands in another config's run directory."""
+    config = tmp_path / "my_task.yaml"
+    config.write_text("total_steps: 3\n")
+    cfg = load_config(str(config))
+    assert cfg.experiment_name == "my_task"
+    assert cfg.run_dir == Path("runs") / "my_task" / "trial0"
+    assert load_config(str(config), ["experiment_name=other"]).experiment_name == "other"
+    assert load_config(str(ARITH)).experiment_name == "grpo-arith"  # the file sets it
+    assert load_config(None).experiment_name == "default"
+    assert ExperimentConfig().experiment_name == "default"
 
 
 def test_a_mapping_is_emptied_by_braces_and_merged_otherwise():

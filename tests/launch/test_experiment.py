@@ -239,9 +239,21 @@ def test_resume_refuses_a_finished_run_or_changed_inputs(
 
 
 def test_resume_needs_a_run_dir(tiny_model_dir, tmp_path, capsys):
+    """resume=true where no run exists says so and how to start it; a folder that is not a
+    run directory is named as such; neither is written to."""
+    assert main(_args(tiny_model_dir, tmp_path, "none", "resume=true")) == 2
+    run_dir = tmp_path / "grpo-arith" / "none"
+    assert capsys.readouterr().err == (
+        f"areal-fast: error: resume=true: there is no run to resume at {run_dir} (fileroot/"
+        f"experiment_name/trial_name); without resume=true the run starts there, or set "
+        f"fileroot, experiment_name and trial_name to those of the run to continue\n"
+    )
+    assert not (tmp_path / "grpo-arith").exists()
+    run_dir.mkdir(parents=True)
     assert main(_args(tiny_model_dir, tmp_path, "none", "resume=true")) == 2
     err = capsys.readouterr().err
-    assert "resume=true" in err and "not an areal-fast run directory" in err
+    assert "resume=true" in err and "not an areal-fast run directory (no config.yaml)" in err
+    assert list(run_dir.iterdir()) == []
 
 
 @pytest.mark.slow

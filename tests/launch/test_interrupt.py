@@ -158,6 +158,52 @@ def test_sigterm_stops_like_ctrl_c(tiny_model_dir, tmp_path):
     )
 
 
+def test_sigterm_to_the_process_group_leaks_nothing(tiny_model_dir, tmp_path):
+    """SIGTERM to every process of the job (`timeout`, a batch scheduler): the run stops as
+    for the launcher alone, and no worker leaves a semaphore behind (the resource tracker's
+    "leaked semaphore" warning), progress bars included."""
+    run_dir = tmp_path / "grpo-arith" / "stop"
+    args = _args(tiny_model_dir, tmp_path, "checkpoint.every_steps=0")
+    proc = _start([a for a in args if a != "--no-progress"])
+    _wait_steps(proc, run_dir, 1)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 143, err[-3000:]
+    assert "leaked semaphore" not in err and "Traceback" not in err, err[-3000:]
+    assert (run_dir / "INTERRUPTED").read_text().splitlines()[1] == "signal: SIGTERM"
+
+
+@pytest.mark.parametrize("wrapped", [True, False])
+def test_a_local_worker_ends_through_python_on_sigterm(tmp_path, wrapped):
+    """A worker started as LocalCluster starts it (``worker_main``) runs multiprocessing's
+    finalizers on SIGTERM, so a lock it made is removed; killed by the signal's default
+    action (the control case), the same worker leaves it to the resource tracker, which
+    reports it when the launching process exits."""
+    ready = tmp_path / "ready"
+    script = f"""
+import functools, os, signal, sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from semaphore_worker import hold_a_lock
+from areal_fast.controller.workers import spawn_worker
+from areal_fast.launch.cluster import worker_main
+target = functools.partial(worker_main, hold_a_lock) if {wrapped} else hold_a_lock
+handle = spawn_worker("w", target, {str(ready)!r}, b"key")
+deadline = time.monotonic() + 60
+while not os.path.exists({str(ready)!r}) and time.monotonic() < deadline:
+    time.sleep(0.05)
+os.kill(handle.pid, signal.SIGTERM)
+handle.process.join(30)
+print(handle.process.exitcode)
+"""
+    proc = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    if wrapped:
+        assert proc.stdout.split() == ["143"] and "leaked semaphore" not in proc.stderr, proc
+    else:
+        assert proc.stdout.split() == ["-15"] and "1 leaked semaphore" in proc.stderr, proc
+
+
 def test_describe_stop_names_the_complete_checkpoint(tmp_path):
     from areal_fast.train.checkpoint import FORMAT, STATE_FILE
 

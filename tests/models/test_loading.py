@@ -1,4 +1,5 @@
-"""Slow tests on the real demo model (SmolLM2-135M-Instruct from the PyPI GGUF wheel)."""
+"""Model loading: quiet from a local folder; slow tests on the real demo model
+(SmolLM2-135M-Instruct from the PyPI GGUF wheel)."""
 
 import json
 
@@ -8,9 +9,20 @@ import torch
 from areal_fast.cli import main
 from areal_fast.models.loading import DEMO_MODEL, demo_model_dir, load_causal_lm
 
-pytestmark = pytest.mark.slow
+
+def test_a_local_model_loads_without_a_progress_bar(tiny_model_dir, capfd):
+    """No "Loading weights" bar for a folder on this machine (each worker loads the model);
+    transformers' and the hub's bars are on again afterwards."""
+    from huggingface_hub.utils import are_progress_bars_disabled
+    from transformers.utils import logging as hf_logging
+
+    capfd.readouterr()
+    load_causal_lm(str(tiny_model_dir))
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
 
 
+@pytest.mark.slow
 def test_demo_model_facts():
     model = load_causal_lm(DEMO_MODEL)
     cfg = model.config
@@ -25,10 +37,14 @@ def test_demo_model_facts():
     ).read_text()
 
 
+@pytest.mark.slow
 def test_one_grpo_step_on_demo_model(tmp_path):
     """One real step: engine samples, trainer updates, engine receives the new weights."""
+    config = tmp_path / "grpo-arith.yaml"  # the built-in defaults, under the name used below
+    config.write_text("{}\n")
     args = [
         "train",
+        f"--config={config}",
         "--no-progress",
         f"fileroot={tmp_path}",
         "total_steps=1",
@@ -74,6 +90,7 @@ def _text_batch(lengths, seed):
     return pack_trajectories(trajs, torch.zeros(len(lengths)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn", ["sdpa", "areal_packed"])
 def test_packed_equals_unpadded_demo_model(attn, fresh_seed):
     """Acceptance: packed vs per-sequence unpadded log-probs on the demo model.
