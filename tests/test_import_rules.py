@@ -235,17 +235,9 @@ RULES = [
                          "the private helpers are leaves that every layer may use")],
 ]  # fmt: skip
 
-# Circles that exist today and are being removed (the launcher's, below); each entry is the set
-# of modules of one circle. A circle not listed here fails the test, and so does an entry
-# whose circle is gone: empty this as they go.
-ALLOWED_CIRCLES = [
-    # the config reference and the log sinks import ExperimentConfig / ConfigError back
-    {
-        "areal_fast.launch.config",
-        "areal_fast.launch.config_reference",
-        "areal_fast.launch.log_sinks",
-    },
-]
+# Circles that are tolerated, each the set of modules of one circle: none. A circle not listed
+# fails the test, and so does an entry whose circle is gone.
+ALLOWED_CIRCLES: list[set[str]] = []
 
 
 # --------------------------------------------------------------------------- the tests

@@ -448,18 +448,18 @@ def _blamed(message: str, prefix: str, overrides: list[str], yaml_path, where: d
 @functools.lru_cache(maxsize=1)
 def _mapping_keys() -> frozenset[str]:
     """Dotted keys whose value is a free-form mapping (``data.task_kwargs``, ...)."""
-    from areal_fast.launch.config_reference import config_keys
+    from areal_fast.launch.config_keys import config_keys
 
-    return frozenset(k.key for k in config_keys(strict=False) if k.type == "dict")
+    return frozenset(k.key for k in config_keys(ExperimentConfig, strict=False) if k.type == "dict")
 
 
 @functools.lru_cache(maxsize=1)
 def _known_keys() -> tuple[str, ...]:
     """Every dotted key and section name of :class:`ExperimentConfig`."""
-    from areal_fast.launch.config_reference import TOP_LEVEL, sections
+    from areal_fast.launch.config_keys import TOP_LEVEL, sections
 
     found = []
-    for section in sections(strict=False):
+    for section in sections(ExperimentConfig, strict=False):
         if section.name != TOP_LEVEL:
             found.append(section.name)
         found += [k.key for k in section.keys]
