@@ -260,6 +260,11 @@ def test_tour_opens_at_most_eight_files():
     files = set(re.findall(r"`(areal_fast/[\w/]+\.py)`", tour))
     assert 6 <= len(files) <= 8, sorted(files)
     assert all((ROOT / f).is_file() for f in files), sorted(files)
+    # each item says which process its file runs in
+    items = re.findall(r"^\d+\. `(areal_fast/[\w/]+\.py)` \(([^)]*)\)", tour, flags=re.M)
+    assert {f for f, _ in items} == files, items
+    processes = ("launcher", "rollout worker", "trainer")
+    assert all(any(p in where for p in processes) for _, where in items), items
 
 
 def test_readme_is_a_front_door():
@@ -299,8 +304,8 @@ def test_config_keys_named_in_the_docs_exist():
     unknown = []
     for path in DOC_FILES:
         for name in re.findall(r"`([a-z_]+(?:\.[a-z_]+)+)(?:=[^`]*)?`", path.read_text()):
-            if name.split(".")[0] not in sections or name in keys:
-                continue  # not a config key (a module path, a metric), or a known one
+            if name.split(".")[0] not in sections or name in keys or name.endswith(".py"):
+                continue  # not a config key (a module path, a file, a metric), or a known one
             if not any(name.startswith(m + ".") for m in free):
                 unknown.append(f"{path.relative_to(ROOT)}: {name}")
     assert not unknown, unknown
@@ -316,3 +321,80 @@ def test_every_step_metric_is_documented():
     documented = {k.strip("` ") for cell in documented for k in cell.split(",")}
     in_code = {k.strip() for key in STEP_METRICS for k in key.replace(" and ", " / ").split(" / ")}
     assert documented == in_code
+
+
+# ------------------------------------------------------------------------- module index
+
+MODULES_DOC = ROOT / "docs" / "modules.md"
+
+
+def _defines_code(path: Path) -> bool:
+    """A function or method anywhere in the file, a module ``__getattr__`` (lazy re-export) aside."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    return any(
+        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and not (path.name == "__init__.py" and node.name == "__getattr__")
+        for node in ast.walk(tree)
+    )
+
+
+def _source_modules(root: Path) -> set[str]:
+    """Every ``.py`` under areal_fast/ and kernels/; an ``__init__.py`` only if it defines code."""
+    found = set()
+    for top in ("areal_fast", "kernels"):
+        for path in (root / top).rglob("*.py"):
+            if path.name != "__init__.py" or _defines_code(path):
+                found.add(path.relative_to(root).as_posix())
+    return found
+
+
+def _documented_modules(markdown: str) -> set[str]:
+    """``- `name.py` — ...`` items, each joined to the folder of the heading above it."""
+    named, folder = set(), None
+    for line in markdown.splitlines():
+        heading = re.match(r"#{2,6} `([\w/]+/)`", line)
+        if heading:
+            folder = heading.group(1)
+        elif line.startswith("#"):
+            folder = None
+        item = re.match(r"- `(\w+\.py)` — \S", line)
+        if item and folder is not None:
+            named.add(folder + item.group(1))
+    return named
+
+
+def _index_mismatch(root: Path, markdown: str) -> tuple[list[str], list[str]]:
+    """(modules without a line, lines naming no module)."""
+    on_disk, named = _source_modules(root), _documented_modules(markdown)
+    return sorted(on_disk - named), sorted(named - on_disk)
+
+
+def test_every_module_has_a_line_in_docs_modules():
+    missing, extra = _index_mismatch(ROOT, MODULES_DOC.read_text())
+    assert not missing, f"docs/modules.md: add one line for each of {missing}"
+    assert not extra, f"docs/modules.md names modules that do not exist: {extra}"
+
+
+def test_module_index_check_catches_a_new_module(tmp_path):
+    (tmp_path / "areal_fast" / "wire").mkdir(parents=True)
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "areal_fast" / "__init__.py").write_text("from areal_fast.cli import main\n")
+    (tmp_path / "areal_fast" / "wire" / "__init__.py").write_text('"""Wire."""\n')
+    (tmp_path / "areal_fast" / "cli.py").write_text("def main():\n    pass\n")
+    (tmp_path / "areal_fast" / "wire" / "codec.py").write_text("X = 1\n")
+    (tmp_path / "kernels" / "op.py").write_text("")
+    doc = (
+        "## `areal_fast/` (top level)\n\n- `cli.py` — the command\n\n"
+        "## `areal_fast/wire/` — wire\n\n- `codec.py` — msgpack\n\n"
+        "## `kernels/` — Triton\n\n- `op.py` — a kernel\n"
+    )
+    assert _index_mismatch(tmp_path, doc) == ([], [])
+    (tmp_path / "areal_fast" / "wire" / "shards.py").write_text("")  # added, no line
+    assert _index_mismatch(tmp_path, doc) == (["areal_fast/wire/shards.py"], [])
+    (tmp_path / "areal_fast" / "wire" / "codec.py").unlink()  # removed, line kept
+    assert _index_mismatch(tmp_path, doc)[1] == ["areal_fast/wire/codec.py"]
+    # an __init__.py that defines code of its own needs a line too
+    (tmp_path / "areal_fast" / "wire" / "__init__.py").write_text("def helper():\n    pass\n")
+    assert "areal_fast/wire/__init__.py" in _index_mismatch(tmp_path, doc)[0]
