@@ -398,3 +398,162 @@ def test_module_index_check_catches_a_new_module(tmp_path):
     # an __init__.py that defines code of its own needs a line too
     (tmp_path / "areal_fast" / "wire" / "__init__.py").write_text("def helper():\n    pass\n")
     assert "areal_fast/wire/__init__.py" in _index_mismatch(tmp_path, doc)[0]
+
+
+# ------------------------------------------------------------------------ test-file rule
+#
+# A module with logic of its own (a function or method whose body is more than a docstring,
+# ``...``, ``pass`` or ``raise NotImplementedError``) has tests/<package>/test_<module>.py
+# (top level: tests/test_<module>.py; a leading underscore dropped: _checks.py ->
+# test_checks.py). Scenario files (test_<scenario>.py) sit beside them. The exceptions below
+# are tested elsewhere, in the file named (docs/modules.md gives the counts).
+TESTED_ELSEWHERE = {
+    "areal_fast/_nodes.py": "tests/launch/test_ray_nodes.py",
+    "areal_fast/agent/bridge.py": "tests/agent/test_session.py",
+    "areal_fast/agent/chat_format.py": "tests/agent/test_session.py",
+    "areal_fast/agent/client.py": "tests/agent/test_session.py",
+    "areal_fast/agent/protocol.py": "tests/agent/test_server.py",
+    "areal_fast/controller/checkpoint_manager.py": "tests/controller/test_recovery.py",
+    "areal_fast/controller/config.py": "tests/controller/test_async_loop.py",
+    "areal_fast/controller/requests.py": "tests/controller/test_async_loop_eta0.py",
+    "areal_fast/controller/step_evals.py": "tests/launch/test_step_evals.py",
+    "areal_fast/controller/step_record.py": "tests/controller/test_async_loop.py",
+    "areal_fast/controller/weight_tracker.py": "tests/controller/test_async_loop.py",
+    "areal_fast/data/config.py": "tests/data/test_user_data.py",
+    "areal_fast/data/gsm8k.py": "tests/data/test_data.py",
+    "areal_fast/data/problems.py": "tests/data/test_data.py",
+    "areal_fast/data/rewards.py": "tests/data/test_data.py",
+    "areal_fast/data/tasks.py": "tests/data/test_data.py",
+    "areal_fast/launch/cluster.py": "tests/launch/test_components.py",
+    "areal_fast/launch/config_keys.py": "tests/launch/test_config.py",
+    "areal_fast/launch/config_reference.py": "tests/launch/test_config.py",
+    "areal_fast/launch/console.py": "tests/launch/test_interrupt.py",
+    "areal_fast/launch/evaluation.py": "tests/test_cli.py",
+    "areal_fast/launch/factories.py": "tests/launch/test_components.py",
+    "areal_fast/launch/inputs.py": "tests/launch/test_config.py",
+    "areal_fast/launch/ray.py": "tests/launch/test_multi_node.py",
+    "areal_fast/launch/run_dir.py": "tests/test_cli.py",
+    "areal_fast/launch/worker_specs.py": "tests/launch/test_components.py",
+    "areal_fast/models/attention_backends.py": "tests/models/test_packed_attention_backends.py",
+    "areal_fast/models/config.py": "tests/models/test_loading.py",
+    "areal_fast/ops/fused_pass.py": "tests/ops/test_fused_linear_grpo_loss.py",
+    "areal_fast/ops/logprob_rows.py": "tests/ops/test_triton_rows.py",
+    "areal_fast/ops/logprobs.py": "tests/ops/test_linear_logprobs.py",
+    "areal_fast/ops/logprobs_tiled.py": "tests/ops/test_linear_logprobs.py",
+    "areal_fast/rl/batch.py": "tests/wire/test_shards.py",
+    "areal_fast/rl/config.py": "tests/rl/test_objectives.py",
+    "areal_fast/rl/fused_loss.py": "tests/ops/test_fused_linear_grpo_loss.py",
+    "areal_fast/rollout/config.py": "tests/rollout/test_vllm_config.py",
+    "areal_fast/rollout/engine.py": "tests/rollout/test_hf_engine.py",
+    "areal_fast/rollout/http_json.py": "tests/rollout/test_sglang_server.py",
+    "areal_fast/rollout/sampling.py": "tests/rollout/test_hf_engine.py",
+    "areal_fast/rollout/simulated.py": "tests/controller/test_async_loop.py",
+    "areal_fast/sync/config.py": "tests/sync/test_cuda_slots.py",
+    "areal_fast/sync/receiver.py": "tests/sync/test_sender.py",
+    "areal_fast/sync/shared_memory.py": "tests/sync/test_buckets.py",
+    "areal_fast/sync/sources.py": "tests/sync/test_sender.py",
+    "areal_fast/sync/trainer_slots.py": "tests/sync/test_cuda_slots.py",
+    "areal_fast/sync/transports.py": "tests/sync/test_sender.py",
+    "areal_fast/train/config.py": "tests/train/test_torch_engine.py",
+    "areal_fast/train/simulated.py": "tests/controller/test_async_loop.py",
+    "areal_fast/wire/shard_io.py": "tests/wire/test_shards.py",
+    "areal_fast/workers/core_hooks.py": "tests/workers/test_core_share.py",
+    "areal_fast/workers/reward_pool.py": "tests/data/test_user_reward.py",
+    "areal_fast/workers/rollout_weights.py": "tests/launch/test_step_evals.py",
+    "areal_fast/workers/rollout_worker.py": "tests/workers/test_reward_worker.py",
+    "areal_fast/workers/trainer_worker.py": "tests/controller/test_async_loop.py",
+    "kernels/grpo_loss.py": "tests/ops/test_triton_grpo_loss.py",
+    "kernels/linear_logprobs.py": "tests/ops/test_triton_rows.py",
+}
+
+
+def _is_stub(function) -> bool:
+    import ast
+
+    body = function.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]  # the docstring
+    return all(
+        isinstance(s, ast.Pass)
+        or (isinstance(s, ast.Expr) and getattr(s.value, "value", None) is Ellipsis)
+        or (isinstance(s, ast.Raise) and "NotImplementedError" in ast.unparse(s.exc or s))
+        for s in body
+    )
+
+
+def _has_logic(path: Path) -> bool:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    return any(
+        isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and not _is_stub(node)
+        and not (path.name == "__init__.py" and node.name == "__getattr__")
+        for node in ast.walk(tree)
+    )
+
+
+def _own_test_file(module: str) -> str:
+    """areal_fast/sync/receivers/vllm.py -> tests/sync/receivers/test_vllm.py."""
+    parts = module.split("/")
+    folders = parts[1:-1] if parts[0] == "areal_fast" else parts[:-1]
+    return "/".join(["tests", *folders, "test_" + parts[-1].lstrip("_")])
+
+
+def _test_file_rule(root: Path, exceptions: dict) -> dict[str, list[str]]:
+    """Modules with logic and neither an own test file nor an exception; exceptions that are
+    stale (no such module, it has its own test file now, no logic) or name a missing file."""
+    logic = {m for m in _source_modules(root) if _has_logic(root / m)}
+    own = {m for m in logic if (root / _own_test_file(m)).is_file()}
+    return {
+        "no test file": sorted(logic - own - set(exceptions)),
+        "stale exception": sorted(set(exceptions) - (logic - own)),
+        "missing test file": sorted(m for m, f in exceptions.items() if not (root / f).is_file()),
+    }
+
+
+def _rule_counts(root: Path) -> tuple[int, int, int]:
+    """(modules, modules with logic, modules with logic and an own test file)."""
+    modules = _source_modules(root)
+    logic = {m for m in modules if _has_logic(root / m)}
+    own = {m for m in logic if (root / _own_test_file(m)).is_file()}
+    return len(modules), len(logic), len(own)
+
+
+def test_every_module_with_logic_has_a_test_file():
+    problems = {k: v for k, v in _test_file_rule(ROOT, TESTED_ELSEWHERE).items() if v}
+    assert not problems, (
+        f"{problems}: add tests/<package>/test_<module>.py (or, for a module tested only "
+        "through a scenario, an entry in TESTED_ELSEWHERE)"
+    )
+
+
+def test_docs_modules_states_the_measured_counts():
+    modules, logic, own = _rule_counts(ROOT)
+    text = MODULES_DOC.read_text()
+    stated = f"{own} of the {logic} modules with logic (of {modules} modules)"
+    assert stated in text, f"docs/modules.md should say {stated!r}"
+
+
+def test_test_file_rule_catches_a_module_without_tests(tmp_path):
+    (tmp_path / "areal_fast" / "wire").mkdir(parents=True)
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "tests" / "wire").mkdir(parents=True)
+    src = tmp_path / "areal_fast" / "wire"
+    (src / "messages.py").write_text("class Done:\n    x: int = 0\n")  # no logic
+    (src / "iface.py").write_text('def f():\n    """Doc."""\n    raise NotImplementedError\n')
+    (src / "codec.py").write_text("def encode(x):\n    return x\n")
+    (tmp_path / "tests" / "wire" / "test_codec.py").write_text("")
+    assert not any(_test_file_rule(tmp_path, {}).values())
+    (src / "_shards.py").write_text("def split(b):\n    return [b]\n")
+    assert _test_file_rule(tmp_path, {})["no test file"] == ["areal_fast/wire/_shards.py"]
+    elsewhere = {"areal_fast/wire/_shards.py": "tests/wire/test_codec.py"}
+    assert not any(_test_file_rule(tmp_path, elsewhere).values())
+    (tmp_path / "tests" / "wire" / "test_shards.py").write_text("")  # leading _ dropped
+    assert _test_file_rule(tmp_path, elsewhere)["stale exception"] == ["areal_fast/wire/_shards.py"]
+    assert _test_file_rule(tmp_path, {"areal_fast/wire/codec.py": "tests/x.py"}) == {
+        "no test file": [],
+        "stale exception": ["areal_fast/wire/codec.py"],
+        "missing test file": ["areal_fast/wire/codec.py"],
+    }
+    assert _rule_counts(tmp_path) == (4, 2, 2)
