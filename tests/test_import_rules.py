@@ -227,7 +227,8 @@ RULES = [
             "worker processes know only the messages, never the driver's code"),
     *forbid(f"{PACKAGE}.wire", _pkgs("controller", "workers", "launch", "cli"),
             "the wire is shared by both sides and knows neither"),
-    # Not yet: launch -> cli (launch/ray.py imports areal_fast.cli, being removed).
+    *forbid(f"{PACKAGE}.launch", _pkgs("cli"),
+            "the launcher is below the command line: cli imports launch, never the reverse"),
     *[rule for importer in HELPERS
       for rule in forbid(importer,
                          _pkgs("kernels", "ops", "rl", "sync", "models", "data", "rollout",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import secrets
 import signal
@@ -37,6 +38,8 @@ from areal_fast.wire.handles import WorkerError, WorkerHandle, spawn_worker, wai
 from areal_fast.workers.core_share import CoreShareSpec, create_table, remove_table
 from areal_fast.workers.rollout_worker import RolloutWorkerSpec, rollout_worker_main
 from areal_fast.workers.trainer_worker import TrainerWorkerSpec, trainer_worker_main
+
+log = logging.getLogger("areal_fast.launch")
 
 
 @dataclass
@@ -429,6 +432,16 @@ class Cluster:
             handle.stop(grace_seconds)
         for spec in self.weight_buffers:
             Path(spec.path).unlink(missing_ok=True)
+
+
+def warn_failed_exits(cluster: Cluster) -> None:
+    """Log each worker that exited non-zero after the run itself succeeded (an error while
+    shutting down, e.g. closing its agent sessions; its traceback precedes on stderr)."""
+    for handle in [*cluster.rollout_workers, *cluster.trainer_ranks]:
+        code = getattr(getattr(handle, "process", None), "exitcode", None)
+        if code:
+            how = "was killed (it did not exit in time)" if code < 0 else f"exited with code {code}"
+            log.warning("worker %r %s while shutting down after the run", handle.name, how)
 
 
 def _exit_on_sigterm(signum: int, frame) -> None:

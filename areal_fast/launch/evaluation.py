@@ -156,6 +156,30 @@ def run_evaluation(cfg: ExperimentConfig, out: str | None = None) -> dict:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     start = time.perf_counter()
+    path, requests = check_eval_inputs(cfg, out)
+    spec = rollout_only_spec(cfg)
+    print(
+        f"evaluating {len(requests)} held-out problems on {cfg.rollout.num_workers} rollout "
+        f"worker(s) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    with make_cluster(cfg, spec) as cluster:
+        records = evaluate_on(cluster.rollout_workers, requests, cfg.launcher.timeouts.evaluate)
+    return write_evaluation(cfg, path, records, time.perf_counter() - start)
+
+
+def check_eval_inputs(
+    cfg: ExperimentConfig, out: str | None
+) -> tuple[Path, list[msg.GroupRequest]]:
+    """Check everything an evaluation can fail on before a worker starts; returns the
+    evaluation directory (not created yet) and the held-out problems as greedy requests.
+
+    Raises
+    ------
+    ConfigError, ValueError, FileNotFoundError, ImportError
+        Bad input, one line naming the key or file.
+    """
     check_packages(cfg, training=False)
     path = eval_dir(cfg, out)
     check_eval_dir(path, cfg.overwrite)
@@ -170,30 +194,35 @@ def run_evaluation(cfg: ExperimentConfig, out: str | None = None) -> dict:
         max(len(prompts(p)) for p in problems),
         getattr(load_model_config(cfg.model.path), "max_position_embeddings", None),
     )
-    requests = eval_requests(problems, prompts, cfg.eval.max_new_tokens)
+    return path, eval_requests(problems, prompts, cfg.eval.max_new_tokens)
+
+
+def rollout_only_spec(cfg: ExperimentConfig) -> RolloutOnlySpec:
+    """The workers of an evaluation: the rollout workers of ``cfg``'s job, without agent or
+    trajectory spool (held-out evaluation is plain sampling), each with its share of the
+    cores, and no trainer rank."""
     spec = cluster_spec(cfg)
     cores = cfg.threads or os.cpu_count() or 1
     rollout = dataclasses.replace(
         spec.rollout,
         agent=None,
-        spool_dir=None,  # held-out evaluation is plain sampling
+        spool_dir=None,
         threads=cfg.launcher.rollout_threads or max(1, cores // cfg.rollout.num_workers),
     )
-    spec = RolloutOnlySpec(
+    return RolloutOnlySpec(
         **{
             **{f.name: getattr(spec, f.name) for f in dataclasses.fields(ClusterSpec)},
             "rollout": rollout,
             "workers_file": None,
         }
     )
-    print(
-        f"evaluating {len(requests)} held-out problems on {cfg.rollout.num_workers} rollout "
-        f"worker(s) ...",
-        file=sys.stderr,
-        flush=True,
-    )
-    with make_cluster(cfg, spec) as cluster:
-        records = evaluate_on(cluster.rollout_workers, requests, cfg.launcher.timeouts.evaluate)
+
+
+def write_evaluation(
+    cfg: ExperimentConfig, path: Path, records: list[dict], seconds: float
+) -> dict:
+    """Write the finished evaluation into ``path`` (``config.yaml``, ``eval.jsonl``,
+    ``summary.json``); returns the summary (see :func:`run_evaluation`)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.yaml").write_text(to_yaml(cfg))
     correct = write_eval_records(path / EVAL_FILE, records)
@@ -207,7 +236,7 @@ def run_evaluation(cfg: ExperimentConfig, out: str | None = None) -> dict:
         "eval_seed": cfg.data.eval_seed,
         "max_new_tokens": cfg.eval.max_new_tokens,
         "rollout_workers": cfg.rollout.num_workers,
-        "wall_seconds": time.perf_counter() - start,
+        "wall_seconds": seconds,
         "eval_dir": str(path),
     }
     (path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -4,11 +4,74 @@ lengths they need."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from areal_fast.controller.requests import ChatPrompts
 from areal_fast.data.config import USER_TASKS
 from areal_fast.data.tasks import drop_eval_overlap, load_problems
 from areal_fast.data.user_data import load_user_data
 from areal_fast.launch.config import ConfigError, ExperimentConfig
+from areal_fast.launch.packages import check_packages
+from areal_fast.launch.run_dir import check_run_dir, check_trajectory_dir
+from areal_fast.launch.worker_specs import check_resources, check_reward, check_sync
+from areal_fast.models.loading import load_model_config, load_tokenizer
+
+
+@dataclass
+class RunInputs:
+    """A training run's loaded and checked inputs.
+
+    Attributes
+    ----------
+    prompts : ChatPrompts
+        Turns a problem into the model's prompt tokens.
+    tokenizer
+        The model's tokenizer (saved with the final model).
+    train_set, eval_set : list of Problem
+        Training and held-out problems.
+    removed : int
+        Training problems dropped because the held-out set has their question.
+    """
+
+    prompts: ChatPrompts
+    tokenizer: object
+    train_set: list
+    eval_set: list
+    removed: int
+
+
+def check_inputs(cfg: ExperimentConfig) -> RunInputs:
+    """Load and check everything that can fail on bad input (packages, the run directory,
+    resources, reward, agent, data, model, lengths) before anything is written or started.
+
+    Raises
+    ------
+    ConfigError, ValueError, FileNotFoundError, ImportError
+        Bad input, one line naming the key or file.
+    """
+    check_packages(cfg)  # raises the one-line error before any slow work
+    check_run_dir(cfg)
+    check_sync(cfg)
+    check_resources(cfg)
+    check_reward(cfg)
+    if cfg.agent.path:
+        from areal_fast.agent.runner import load_agent
+
+        # a bad agent.path fails here, at once; the agent is built in the rollout workers
+        load_agent(cfg.agent.path, cfg.agent.kwargs, construct=False)
+        check_trajectory_dir(cfg)
+    train_set, eval_set, removed = load_datasets(cfg)
+    check_batch_size(cfg, train_set, removed)
+    tokenizer = load_tokenizer(cfg.model.path)  # also builds the demo model cache once
+    prompts = ChatPrompts(tokenizer, cfg.data.instruction)
+    model_config = load_model_config(cfg.model.path)
+    if cfg.actor.lora.enabled:  # a target naming no module fails here, at once
+        from areal_fast.train.lora import check_lora_targets
+
+        check_lora_targets(model_config, cfg.actor.lora)
+    max_positions = getattr(model_config, "max_position_embeddings", None)
+    check_lengths(cfg, prompts, train_set + eval_set, max_positions)
+    return RunInputs(prompts, tokenizer, train_set, eval_set, removed)
 
 
 def unique_questions(problems):

@@ -16,11 +16,15 @@ prints no worker tracebacks; the launcher stops them. On the signal, the run
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 import threading
 import time
 from pathlib import Path
 
+from areal_fast.launch import console
+from areal_fast.launch.checkpoints import run_checkpoints
+from areal_fast.launch.run_context import RunContext
 from areal_fast.wire.handles import WorkerError, wait_messages
 from areal_fast.wire.messages import StateSaved, StepDone
 
@@ -179,3 +183,68 @@ def write_interrupted(run_dir: Path, line: str, signum: int) -> None:
     (Path(run_dir) / INTERRUPTED_FILE).write_text(
         f"{line}\nsignal: {signal.Signals(signum).name}\n"
     )
+
+
+@contextlib.contextmanager
+def stops_cleanly(run: RunContext):
+    """Turn a Ctrl-C or SIGTERM in the block into :class:`RunInterrupted`, after cleaning up
+    the run directory (see :func:`stopped`; the workers are stopped already).
+
+    Raises
+    ------
+    RunInterrupted
+        On the signal; the exception's text says where and what ``resume=true`` will do.
+    """
+    try:
+        yield
+    except RunInterrupted:
+        raise
+    except KeyboardInterrupt as exc:
+        raise stopped(run, signal_of(exc)) from None
+
+
+def stopped(run: RunContext, signum: int) -> RunInterrupted:
+    """Clean up after Ctrl-C / SIGTERM (the workers are stopped already): delete
+    uncommitted checkpoints and a partial final model, write ``INTERRUPTED``; returns the
+    exception to raise."""
+    with signals_deferred():
+        run_dir = run.run_dir
+        if run_dir is None:
+            return RunInterrupted(f"interrupted while {run.phase}; nothing was written", signum)
+        checkpoints = run_checkpoints(run.cfg, run_dir)
+        discarded = any(checkpoints.root.glob(".tmp-step-*"))
+        checkpoints.remove_temporaries()
+        shutil.rmtree(run_dir / "shards", ignore_errors=True)  # pending groups: not resumed
+        if run.phase == "saving the final model":
+            shutil.rmtree(run_dir / "checkpoint", ignore_errors=True)
+        line = describe_stop(
+            run.phase,
+            run.version,
+            run.cfg.total_steps,
+            checkpoints,
+            run.cfg.checkpoint.every_steps,
+            discarded,
+        )
+        write_interrupted(run_dir, line, signum)
+        return RunInterrupted(line, signum)
+
+
+@contextlib.contextmanager
+def checkpoints_finished_on_stop(controller, trainer_ranks, timeout: float):
+    """On Ctrl-C / SIGTERM in the block, first commit the checkpoints the trainer is still
+    writing (:func:`finish_checkpoints`, at most ``min(CHECKPOINT_WAIT_SECONDS, timeout)``
+    seconds), then let the interrupt go on.
+
+    Parameters
+    ----------
+    controller : AsyncController
+    trainer_ranks : list of WorkerHandle
+    timeout : float
+        ``launcher.timeouts.train_step``, seconds.
+    """
+    try:
+        yield
+    except KeyboardInterrupt:
+        wait = min(CHECKPOINT_WAIT_SECONDS, timeout)
+        finish_checkpoints(controller, trainer_ranks, wait, console.say)
+        raise

@@ -18,12 +18,13 @@ ENTRIES = ("train",)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point; returns the exit code of :func:`areal_fast.cli.main` (2: a user error).
+    """Entry point; returns the exit code of :func:`areal_fast.launch.command_line.main`
+    (2: a user error).
 
     ``argv[0]`` is the entry (``train``, the built-in GRPO experiment); the rest are the
     ``areal-fast train`` arguments. ``scheduler.type=ray`` is added last, so it wins.
     """
-    from areal_fast.cli import main as cli_main
+    from areal_fast.launch.command_line import main as cli_main
 
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] in (["-h"], ["--help"]):

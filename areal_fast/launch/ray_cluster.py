@@ -57,43 +57,66 @@ from areal_fast.wire.codec import MessageChannel
 from areal_fast.wire.handles import WorkerError, WorkerHandle, _worker_entry
 
 
+@dataclasses.dataclass
+class ActorJob:
+    """What a worker actor is asked to run, and how it reaches the controller.
+
+    Attributes
+    ----------
+    name : str
+        The worker's name (``rollout-0``, ``trainer-1``, ...).
+    target : callable
+        The worker's entry point (as for a local process).
+    spec
+        The worker's spec; a dataclass with a ``host`` (the shard server's address) gets the
+        actor's node IP there unless ``bind_host`` is set.
+    address : tuple
+        The controller's listener ``(host, port)``.
+    secret : list
+        ``[ObjectRef]`` of the job's key: a reference, never the key itself, travels in the
+        task's arguments (nested in a list, so that Ray does not resolve it).
+    cwd : str
+        The driver's directory: the actor works there.
+    bind_host : str or None
+        ``scheduler.bind_host``.
+    """
+
+    name: str
+    target: object
+    spec: object
+    address: tuple
+    secret: list
+    cwd: str
+    bind_host: Optional[str] = None
+
+
 class _WorkerActor:
     """Body of every worker actor: connect to the controller, then serve like a process."""
 
-    def run(
-        self,
-        name: str,
-        target,
-        spec,
-        address,
-        secret: list,
-        cwd: str,
-        bind_host: Optional[str] = None,
-    ) -> None:
-        """Work in the driver's directory ``cwd``, connect to the controller at ``address``,
-        say who this is and where, serve until shutdown (Ctrl-C is for the driver: it stops
-        the workers).
+    def run(self, job: ActorJob) -> None:
+        """Work in the driver's directory ``job.cwd``, connect to the controller at
+        ``job.address``, say who this is and where, serve until shutdown (Ctrl-C is for the
+        driver: it stops the workers).
 
-        ``secret`` is ``[ObjectRef]`` of the job's key (a reference, never the key itself,
-        is in the task's arguments). ``AREAL_FAST_NODE_ID`` / ``AREAL_FAST_NODE_IP`` name
-        this node; a spec with a ``host`` (the shard server's address) gets this node's IP
-        there unless ``bind_host`` (``scheduler.bind_host``) is set."""
+        ``AREAL_FAST_NODE_ID`` / ``AREAL_FAST_NODE_IP`` name this node; the key is read from
+        the object store."""
         import ray
 
         with contextlib.suppress(ValueError):  # not the main thread: nothing to do
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-        os.chdir(cwd)
-        if cwd not in sys.path:  # modules beside the config (agents) import, after the package
-            sys.path.append(cwd)
+        os.chdir(job.cwd)
+        if job.cwd not in sys.path:  # modules beside the config (agents) import, after it
+            sys.path.append(job.cwd)
         ip = ray.util.get_node_ip_address()
         os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()
         os.environ[NODE_IP_ENV] = ip
-        authkey = ray.get(secret[0])
-        if bind_host is None and dataclasses.is_dataclass(spec) and hasattr(spec, "host"):
+        authkey = ray.get(job.secret[0])
+        spec = job.spec
+        if job.bind_host is None and dataclasses.is_dataclass(spec) and hasattr(spec, "host"):
             spec = dataclasses.replace(spec, host=ip)
-        conn = Client(tuple(address), authkey=authkey)
-        conn.send_bytes(msgpack.packb({"name": name, "pid": os.getpid(), "node_ip": ip}))
-        _worker_entry(target, conn, name, spec, authkey)
+        conn = Client(tuple(job.address), authkey=authkey)
+        conn.send_bytes(msgpack.packb({"name": job.name, "pid": os.getpid(), "node_ip": ip}))
+        _worker_entry(job.target, conn, job.name, spec, authkey)
 
 
 def _rendezvous_here(bind_host: Optional[str]) -> tuple[str, int]:
@@ -390,9 +413,10 @@ class RayCluster(Cluster):
             )
             .remote()
         )
-        run_ref = actor.run.remote(
+        job = ActorJob(
             name, target, spec, self._address, self._secret, os.getcwd(), self.scheduler.bind_host
         )
+        run_ref = actor.run.remote(job)
         conn, pid, node_ip = self._accept(name, run_ref)
         return RayHandle(name, MessageChannel(conn), actor, run_ref, pid, node_ip)
 

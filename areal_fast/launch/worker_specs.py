@@ -3,6 +3,7 @@ specs, Ray's resources (checked before anything is written), and the cluster tha
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import replace
 from typing import Optional
@@ -11,9 +12,12 @@ import torch
 
 from areal_fast.data.rewards import math_reward
 from areal_fast.data.user_reward import load_reward, resolve_path
-from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster
+from areal_fast.launch.checkpoints import ResumePoint
+from areal_fast.launch.cluster import Cluster, ClusterSpec, LocalCluster, warn_failed_exits
 from areal_fast.launch.config import ConfigError, ExperimentConfig
 from areal_fast.launch.factories import TorchTrainerFactory, engine_factory
+from areal_fast.launch.interrupt import signals_deferred
+from areal_fast.wire.handles import WorkerError
 from areal_fast.workers.rollout_worker import RolloutWorkerSpec
 from areal_fast.workers.trainer_worker import TrainerWorkerSpec
 
@@ -222,3 +226,44 @@ def make_cluster(cfg: ExperimentConfig, spec: ClusterSpec) -> Cluster:
 
         return RayCluster(spec, cfg.scheduler)
     return LocalCluster(spec)
+
+
+@contextlib.contextmanager
+def started_workers(cfg: ExperimentConfig, start: ResumePoint):
+    """Start every worker (the trainer from ``start``'s checkpoint) and stop them all when
+    the block ends; yields the started :class:`Cluster`.
+
+    A Ctrl-C in the block stops the workers with further signals held back; after a block
+    that succeeded, a worker that exited non-zero is logged.
+
+    Raises
+    ------
+    WorkerError
+        A worker failed to start (a trainer that fails on the checkpoint marks it damaged),
+        or the trainer started at another version than the checkpoint's.
+    """
+    cluster = make_cluster(
+        cfg, cluster_spec(cfg, resume_from=str(start.latest.path) if start.latest else "")
+    )
+    try:
+        cluster.__enter__()
+    except WorkerError as exc:
+        start.mark_damaged_by(exc)
+        raise
+    try:
+        if cluster.trainer_version != start.version:
+            raise WorkerError(
+                f"trainer {cluster.trainer.name!r} started at version "
+                f"{cluster.trainer_version}, the checkpoint is of version {start.version}",
+                cluster.trainer.name,
+            )
+        yield cluster
+    except KeyboardInterrupt as exc:
+        with signals_deferred():  # stopping the workers must not be cut short
+            cluster.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    except BaseException as exc:
+        cluster.__exit__(type(exc), exc, exc.__traceback__)
+        raise
+    cluster.__exit__(None, None, None)
+    warn_failed_exits(cluster)

@@ -184,7 +184,7 @@ def test_a_local_worker_ends_through_python_on_sigterm(tmp_path, wrapped):
 import functools, os, signal, sys, time
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 from semaphore_worker import hold_a_lock
-from areal_fast.controller.workers import spawn_worker
+from areal_fast.wire.handles import spawn_worker
 from areal_fast.launch.cluster import worker_main
 target = functools.partial(worker_main, hold_a_lock) if {wrapped} else hold_a_lock
 handle = spawn_worker("w", target, {str(ready)!r}, b"key")

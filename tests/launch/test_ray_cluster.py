@@ -23,7 +23,9 @@ DRIVER = """
 import json, os, secrets, signal, sys, threading
 from multiprocessing.connection import Listener
 import areal_fast, msgpack, ray
-from areal_fast.launch.ray_cluster import _in_package_parent, _remote_actor, _sigterm_kept
+from areal_fast.launch.ray_cluster import (
+    ActorJob, _in_package_parent, _remote_actor, _sigterm_kept,
+)
 sys.path.append(os.getcwd())
 import probe
 ray.cloudpickle.register_pickle_by_value(probe)  # arguments load before the actor's chdir
@@ -44,7 +46,8 @@ threading.Thread(
     target=lambda: hello.append(msgpack.unpackb(listener.accept().recv_bytes())), daemon=True
 ).start()
 actor = _remote_actor().remote()
-ray.get(actor.run.remote("w", probe.target, "seen.json", listener.address, [ray.put(key)], here))
+job = ActorJob("w", probe.target, "seen.json", listener.address, [ray.put(key)], here)
+ray.get(actor.run.remote(job))
 node = {"id": ray.get_runtime_context().get_node_id(), "ip": ray.util.get_node_ip_address()}
 print(json.dumps({"driver": areal_fast.__file__, "hello": hello[0], "node": node,
                   "driver_key": key.hex(),

@@ -278,7 +278,7 @@ def test_bad_every_steps_is_one_line(tiny_model_dir, tmp_path, capsys):
 
 def test_resumed_files_kept_deleted_or_torn(tmp_path):
     from areal_fast.launch.config import ExperimentConfig
-    from areal_fast.launch.experiment import _step_evals
+    from areal_fast.launch.held_out import step_evals
 
     cfg = ExperimentConfig()
     cfg.eval.every_steps = 2
@@ -286,7 +286,7 @@ def test_resumed_files_kept_deleted_or_torn(tmp_path):
     for step, text in [(2, line + "\n"), (4, '{"uid": "u0", "corr'), (6, line + "\n")]:
         (tmp_path / f"eval_step_{step}.jsonl").write_text(text)
     (tmp_path / "eval_step_x.jsonl").write_text("not mine\n")
-    evals = _step_evals(cfg, tmp_path, _requests(1), 4, 1)
+    evals = step_evals(cfg, tmp_path, _requests(1), 4, 1)
     assert evals.accuracy == {2: 1.0}  # 4 was torn by a crash, 6 is trained again
     assert sorted(p.name for p in tmp_path.iterdir()) == ["eval_step_2.jsonl", "eval_step_x.jsonl"]
     assert evals.due(4) and 4 not in evals.accuracy  # the resumed run evaluates it first

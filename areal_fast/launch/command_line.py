@@ -1,0 +1,162 @@
+"""areal-fast command line.
+
+areal-fast train --config FILE [key=value ...]   asynchronous GRPO training
+areal-fast eval  --config FILE model.path=...    greedy held-out accuracy of a model
+areal-fast config [--markdown]                   every config key, its default and meaning
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import textwrap
+
+_TRAIN_ABOUT = (
+    "Train a policy with fully asynchronous GRPO: rollout workers generate while the trainer "
+    "trains, under a staleness bound. The held-out set is evaluated before and after "
+    "training; everything goes to the run directory fileroot/experiment_name/trial_name."
+)
+_EVAL_ABOUT = (
+    "Evaluate model.path (a directory such as a run's checkpoint/, an HF id, or demo:...) "
+    "greedily on the held-out set of data.*, on the same rollout workers as training; prints "
+    "the accuracy and writes eval.jsonl and summary.json into --out (default "
+    "fileroot/experiment_name/eval-<trial_name>)."
+)
+_KEYS_HELP = (
+    "config keys, by section (dotted, as key=value after the options;\n"
+    "`areal-fast config` prints each with its type, default and meaning):"
+)
+
+
+def _keys_epilog() -> str:
+    from areal_fast.launch.config_reference import section_index
+
+    return f"{_KEYS_HELP}\n{section_index()}"
+
+
+def version() -> str:
+    """The installed package's version (its metadata), or a note that it is not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as package_version
+
+    try:
+        return package_version("areal_fast")
+    except PackageNotFoundError:
+        return "unknown (areal_fast is not installed: pip install .)"
+
+
+def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
+    """The argument parser; ``with_keys`` adds the key index to the train/eval help."""
+    parser = argparse.ArgumentParser(
+        prog="areal-fast", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--version", action="version", version=f"areal-fast {version()}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    epilog = _keys_epilog() if with_keys else None
+    train = sub.add_parser(
+        "train",
+        help="run asynchronous GRPO training (local launcher)",
+        description=textwrap.fill(_TRAIN_ABOUT, 90),
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    evaluate = sub.add_parser(
+        "eval",
+        help="greedy held-out accuracy of model.path (no training)",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill(_EVAL_ABOUT, 90),
+    )
+    for command in (train, evaluate):
+        command.add_argument(
+            "--config",
+            required=True,
+            metavar="FILE",
+            help="YAML experiment config (e.g. examples/arith.yaml; examples/ holds ready ones)",
+        )
+        command.add_argument("--no-progress", action="store_true", help="hide progress bars")
+        command.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    evaluate.add_argument(
+        "--out", help="evaluation directory (default: fileroot/experiment_name/eval-<trial_name>)"
+    )
+    config = sub.add_parser("config", help="print every config key with its default")
+    config.add_argument(
+        "--markdown", action="store_true", help="print the markdown reference (docs/config.md)"
+    )
+    return parser
+
+
+def _raise_interrupted(signum, frame) -> None:
+    from areal_fast.launch.interrupt import Interrupted
+
+    raise Interrupted(signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the process exit code (2 on a user error, with one line).
+
+    Set ``AREAL_FAST_DEBUG=1`` to get the full traceback of such an error instead.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser(with_keys=any(a in ("-h", "--help") for a in argv))
+    args, extra = parser.parse_known_args(argv)  # options may come between key=value items
+    if args.command == "config":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        from areal_fast.launch.config_reference import render_markdown, render_text
+
+        try:
+            print(render_markdown() if args.markdown else render_text())
+        except BrokenPipeError:  # `areal-fast config | head`
+            sys.stdout = open(os.devnull, "w")
+        return 0
+    unknown = [item for item in extra if "=" not in item or item.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
+    if args.no_progress:
+        # the worker processes inherit it: their model loading and saving draw no bars either
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
+    from areal_fast.launch.config import load_config
+    from areal_fast.launch.interrupt import RunInterrupted
+    from areal_fast.wire.handles import WorkerError
+
+    # SIGTERM (schedulers, `timeout`) stops like Ctrl-C: one line, INTERRUPTED, exit 128 + N
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        if args.command == "eval":
+            from areal_fast.launch.evaluation import accuracy_line, run_evaluation
+
+            summary = run_evaluation(cfg, args.out)
+        else:
+            from areal_fast.launch.experiment import run_experiment
+
+            summary = run_experiment(cfg, show_progress=not args.no_progress)
+    except RunInterrupted as exc:
+        print(f"areal-fast: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt as exc:  # before the run began (reading the config)
+        print("areal-fast: interrupted before the run started", file=sys.stderr)
+        return 128 + getattr(exc, "signum", signal.SIGINT)
+    except (ValueError, FileNotFoundError, ImportError, WorkerError, TimeoutError) as exc:
+        if os.environ.get("AREAL_FAST_DEBUG"):
+            raise
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"areal-fast: error: {message}", file=sys.stderr)
+        # 2: a user error found by the checks; 1: a failure while running
+        return 1 if isinstance(exc, (WorkerError, TimeoutError)) else 2
+    if args.command == "eval":
+        print(accuracy_line(summary))
+        print(f"evaluation directory: {summary['eval_dir']}")
+        return 0
+    return 0  # the console summary named the run directory; summary.json holds the rest
+
+
+if __name__ == "__main__":
+    sys.exit(main())
