@@ -238,6 +238,8 @@ class AsyncController:
                 f"trainer {self.trainer.name!r} reported version {done.version} "
                 f"after version {self.version}"
             )
+        # a step that ended between two deadline scans is held to its deadline too
+        self.recovery.check_step_time(self.version, self.last_step, time.monotonic())
         batch = self.ledger.trained(done.group_ids)
         self.version = done.version
         self.weights.published(done)

@@ -159,6 +159,22 @@ class Recovery:
                 seconds,
             )
 
+    def check_step_time(self, version: int, last_step: float, now: float) -> None:
+        """Raise a :class:`WorkerError` naming the trainer when its oldest step in training
+        has taken longer than ``timeouts.train_step`` by ``now`` (``time.monotonic()``),
+        counted from its request or ``last_step``, whichever is later.
+
+        Called by :meth:`check_deadlines` and once more when the step's reply arrives, so a
+        step that ends between two deadline scans is still held to its deadline.
+        """
+        training, limit = self.scope.ledger.training, self.timeouts.train_step
+        if training and now - max(training[0].sent_at, last_step) > limit:
+            raise WorkerError(
+                f"trainer {self.scope.trainer!r} did not finish step "
+                f"{version + 1} within timeouts.train_step = {limit:g} s",
+                self.scope.trainer,
+            )
+
     def check_deadlines(self, version: int, last_step: float) -> None:
         """Raise a :class:`WorkerError` naming the first worker past its deadline: the
         trainer's step or save (``train_step``), a weight update (``weight_update``; counted
@@ -177,13 +193,7 @@ class Recovery:
         if now - self._checked < DEADLINE_CHECK_SECONDS:
             return
         self._checked = now
-        training = s.ledger.training
-        if training and now - max(training[0].sent_at, last_step) > t.train_step:
-            raise WorkerError(
-                f"trainer {s.trainer!r} did not finish step "
-                f"{version + 1} within timeouts.train_step = {t.train_step:g} s",
-                s.trainer,
-            )
+        self.check_step_time(version, last_step, now)
         late = [
             name
             for name in s.fleet.names

@@ -170,6 +170,26 @@ def test_each_deadline_names_its_worker(tmp_path):
     recovery.check_deadlines(2, now)  # the last step was just now
 
 
+def test_a_step_that_ends_between_two_scans_is_held_to_its_deadline(tmp_path):
+    """The deadline scan runs at most every DEADLINE_CHECK_SECONDS; the step's reply is checked
+    against the same deadline when it arrives, whether or not a scan saw it running."""
+    recovery, scope = make(tmp_path)
+    now = time.monotonic()
+    recovery.check_deadlines(2, now)  # a scan just ran: the next ones are skipped for a while
+    ledger = scope.ledger = Ledger(max_staleness=None)
+    submit(ledger, "b", spooled=True, finish=True)
+    ledger.take_batch(1, 2, now - 31.0)
+    recovery.check_deadlines(2, now - 40.0)  # too soon after the last scan: nothing checked
+    recovery.check_step_time(2, now - 40.0, now - 2.0)  # 29 s after the send: in time
+    with pytest.raises(WorkerError) as info:
+        recovery.check_step_time(2, now - 40.0, now)
+    assert str(info.value) == (
+        "trainer 'trainer' did not finish step 3 within timeouts.train_step = 30 s"
+    )
+    assert info.value.worker == "trainer"
+    recovery.check_step_time(2, now - 1.0, now)  # counted from the later last step
+
+
 def test_a_restarted_worker_that_never_loads_weights(tmp_path):
     recovery, scope = make(tmp_path)
     scope.weights.acknowledged("b", msg.WeightsUpdated(4, 0.1))
