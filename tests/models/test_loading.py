@@ -13,13 +13,26 @@ from areal_fast.models.loading import DEMO_MODEL, demo_model_dir, load_causal_lm
 def test_a_local_model_loads_without_a_progress_bar(tiny_model_dir, capfd):
     """No "Loading weights" bar for a folder on this machine (each worker loads the model);
     transformers' and the hub's bars are on again afterwards."""
-    from huggingface_hub.utils import are_progress_bars_disabled
+    from huggingface_hub import utils as hub_utils
     from transformers.utils import logging as hf_logging
 
-    capfd.readouterr()
-    load_causal_lm(str(tiny_model_dir))
-    assert "Loading weights" not in capfd.readouterr().err
-    assert hf_logging.is_progress_bar_enabled() and not are_progress_bars_disabled()
+    # the bars on, whatever an earlier test in this process left; their state put back after
+    was_on, hub_was_off = (
+        hf_logging.is_progress_bar_enabled(),
+        hub_utils.are_progress_bars_disabled(),
+    )
+    hf_logging.enable_progress_bar()
+    hub_utils.enable_progress_bars()
+    try:
+        capfd.readouterr()
+        load_causal_lm(str(tiny_model_dir))
+        assert "Loading weights" not in capfd.readouterr().err
+        assert hf_logging.is_progress_bar_enabled() and not hub_utils.are_progress_bars_disabled()
+    finally:
+        if not was_on:
+            hf_logging.disable_progress_bar()
+        if hub_was_off:
+            hub_utils.disable_progress_bars()
 
 
 @pytest.mark.slow
