@@ -13,7 +13,6 @@ warning (CI does, so that a broken build cannot pass as skips and fallbacks).
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import warnings
 from pathlib import Path
@@ -37,9 +36,7 @@ def native_required() -> bool:
 @functools.lru_cache(maxsize=None)
 def _import_native() -> ModuleType | None:
     try:
-        # the compiled module by its full name (not "from areal_fast import": this module
-        # sits below the package's face and must not import it)
-        _C = importlib.import_module("areal_fast._C")
+        import areal_fast._C as _C  # the compiled module (torch.compile traces this form)
     except ImportError as exc:
         if native_required():
             message = unavailable_message(exc, fallback=False)

@@ -275,10 +275,12 @@ with RayCluster(spec, scheduler) as cluster:
     result["driver_ip"] = ray.util.get_node_ip_address()
     result["calls"] = len(calls)
     result["key_in_args"] = [key in ray.cloudpickle.dumps(args) for args in calls]
+    # each call's one argument is the ActorJob; its secret a [ObjectRef], never the key
     result["secret_refs"] = [
-        type(a[4]).__name__ == "list" and isinstance(a[4][0], ray.ObjectRef) for a in calls
+        type(a[0].secret).__name__ == "list" and isinstance(a[0].secret[0], ray.ObjectRef)
+        for a in calls
     ]
-    result["secret_values"] = [ray.get(a[4][0]) == key for a in calls]
+    result["secret_values"] = [ray.get(a[0].secret[0]) == key for a in calls]
     reached = {}
     for name in ("rollout-0", "rollout-1"):
         seen = json.load(open(os.path.join(out, name + ".json")))
