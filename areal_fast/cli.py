@@ -4,6 +4,7 @@
 areal-fast train --config FILE [key=value ...]   asynchronous GRPO training
 areal-fast eval  --config FILE model.path=...    greedy held-out accuracy of a model
 areal-fast config [--markdown]                   every config key, its default and meaning
+areal-fast compare RUN_A RUN_B [--json]          the first place where two run directories differ
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 areal-fast train --config FILE [key=value ...]   asynchronous GRPO training
 areal-fast eval  --config FILE model.path=...    greedy held-out accuracy of a model
 areal-fast config [--markdown]                   every config key, its default and meaning
+areal-fast compare RUN_A RUN_B [--json]          the first place where two run directories differ
 """
 
 from __future__ import annotations
@@ -23,6 +24,12 @@ _EVAL_ABOUT = (
     "greedily on the held-out set of data.*, on the same rollout workers as training; prints "
     "the accuracy and writes eval.jsonl and summary.json into --out (default "
     "fileroot/experiment_name/eval-<trial_name>)."
+)
+_COMPARE_ABOUT = (
+    "Compare two run directories: metrics.jsonl step by step (timing fields left out), each "
+    "eval_*.jsonl problem by problem, and the final weights tensor by tensor; prints one line "
+    "per kind, 'identical' or the first difference. Exit code 0: identical; 1: a difference; "
+    "2: bad input."
 )
 _KEYS_HELP = (
     "config keys, by section (dotted, as key=value after the options;\n"
@@ -85,13 +92,49 @@ def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
     config.add_argument(
         "--markdown", action="store_true", help="print the markdown reference (docs/config.md)"
     )
+    _add_compare(sub)
     return parser
+
+
+def _add_compare(sub) -> None:
+    """The ``compare`` subcommand's parser."""
+    compare = sub.add_parser(
+        "compare",
+        help="the first place where two run directories differ",
+        description=textwrap.fill(_COMPARE_ABOUT, 90),
+    )
+    compare.add_argument("run_a", metavar="RUN_A", help="a run directory (run A)")
+    compare.add_argument("run_b", metavar="RUN_B", help="another run directory (run B)")
+    compare.add_argument("--json", action="store_true", help="print one JSON object")
+    compare.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="FIELD",
+        help="a further metrics.jsonl field to skip (repeatable)",
+    )
 
 
 def _raise_interrupted(signum, frame) -> None:
     from areal_fast.launch.interrupt import Interrupted
 
     raise Interrupted(signum)
+
+
+def _compare(args) -> int:
+    """``areal-fast compare``: 0 identical, 1 a difference, 2 bad input (one line)."""
+    from areal_fast.launch.compare import CompareError, run_compare
+
+    try:
+        return run_compare(args.run_a, args.run_b, tuple(args.ignore), args.json)
+    except CompareError as exc:
+        if os.environ.get("AREAL_FAST_DEBUG"):
+            raise
+        print(f"areal-fast: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `areal-fast compare ... | head`
+        sys.stdout = open(os.devnull, "w")
+        return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,6 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # `areal-fast config | head`
             sys.stdout = open(os.devnull, "w")
         return 0
+    if args.command == "compare":
+        if extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        return _compare(args)
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
