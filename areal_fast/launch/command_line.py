@@ -132,9 +132,6 @@ def _compare(args) -> int:
             raise
         print(f"areal-fast: error: {exc}", file=sys.stderr)
         return 2
-    except BrokenPipeError:  # `areal-fast compare ... | head`
-        sys.stdout = open(os.devnull, "w")
-        return 0
 
 
 def main(argv: list[str] | None = None) -> int:

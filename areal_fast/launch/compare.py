@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -423,7 +425,11 @@ def run_compare(
     :class:`CompareError` on bad input (the command turns it into exit code 2)."""
     findings = compare_runs(Path(run_a), Path(run_b), ignore)
     if json_output:
-        print(json.dumps(as_json(run_a, run_b, findings), indent=2))
+        report = json.dumps(as_json(run_a, run_b, findings), indent=2)
     else:
-        print("\n".join(f.line for f in findings))
+        report = "\n".join(f.line for f in findings)
+    try:
+        print(report)
+    except BrokenPipeError:  # `areal-fast compare ... | head -1`: the exit code still holds
+        sys.stdout = open(os.devnull, "w")
     return 0 if all(f.difference is None for f in findings) else 1
