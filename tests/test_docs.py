@@ -33,6 +33,7 @@ LANGUAGES = {"python", "bash", "sh", "text", "yaml"}
 ALLOWED = {
     ("areal-fast", "config"),  # prints every key with its default
     ("areal-fast", "--help"),
+    ("areal-fast", "compare"),  # two run directories, nothing written
     ("python", "benches/compare_runs.py"),
     ("python", "benches/eval_agent.py"),
     ("python", "benches/bench_async.py"),
