@@ -416,6 +416,8 @@ TESTED_ELSEWHERE = {
     "areal_fast/agent/protocol.py": "tests/agent/test_server.py",
     "areal_fast/controller/checkpoint_manager.py": "tests/controller/test_recovery.py",
     "areal_fast/controller/config.py": "tests/controller/test_async_loop.py",
+    "areal_fast/controller/fixed_dispatch.py": "tests/launch/test_reproducible.py",
+    "areal_fast/controller/held_rollouts.py": "tests/launch/test_reproducible.py",
     "areal_fast/controller/requests.py": "tests/controller/test_async_loop_eta0.py",
     "areal_fast/controller/step_evals.py": "tests/launch/test_step_evals.py",
     "areal_fast/controller/step_record.py": "tests/controller/test_async_loop.py",

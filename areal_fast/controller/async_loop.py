@@ -21,13 +21,17 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 from areal_fast.controller.acceptance import Acceptance
 from areal_fast.controller.checkpoint_manager import CheckpointManager, PendingSaves
 from areal_fast.controller.config import RecoveryConfig, RunPlan, Timeouts
 from areal_fast.controller.drain import Drain
+from areal_fast.controller.fixed_dispatch import FixedDispatch
+from areal_fast.controller.fixed_schedule import FixedSchedule
 from areal_fast.controller.fleet import RolloutFleet
+from areal_fast.controller.held_rollouts import HeldRollouts, restore_groups
 from areal_fast.controller.ledger import Ledger, RunCounts
 from areal_fast.controller.recovery import Recovery, RecoveryScope
 from areal_fast.controller.staleness import StalenessManager
@@ -105,9 +109,13 @@ class AsyncController:
         self.staleness = StalenessManager(
             plan.batch_size, eta, rollout.max_concurrent_rollouts or (eta + 1) * plan.batch_size
         )
-        self.ledger = Ledger(eta if rollout.drop_stale else None)
+        # rollout.reproducible: a fixed plan, every token's staleness min(k, η) by construction
+        fixed = rollout.reproducible
+        self.ledger = Ledger(eta if rollout.drop_stale and not fixed else None, ordered=not fixed)
         self.timeouts = timeouts or Timeouts()
-        self.saves = PendingSaves(checkpoints)
+        schedule = FixedSchedule(plan.batch_size, eta, len(rollout_workers), plan.total_steps)
+        self.saves = PendingSaves(checkpoints, HeldRollouts(schedule) if fixed else None)
+        self.dropped_done: dict[int, msg.GroupDone] = {}  # reproducible: dropped groups
         self.weights = WeightTracker(self.fleet.names)  # the weights version each serves
         watched = RecoveryScope(
             self.ledger, self.fleet, self.weights, self.evals, self.saves, trainer.name
@@ -128,6 +136,14 @@ class AsyncController:
             self.version, self.elapsed_before = point.version, point.elapsed_seconds
             for worker in self.fleet.workers:
                 self.fleet.send(worker, self._current_weights())
+        self.dispatch: Optional[FixedDispatch] = None  # rollout.reproducible only
+        if fixed:
+            if resume is not None:  # the rollouts of batches version … version + η − 1
+                self._restore_held(resume, schedule)
+            self.dispatch = FixedDispatch(
+                schedule, self.fleet, self.ledger, next_request, weight_buffers, self.version
+            )
+            self.recovery.serving = self.dispatch.serving
 
     @property
     def workers(self) -> list[WorkerHandle]:
@@ -148,6 +164,8 @@ class AsyncController:
         """
         self.start = self.last_step = time.monotonic()
         self.fleet.restart_clocks(self.start)
+        if self.dispatch is not None:
+            self.dispatch.start()
         while self.version < self.plan.total_steps and not (
             self._out_of_time() and not self.ledger.training
         ):
@@ -163,8 +181,9 @@ class AsyncController:
 
     def _request_rollouts(self) -> None:
         """Start as many new groups as the staleness bound allows (and resubmit those of a
-        dead worker), each on the least busy ready worker."""
-        if self._out_of_time():
+        dead worker), each on the least busy ready worker (a reproducible run's
+        :class:`FixedDispatch` sends its groups itself)."""
+        if self._out_of_time() or self.dispatch is not None:
             return
         ledger, b = self.ledger, self.plan.batch_size
         still_needed = self.plan.total_steps * b - (ledger.accepted + ledger.running)
@@ -215,7 +234,7 @@ class AsyncController:
             # its slot last held new_version - 2: every worker must have loaded that already
             if min(self.weights.acked.values(), default=self.version) < new_version - 2:
                 return
-            batch = self.ledger.take_batch(self.plan.batch_size, new_version - 1, time.monotonic())
+            batch = self._take_batch(new_version - 1)
             self.free_released()
             if batch is None:
                 return
@@ -224,6 +243,28 @@ class AsyncController:
                     DistributedBatch([g.done.shard for g in batch.groups]), slot=new_version % 2
                 )
             )
+
+    def _take_batch(self, k: int):
+        """Batch ``k`` (trained into version k + 1): the first B ready groups, or in a
+        reproducible run the schedule's groups of batch k once all have finished (None until
+        then).
+
+        Raises
+        ------
+        WorkerError
+            Every group of a reproducible run's batch was dropped (nothing to train).
+        """
+        if self.dispatch is None:
+            return self.ledger.take_batch(self.plan.batch_size, k, time.monotonic())
+        kept = self.dispatch.batch(k)
+        if kept is None:
+            return None
+        if not kept:
+            raise WorkerError(
+                f"every prompt group of batch {k} was dropped (rollouts_dropped: "
+                f"{dict(self.ledger.counts.dropped)}): step {k + 1} has nothing to train"
+            )
+        return self.ledger.take_groups(kept, k, time.monotonic())
 
     def _on_step_done(self, done: msg.StepDone) -> None:
         """A step is done: publish its weights, evaluate them if due, record, checkpoint."""
@@ -243,9 +284,12 @@ class AsyncController:
         batch = self.ledger.trained(done.group_ids)
         self.version = done.version
         self.weights.published(done)
-        update = Encoded(encode_message(self._current_weights()))
-        for worker in self.fleet.workers:  # encoded once for all
-            self.fleet.send(worker, update)
+        if self.dispatch is not None:  # each worker once its groups have finished
+            self.dispatch.advance_all(self.version)
+        else:
+            update = Encoded(encode_message(self._current_weights()))
+            for worker in self.fleet.workers:  # encoded once for all
+                self.fleet.send(worker, update)
         # the trained groups' spool files are deleted only now that the step is done
         if batch.groups[0].done.shard.path:
             self.fleet.drop_shards(g.done for g in batch.groups)
@@ -266,17 +310,47 @@ class AsyncController:
         record = self.evals.after_step(self.version, record, self.fleet)
         self.last_step = now
         self.on_step(record)
-        tmp = self.saves.after_step(
-            self.version,
-            {  # what a resumed run needs
-                "version": self.version,
-                "counts": self.ledger.counts.as_dict(),
-                "pending_groups": self.ledger.live,
-                "elapsed_seconds": record["elapsed_seconds"],
-            },
-        )
+        tmp = self.saves.after_step(self.version, self._snapshot(record), self._finished())
         if tmp is not None:
             self._send_trainer(msg.SaveState(tmp))
+
+    def _snapshot(self, record: dict) -> dict:
+        """What a run resumed from this step needs (``controller.json``): a reproducible
+        run's counts say every group of the batches its checkpoint keeps was submitted, and
+        no group is pending (they are kept, not dropped)."""
+        counts = self.ledger.counts.as_dict()
+        pending = self.ledger.live
+        if self.dispatch is not None:
+            held = self.saves.held.needed(self.version)
+            counts["rollouts_submitted"] = self.plan.batch_size * self.version + len(held)
+            pending = 0
+        return {
+            "version": self.version,
+            "counts": counts,
+            "pending_groups": pending,
+            "elapsed_seconds": record["elapsed_seconds"],
+        }
+
+    def _finished(self) -> list[msg.GroupDone]:
+        """A reproducible run's finished groups not trained yet (ready, in training or
+        dropped): those a checkpoint taken now may keep."""
+        if self.dispatch is None:
+            return []
+        live = [self.ledger.record(g) for g in self.ledger.ready_ids()]
+        live += [r for b in self.ledger.training for r in b.groups]
+        first = self.version * self.plan.batch_size  # older groups are trained or given up
+        self.dropped_done = {g: d for g, d in self.dropped_done.items() if g >= first}
+        return [r.done for r in live] + list(self.dropped_done.values())
+
+    def _restore_held(self, resume: dict, schedule: FixedSchedule) -> None:
+        """Make the groups a reproducible run's checkpoint kept READY again (dropped ones
+        stay dropped)."""
+        restored = restore_groups(Path(resume["checkpoint"]), Path(resume["restore_dir"]))
+        for done in restored:
+            if done.shard is not None and not done.drop_reason:
+                self.ledger.restore_ready(
+                    done, schedule.version_of(schedule.batch_of(done.group_id))
+                )
 
     # ---- messages -------------------------------------------------------------------
     def wait(self, timeout: float, doing: str) -> list:
@@ -287,7 +361,8 @@ class AsyncController:
                 self._waiter = MessageWaiter([*self.fleet.workers, *self.trainer_ranks])
             return self._waiter.wait(timeout, doing)
         except WorkerError as exc:
-            new = self.recovery.on_worker_error(exc, self.version)  # or raises
+            serving = self.dispatch.serving(exc.worker) if self._fixed(exc.worker) else self.version
+            new = self.recovery.on_worker_error(exc, serving)  # or raises
             if self._waiter is not None:  # its handles include the dead one
                 self._waiter.close()
                 self._waiter = None
@@ -299,7 +374,9 @@ class AsyncController:
         weights, the cancel of a wind-down, its share of every unanswered evaluation."""
         # slot version % 2 is being overwritten while version + 2 trains: then the new worker
         # gets the next version with everyone else
-        if self.version > 0 and len(self.ledger.training) < 2:
+        if self.dispatch is not None:  # the version of its groups, and its groups
+            self.dispatch.restarted(new)
+        elif self.version > 0 and len(self.ledger.training) < 2:
             self.fleet.send(new, self._current_weights())
         if self.ledger.closing:
             self.fleet.send(new, msg.CancelAll())
@@ -320,7 +397,9 @@ class AsyncController:
 
     def _on_message(self, worker: WorkerHandle, message) -> None:
         if isinstance(message, msg.GroupDone):
-            if self.ledger.is_running(message.group_id):
+            if self.dispatch is not None and self.dispatch.is_replay(worker.name, message.group_id):
+                self._on_replayed_group(worker, message)
+            elif self.ledger.is_running(message.group_id):
                 self._on_group_done(worker, message)
             else:
                 self._on_unknown_group(worker, message)
@@ -362,8 +441,22 @@ class AsyncController:
         )
         # a too-stale group is dropped now, so that a replacement starts at once
         stale = self.ledger.too_stale(done.group_id, train_version)
-        self.ledger.finish(done, self.acceptance.drop_reason(done, stale))
+        reason = self.acceptance.drop_reason(done, stale)
+        self.ledger.finish(done, reason)
         self.acceptance.check_filter_limit()
+        if self.dispatch is not None:  # its next version and groups, once all have finished
+            if reason is not None:
+                self.dropped_done[done.group_id] = done
+            self.saves.kept(done)  # into the checkpoints waiting for it
+            self.dispatch.advance(worker, self.version)
+
+    def _on_replayed_group(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
+        """A restarted worker redid a group that had finished before (its chunk is redone
+        whole): the report is ignored; the shard is dropped unless the group is still live
+        (then its spool file was rewritten with the same bytes)."""
+        if done.shard is not None and self.ledger.state(done.group_id) is None:
+            self.fleet.send(worker, msg.DropShards([done.group_id]))
+        self.dispatch.advance(worker, self.version)
 
     def _on_unknown_group(self, worker: WorkerHandle, done: msg.GroupDone) -> None:
         """A group that is not running (it was cancelled at the end of training, or reported
@@ -389,6 +482,10 @@ class AsyncController:
     def _current_weights(self) -> msg.UpdateWeights:
         """The update to the current policy version (in slot ``version % 2``)."""
         return msg.UpdateWeights(self.version, self.buffers[self.version % 2])
+
+    def _fixed(self, name: Optional[str]) -> bool:
+        """Whether ``name`` is a rollout worker of a reproducible run's dispatch."""
+        return self.dispatch is not None and name in self.dispatch.told
 
     def _out_of_time(self) -> bool:
         return (

@@ -11,7 +11,8 @@ is the commit, so a directory of that name is complete unless its files were dam
 Pending rollouts are not saved: groups that were running or finished but not yet trained at
 the checkpoint are dropped on resume (``controller.json`` says how many) and their problems
 are not redrawn. In synchronous mode (η = 0) there are none, so a resumed run continues
-exactly as the uninterrupted one.
+exactly as the uninterrupted one; a reproducible run (``rollout.reproducible``) keeps them
+(:mod:`~areal_fast.controller.held_rollouts`), so it continues exactly at any η.
 """
 
 from __future__ import annotations
@@ -25,9 +26,11 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
+from areal_fast.controller.held_rollouts import HeldRollouts
 from areal_fast.train.checkpoint import STATE_FILE, read_train_state, write_json_durably
+from areal_fast.wire import messages as msg
 
 log = logging.getLogger("areal_fast.checkpoints")
 CONTROLLER_FILE = "controller.json"
@@ -198,17 +201,23 @@ class PendingSaves:
     ----------
     manager : CheckpointManager or None
         When and where to save (None: never; every method is then a no-op).
+    held : HeldRollouts, optional
+        A reproducible run's: a checkpoint is committed only once it holds the rollouts
+        of the batches it will train (:mod:`~areal_fast.controller.held_rollouts`).
     """
 
-    def __init__(self, manager: Optional[CheckpointManager]):
-        self.manager = manager
+    def __init__(self, manager: Optional[CheckpointManager], held: Optional[HeldRollouts] = None):
+        self.manager, self.held = manager, held
         self.snapshots: dict[int, dict] = {}  # version -> controller state at that step
         self.saving: dict[str, tuple[int, float]] = {}  # temp dir -> (version, asked at)
         self.answered: dict[str, int] = {}  # temp dir -> version: saved, not yet committed
 
-    def after_step(self, version: int, state: dict) -> Optional[str]:
+    def after_step(
+        self, version: int, state: dict, finished: Iterable[msg.GroupDone] = ()
+    ) -> Optional[str]:
         """Remember the controller ``state`` of ``version``; returns the temporary directory
-        the trainer should save its state into when a checkpoint is due (else None)."""
+        the trainer should save its state into when a checkpoint is due (else None).
+        ``finished``: the groups finished so far that a :class:`HeldRollouts` may need."""
         if self.manager is None:
             return None
         self.snapshots[version] = state
@@ -216,6 +225,8 @@ class PendingSaves:
         if self.manager.due(version):
             tmp = str(self.manager.begin(version))
             self.saving[tmp] = (version, time.monotonic())
+            if self.held is not None:
+                self.held.begin(tmp, version, list(finished))
         oldest = min((v for v, _ in self.saving.values()), default=version)
         for old in [v for v in self.snapshots if v < oldest]:
             del self.snapshots[old]
@@ -242,12 +253,26 @@ class PendingSaves:
                 f"controller recorded that step"
             )
         self.answered[path] = version
+        if self.held is not None:
+            self.held.settle(path, version)
+        if self.held is not None and not self.held.complete(path):
+            return Path(path)  # committed by `kept` once its rollouts are in
         return self._commit_answered(path)
+
+    def kept(self, done: msg.GroupDone) -> list[Path]:
+        """A group finished: keep it in the checkpoints that need it; commit those answered
+        by the trainer that are complete now. Returns their directories."""
+        if self.held is None:
+            return []
+        self.held.keep(done)
+        complete = [p for p in self.answered if self.held.complete(p)]
+        return [self._commit_answered(path) for path in complete]
 
     def finish_answered(self) -> list[Path]:
         """Commit the saves the trainer answered whose commit was cut short (by Ctrl-C);
-        returns their directories."""
-        return [self._commit_answered(path) for path in list(self.answered)]
+        returns their directories (one still waiting for its rollouts is not committed)."""
+        complete = [p for p in self.answered if self.held is None or self.held.complete(p)]
+        return [self._commit_answered(path) for path in complete]
 
     def commit_written(self) -> list[Path]:
         """Commit the saves whose trainer files are complete on disk (its ``train_state.json``
@@ -275,6 +300,8 @@ class PendingSaves:
             final = self.manager.root / f"step-{version:08d}"
         del self.answered[path]
         del self.saving[path]
+        if self.held is not None:
+            self.held.forget(path)
         log.info("checkpoint of policy version %d written to %s", version, final)
         return final
 

@@ -57,7 +57,8 @@ class GroupRecord:
     """One prompt group (see the module docstring for its states)."""
 
     group_id: int  # submission order, from 0
-    request: msg.GroupRequest  # prompt, sampling parameters, seed (resubmitted as is)
+    # prompt, sampling parameters, seed (resubmitted as is); None: restored from a checkpoint
+    request: Optional[msg.GroupRequest]
     version: int  # policy version when it was (last) submitted
     # rollout worker running it, or holding its shard once finished; None while it waits
     worker: Optional[str]
@@ -92,10 +93,16 @@ class Ledger:
     keep_finished : bool
         Keep trained and dropped records in :attr:`finished` (tests); otherwise they are
         only counted.
+    ordered : bool
+        Groups are submitted in id order (0, 1, 2, ...); False: in any order, each id once
+        (a reproducible run submits each worker's groups together).
     """
 
-    def __init__(self, max_staleness: Optional[int], keep_finished: bool = False):
+    def __init__(
+        self, max_staleness: Optional[int], keep_finished: bool = False, ordered: bool = True
+    ):
         self.max_staleness = max_staleness
+        self.ordered = ordered
         self.counts = RunCounts()
         self.generated_tokens = 0  # completion tokens of every finished group
         self.closing = False  # training has ended: nothing is submitted or trained any more
@@ -139,6 +146,10 @@ class Ledger:
         """RUNNING groups without a worker (their worker died), in requeue order."""
         return list(self._waiting.values())
 
+    def record(self, group_id: int) -> GroupRecord:
+        """The record of the READY group ``group_id`` (KeyError if it is not ready)."""
+        return self._ready[group_id]
+
     def ready_ids(self) -> list[int]:
         return list(self._ready)
 
@@ -175,11 +186,14 @@ class Ledger:
         Raises
         ------
         LedgerError
-            Its id is not the next one (``counts.submitted``), or training has ended.
+            Its id is not the next one (``counts.submitted``; with ``ordered`` False: it is
+            live already), or training has ended.
         """
-        if request.group_id != self.counts.submitted or self.closing:
+        group_id = request.group_id
+        out_of_order = group_id != self.counts.submitted and self.ordered
+        if out_of_order or self.closing or (not self.ordered and self.state(group_id)):
             raise LedgerError(
-                f"group {request.group_id} submitted as group "
+                f"group {group_id} submitted as group "
                 f"{self.counts.submitted}{' after the end' * self.closing}"
             )
         record = GroupRecord(request.group_id, request, version, worker)
@@ -238,6 +252,25 @@ class Ledger:
             del self._ready[record.group_id]
             record.state = State.TRAINING
         taken = TrainingBatch(sorted(batch, key=lambda r: r.group_id), train_version, sent_at)
+        self.training.append(taken)
+        return taken
+
+    def take_groups(
+        self, group_ids: list[int], train_version: int, sent_at: float
+    ) -> TrainingBatch:
+        """These READY groups → TRAINING, as one batch (sorted by group id).
+
+        Raises
+        ------
+        LedgerError
+            One of them is not READY, none is given, or training has ended.
+        """
+        if self.closing or not group_ids or any(g not in self._ready for g in group_ids):
+            raise LedgerError(f"groups {list(group_ids)[:4]}... are not all ready for a batch")
+        batch = [self._ready.pop(g) for g in sorted(group_ids)]
+        for record in batch:
+            record.state = State.TRAINING
+        taken = TrainingBatch(batch, train_version, sent_at)
         self.training.append(taken)
         return taken
 
@@ -340,6 +373,20 @@ class Ledger:
         self.counts = RunCounts.from_dict(counts)
         if pending_groups:
             self.counts.dropped["pending_at_checkpoint"] += int(pending_groups)
+
+    def restore_ready(self, done: msg.GroupDone, version: int) -> None:
+        """A group a checkpoint kept (finished under ``version`` before it) is READY again;
+        the restored counts include its submission.
+
+        Raises
+        ------
+        LedgerError
+            The group is live already.
+        """
+        if self.state(done.group_id) is not None:
+            raise LedgerError(f"group {done.group_id} restored twice")
+        record = GroupRecord(done.group_id, None, version, None, State.READY, done)
+        self._ready[done.group_id] = record
 
     def check(self) -> None:
         """Assert the internal tables agree (every live group in exactly one of them)."""

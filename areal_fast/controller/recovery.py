@@ -83,6 +83,9 @@ class Recovery:
         # restarted workers: (version to serve, death time, restart time)
         self.warming: dict[str, tuple[int, float, float]] = {}
         self._checked = 0.0  # time.monotonic() of the last deadline scan
+        # name -> the version that worker is to serve (a reproducible run tells each worker
+        # its next version only once its groups have finished); None: the policy version
+        self.serving: Optional[Callable[[str], int]] = None
 
     def on_worker_error(self, exc: WorkerError, version: int) -> WorkerHandle:
         """Replace the dead rollout worker of ``exc`` if a restart is left; else re-raise.
@@ -197,7 +200,7 @@ class Recovery:
         late = [
             name
             for name in s.fleet.names
-            if s.weights.acked[name] < version
+            if s.weights.acked[name] < (self.serving(name) if self.serving else version)
             and name not in self.warming
             and not s.evals.excused(name, now, t.weight_update)
         ]

@@ -283,6 +283,8 @@ class ExperimentConfig:
             raise ValueError("resume=true and overwrite=true contradict each other")
         if self.agent.path:
             self._check_agent_lengths()
+        if self.rollout.reproducible:
+            self._check_reproducible()
         if self.experiment_name is None:
             self.experiment_name = DEFAULT_EXPERIMENT
         for key in ("experiment_name", "trial_name"):
@@ -307,6 +309,35 @@ class ExperimentConfig:
                 "vLLM binds a request to the adapter it was admitted with, so a kept request "
                 "would go on sampling with the old adapter under the new version's label"
             )
+
+    def _check_reproducible(self) -> None:
+        """Refuse, naming the key, the settings a reproducible run cannot reproduce."""
+        refused = {
+            "agent.path": (
+                bool(self.agent.path),
+                "an agent's calls and tools run on their own clock",
+            ),
+            "max_seconds": (
+                self.max_seconds is not None,
+                "where the run stops would depend on its speed",
+            ),
+            "recovery.spool_shards": (
+                not self.recovery.spool_shards,
+                "= false: a finished group must outlive its rollout worker",
+            ),
+            "scheduler.type": (
+                self.scheduler.type != "local",
+                f"= {self.scheduler.type!r}: weight links deliver versions on their own "
+                "clock; use the local launcher",
+            ),
+            "sync.transport": (
+                self.sync.transport in ("broadcast", "disk"),
+                f"= {self.sync.transport!r}: a weight link delivers versions on its own clock",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ValueError(f"rollout.reproducible = true with {key}: {why}")
 
     def _check_agent_lengths(self) -> None:
         """An agent's sequences must fit a micro-batch: a concat sequence is at most one

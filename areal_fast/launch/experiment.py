@@ -4,6 +4,7 @@ run the controller; resume from checkpoints and restart after a trainer fault.""
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import numpy as np
 import torch
@@ -165,6 +166,17 @@ def new_controller(
         trainer_ranks=cluster.trainer_ranks,
         restart_rollout=cluster.restart_rollout,
         checkpoints=start.checkpoints if cfg.checkpoint.every_steps else None,
-        resume=start.controller_state,
+        resume=resume_state(cfg, start),
         step_evals=step_evals,
     )
+
+
+def resume_state(cfg: ExperimentConfig, start: ResumePoint) -> Optional[dict]:
+    """The checkpoint's controller state the controller resumes from (None: step 0); a
+    reproducible run's also names the checkpoint, whose rollouts it trains, and the folder
+    their shards are copied into (``<run dir>/shards/restored``)."""
+    state = start.controller_state
+    if state is None or not cfg.rollout.reproducible:
+        return state
+    restore_dir = cfg.run_dir / "shards" / "restored"
+    return {**state, "checkpoint": str(start.latest.path), "restore_dir": str(restore_dir)}

