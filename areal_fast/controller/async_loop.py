@@ -14,6 +14,11 @@ its running groups are resubmitted; groups it had finished are read by the train
 spool files. A trainer rank that dies ends :meth:`AsyncController.run` with a
 :class:`WorkerError` (the launcher resumes from the last checkpoint). Checkpoints are taken
 between steps without stopping rollout.
+
+With ``rollout.reproducible`` the batches, the versions they are generated under and the
+workers follow a fixed plan instead (:mod:`~areal_fast.controller.fixed_schedule`, sent by
+:mod:`~areal_fast.controller.fixed_dispatch`), and checkpoints keep the rollouts of the
+batches they will train (:mod:`~areal_fast.controller.held_rollouts`).
 """
 
 from __future__ import annotations
@@ -113,7 +118,9 @@ class AsyncController:
         fixed = rollout.reproducible
         self.ledger = Ledger(eta if rollout.drop_stale and not fixed else None, ordered=not fixed)
         self.timeouts = timeouts or Timeouts()
-        schedule = FixedSchedule(plan.batch_size, eta, len(rollout_workers), plan.total_steps)
+        schedule = None
+        if fixed:
+            schedule = FixedSchedule(plan.batch_size, eta, len(rollout_workers), plan.total_steps)
         self.saves = PendingSaves(checkpoints, HeldRollouts(schedule) if fixed else None)
         self.dropped_done: dict[int, msg.GroupDone] = {}  # reproducible: dropped groups
         self.weights = WeightTracker(self.fleet.names)  # the weights version each serves
