@@ -67,7 +67,16 @@ def reference(tiny_model_dir, tmp_path_factory):
     return root / "grpo-arith" / "ref"
 
 
-@pytest.mark.parametrize("eta,extra", [(0, ()), (1, ()), (2, ("scheduler.train_world_size=2",))])
+# η = 2: engine batches of 2 sequences, so a worker is still generating batches 1 and 2 when
+# version 1 is published (its update must wait for them)
+TWO_RANKS = (
+    "scheduler.train_world_size=2",
+    "rollout.max_batch_size=2",
+    "rollout.max_new_tokens=48",
+)
+
+
+@pytest.mark.parametrize("eta,extra", [(0, ()), (1, ()), (2, TWO_RANKS)])
 def test_two_runs_are_identical(tiny_model_dir, tmp_path, eta, extra):
     runs = []
     for trial in ("a", "b"):
