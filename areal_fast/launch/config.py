@@ -281,10 +281,10 @@ class ExperimentConfig:
             self._check_lora_engine()
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other")
+        if self.rollout.reproducible:  # before the checks of what it refuses
+            self._check_reproducible()
         if self.agent.path:
             self._check_agent_lengths()
-        if self.rollout.reproducible:
-            self._check_reproducible()
         if self.experiment_name is None:
             self.experiment_name = DEFAULT_EXPERIMENT
         for key in ("experiment_name", "trial_name"):

@@ -249,8 +249,12 @@ def test_two_fsdp_ranks_save_the_merged_lora_model(tiny_model_dir, tmp_path, see
     assert sorted(got) == sorted(want) and "lm_head.weight" not in got
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     assert sorted(want) == sorted(base)  # plain names: no base_layer, no adapter
+    # the two ranks reduce gradients in another order; Adam's first step, g / (|g| + eps),
+    # turns that rounding into a visible change where |g| is near eps, so the merged
+    # weights are compared by the change the step made, not element by element
     for name, tensor in want.items():
-        torch.testing.assert_close(got[name], tensor, rtol=1e-5, atol=1e-6)
+        step, diff = tensor - base[name], got[name] - tensor
+        assert diff.norm() <= 1e-3 * step.norm() + 1e-7, (name, diff.norm(), step.norm())
     assert any(not torch.equal(want[n], base[n]) for n in want if "q_proj" in n)
     transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "fsdp"))
     assert (tmp_path / "fsdp" / "adapter" / "adapter_model.safetensors").is_file()
