@@ -62,14 +62,14 @@ class AsyncController:
         Started rollout workers (their :class:`WorkerReady` already received).
     trainer : WorkerHandle
         Started trainer worker.
-    weight_buffers : tuple[WeightBufferSpec, WeightBufferSpec]
-        The trainer's two weight slots (version v is published into slot v % 2).
+    weight_buffers : tuple[WeightBufferSpec, ...]
+        The trainer's weight slots, n of them (version v is published into slot v % n).
     next_request : callable (group_id) -> GroupRequest
         Supplies the next prompt group to sample.
     plan : RunPlan
     rollout : RolloutConfig
         ``max_head_offpolicyness`` (η), ``max_concurrent_rollouts`` (None: (η + 1) · B),
-        ``dynamic_filter`` and ``drop_stale`` are used.
+        ``dynamic_filter``, ``drop_stale`` and ``reproducible`` are used.
     on_step : callable (dict) -> None
         Receives each step's metrics record (keys: :data:`~.step_record.STEP_METRICS`).
     timeouts : Timeouts, optional
@@ -86,6 +86,11 @@ class AsyncController:
         loaded its trainer state (its version is the checkpoint's).
     step_evals : StepEvals, optional
         Held-out evaluations during training (``eval.every_steps``; None: none).
+
+    Raises
+    ------
+    ValueError
+        ``rollout.reproducible`` with fewer than η + 1 weight slots.
     """
 
     def __init__(
@@ -119,6 +124,11 @@ class AsyncController:
         self.ledger = Ledger(eta if rollout.drop_stale and not fixed else None, ordered=not fixed)
         self.timeouts = timeouts or Timeouts()
         schedule = None
+        if fixed and len(weight_buffers) < eta + 1:  # a replaced worker needs its version
+            raise ValueError(
+                f"rollout.reproducible at rollout.max_head_offpolicyness = {eta} needs "
+                f"{eta + 1} trainer weight slots, the trainer has {len(weight_buffers)}"
+            )
         if fixed:
             schedule = FixedSchedule(plan.batch_size, eta, len(rollout_workers), plan.total_steps)
         self.saves = PendingSaves(checkpoints, HeldRollouts(schedule) if fixed else None)
@@ -238,8 +248,9 @@ class AsyncController:
             new_version = self.version + len(self.ledger.training) + 1
             if new_version > self.plan.total_steps:
                 return
-            # its slot last held new_version - 2: every worker must have loaded that already
-            if min(self.weights.acked.values(), default=self.version) < new_version - 2:
+            # its slot last held new_version - n: every worker must have loaded that already
+            slots = len(self.buffers)
+            if min(self.weights.acked.values(), default=self.version) < new_version - slots:
                 return
             batch = self._take_batch(new_version - 1)
             self.free_released()
@@ -247,7 +258,7 @@ class AsyncController:
                 return
             self._send_trainer(
                 msg.TrainStep(
-                    DistributedBatch([g.done.shard for g in batch.groups]), slot=new_version % 2
+                    DistributedBatch([g.done.shard for g in batch.groups]), slot=new_version % slots
                 )
             )
 
@@ -382,7 +393,8 @@ class AsyncController:
         # slot version % 2 is being overwritten while version + 2 trains: then the new worker
         # gets the next version with everyone else
         if self.dispatch is not None:  # the version of its groups, and its groups
-            self.dispatch.restarted(new)
+            newest = self.version + len(self.ledger.training)
+            self.dispatch.restarted(new, self.version, newest)
         elif self.version > 0 and len(self.ledger.training) < 2:
             self.fleet.send(new, self._current_weights())
         if self.ledger.closing:
@@ -487,8 +499,8 @@ class AsyncController:
         self.fleet.drop_shards(r.done for r in self.ledger.pop_released())
 
     def _current_weights(self) -> msg.UpdateWeights:
-        """The update to the current policy version (in slot ``version % 2``)."""
-        return msg.UpdateWeights(self.version, self.buffers[self.version % 2])
+        """The update to the current policy version (in slot ``version % n``)."""
+        return msg.UpdateWeights(self.version, self.buffers[self.version % len(self.buffers)])
 
     def _fixed(self, name: Optional[str]) -> bool:
         """Whether ``name`` is a rollout worker of a reproducible run's dispatch."""

@@ -8,7 +8,8 @@ so no weight update ever reaches a running sample and every engine batch is made
 requests on every run. A worker that dies is given the version of its chunk and the whole
 chunk again (groups that had finished too: the engine's batches must be the same); what the
 replayed groups report is ignored (:meth:`FixedDispatch.is_replay`), their spool files are
-rewritten with the same bytes.
+rewritten with the same bytes. The trainer keeps η + 1 weight slots in this mode, so the
+version of an unfinished chunk is still in its slot.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Callable
 
 from areal_fast.controller.fixed_schedule import FixedSchedule
 from areal_fast.controller.fleet import RolloutFleet
-from areal_fast.controller.ledger import Ledger, State
+from areal_fast.controller.ledger import Ledger, LedgerError, State
 from areal_fast.wire import messages as msg
 from areal_fast.wire.handles import WorkerHandle
 
@@ -34,8 +35,8 @@ class FixedDispatch:
         Made with ``ordered=False`` (groups are submitted per worker, not in id order).
     next_request : callable (group_id) -> GroupRequest
         Called with group ids 0, 1, 2, ... in order (it draws problems in call order).
-    buffers : tuple[WeightBufferSpec, WeightBufferSpec]
-        The trainer's weight slots (version v in slot v % 2).
+    buffers : tuple[WeightBufferSpec, ...]
+        The trainer's weight slots, n of them (version v in slot v % n; n = max(2, η + 1)).
     version : int
         The policy version every worker serves at the start (0, or a resumed checkpoint's).
     """
@@ -81,7 +82,7 @@ class FixedDispatch:
         while not busy() and self.told[name] < version:
             told = self.told[name] + 1
             self.told[name] = told
-            self.fleet.send(worker, msg.UpdateWeights(told, self.buffers[told % 2]))
+            self.fleet.send(worker, msg.UpdateWeights(told, self._slot(told)))
             self._submit(worker, told)
 
     def advance_all(self, version: int) -> None:
@@ -99,21 +100,55 @@ class FixedDispatch:
         if chunk:
             self.fleet.send(worker, msg.SubmitGroups(chunk))
 
-    def restarted(self, worker: WorkerHandle) -> None:
-        """``worker`` replaced a dead one of its name: send it the version of its chunk and
-        the whole chunk again (the groups still running are assigned to it; the finished
-        ones are replayed and their reports ignored)."""
-        name, version = worker.name, self.told[worker.name]
-        if version > 0:
-            self.fleet.send(worker, msg.UpdateWeights(version, self.buffers[version % 2]))
+    def restarted(self, worker: WorkerHandle, version: int, newest: int) -> None:
+        """``worker`` replaced a dead one of its name. While the trainer's slot of the dead
+        one's version still holds it (``newest`` < that version + the number of slots), the
+        worker is sent that version and the whole chunk again (the groups still running are
+        assigned to it; the finished ones are replayed and their reports ignored). Past that,
+        every group of the chunk has finished (the trainer cannot publish beyond version
+        v + η while a group of v's chunk, batch v + η, runs; see
+        :func:`~areal_fast.launch.worker_specs.weight_slots`), so
+        nothing is redone: the worker is told the versions after it like any other.
+
+        Parameters
+        ----------
+        worker : WorkerHandle
+            The new worker.
+        version : int
+            The controller's version (the newest the trainer reported).
+        newest : int
+            The newest version written or being written into the trainer's slots.
+
+        Raises
+        ------
+        LedgerError
+            A group of the chunk still waits though its version's slot was overwritten (the
+            slot count does not cover the staleness bound).
+        """
+        name, told = worker.name, self.told[worker.name]
         waiting = {r.group_id for r in self.ledger.waiting()}
         chunk = self.chunks.get(name, [])
+        if newest >= told + len(self.buffers):
+            if any(r.group_id in waiting for r in chunk):
+                raise LedgerError(
+                    f"rollout worker {name!r} restarted with groups of version {told} "
+                    f"unfinished, but the trainer's slot of that version holds {newest}"
+                )
+            self.replays[name] = set()
+            self.advance(worker, version)
+            return
+        if told > 0:
+            self.fleet.send(worker, msg.UpdateWeights(told, self._slot(told)))
         for request in chunk:
             if request.group_id in waiting:
-                self.ledger.assign(request.group_id, name, version)
+                self.ledger.assign(request.group_id, name, told)
         self.replays[name] = {r.group_id for r in chunk} - waiting
         if chunk:
             self.fleet.send(worker, msg.SubmitGroups(chunk))
+
+    def _slot(self, version: int):
+        """The trainer's slot of ``version`` (version v in slot v % n)."""
+        return self.buffers[version % len(self.buffers)]
 
     def is_replay(self, worker: str, group_id: int) -> bool:
         """Whether ``group_id`` reported by ``worker`` is a finished group it redid."""

@@ -93,7 +93,8 @@ def _write_group(folder: Path, done: msg.GroupDone) -> None:
 
 def restore_groups(checkpoint: Path, into: Path) -> list[msg.GroupDone]:
     """The groups a checkpoint keeps, in id order, each shard copied into ``into`` (the
-    trainer deletes a spool file once it has read it; the checkpoint keeps its own).
+    checkpoint may be deleted, ``checkpoint.keep``, while the run still needs them; the end
+    of the run deletes the copies).
 
     Raises
     ------

@@ -5,9 +5,9 @@ requests right behind that step's weights (:class:`~areal_fast.wire.messages.Eva
 with ``version`` k). A worker runs them on exactly those weights: newer versions wait on the
 worker until its share is done (:meth:`WorkerWeights.evaluate_at`), while the training
 rollouts it already runs go on beside them. The trainer goes on as the staleness bound and
-its two weight slots allow (a version may be written only once every worker serves the one
-two before it), so training waits for an evaluation only where it needs the workers to load
-newer weights. Evaluations of later steps queue behind the running one, each on its own
+its weight slots allow (a version may be written only once every worker serves the one
+n slots before it, n = 2 unless a reproducible run keeps more), so training waits for an
+evaluation only where it needs the workers to load newer weights. Evaluations of later steps queue behind the running one, each on its own
 version. When every worker has answered, ``on_done`` receives the records and the accuracy
 goes into the next step record (``eval_accuracy``, ``eval_step``).
 """

@@ -1,9 +1,11 @@
-"""Trainer rank 0's two weight slots: host shared memory, and their CUDA twins on a GPU trainer.
+"""Trainer rank 0's weight slots: host shared memory, and their CUDA twins on a GPU trainer.
 
-Version v goes into slot v % 2. Every trainer keeps two host slots
+Version v goes into slot v % n, n the number of slots: two, or more where rollout workers may
+lag further behind the trainer (a reproducible run keeps η + 1, so a replaced worker finds the
+version of its groups). Every trainer keeps n host slots
 (:class:`~areal_fast.sync.shared_memory.SharedWeightBuffer`: engines that map them, weight
 links that send them to other nodes). A trainer whose parameters are on a CUDA device also
-keeps two :class:`~areal_fast.sync.cuda_slots.CudaWeightSlot` of the same layout, read by
+keeps n :class:`~areal_fast.sync.cuda_slots.CudaWeightSlot` of the same layout, read by
 engines on the same GPU; once the controller has said that no worker reads the host slots
 (:attr:`TrainerSlots.host_readers` False), each version is written device to device into the
 CUDA slot only. The weights are written in ``dtype`` (the engines'), whatever the dtype of
@@ -41,7 +43,7 @@ class TrainerSlots:
     Attributes
     ----------
     host : list[SharedWeightBuffer]
-        The two host slots (empty on ranks > 0).
+        The host slots (empty on ranks > 0).
     cuda : list[CudaWeightSlot]
         Their CUDA twins (empty unless the trainer is on a CUDA device and asked for them).
     host_readers : bool
@@ -61,10 +63,11 @@ class TrainerSlots:
         leader: bool,
         cuda_twins: bool = False,
         dtype: Optional[str] = None,
+        count: int = 2,
     ) -> "TrainerSlots":
-        """Rank 0: the two host slots (first deleting the slots that killed processes left
-        on this node), with ``cuda_twins`` and parameters on a CUDA device also the two CUDA
-        slots; the start weights go into slot ``version % 2`` of each.
+        """Rank 0: ``count`` host slots (first deleting the slots that killed processes left
+        on this node), with ``cuda_twins`` and parameters on a CUDA device also ``count`` CUDA
+        slots; the start weights go into slot ``version % count`` of each.
 
         Parameters
         ----------
@@ -79,14 +82,20 @@ class TrainerSlots:
             cuda_ipc).
         dtype : str, optional
             The dtype the slots hold (``model.dtype``; None: the weights' own).
+        count : int
+            The number of slots (at least 2).
 
         Raises
         ------
+        ValueError
+            ``count`` < 2.
         OSError
             /dev/shm cannot hold the host slots.
         torch.OutOfMemoryError
             The GPU cannot hold the CUDA slots.
         """
+        if count < 2:
+            raise ValueError(f"TrainerSlots: count = {count}, at least 2 slots are needed")
         torch_dtype = getattr(torch, dtype) if dtype else None
         if not leader:
             for _ in named_weights:
@@ -94,18 +103,22 @@ class TrainerSlots:
             return cls([], [], torch_dtype)
         remove_orphaned_buffers()
         weights = list(cast_weights(named_weights, torch_dtype))
-        host = [SharedWeightBuffer.create(iter(weights)) for _ in range(2)]
-        host[version % 2].write(iter(weights))
+        host = [SharedWeightBuffer.create(iter(weights)) for _ in range(count)]
+        host[version % count].write(iter(weights))
         cuda = []
         device = weights[0][1].device if weights else torch.device("cpu")
         if cuda_twins and device.type == "cuda":
             cuda = [CudaWeightSlot.create(buffer.spec, device) for buffer in host]
-            cuda[version % 2].write(iter(weights))
-            cuda[version % 2].finish_write()
+            cuda[version % count].write(iter(weights))
+            cuda[version % count].finish_write()
         return cls(host, cuda, torch_dtype)
 
     def __bool__(self) -> bool:
         return bool(self.host)
+
+    def __len__(self) -> int:
+        """The number of slots (0 on ranks > 0)."""
+        return len(self.host)
 
     def __getitem__(self, slot: int) -> SharedWeightBuffer:
         """Host slot ``slot`` (what weight links send)."""
@@ -113,7 +126,7 @@ class TrainerSlots:
 
     @property
     def specs(self) -> tuple:
-        """The two slots' WeightBufferSpec, each with its CUDA twin's export when there is one
+        """The slots' WeightBufferSpec, in slot order, each with its CUDA twin's export when there is one
         (what the controller names in every UpdateWeights)."""
         return tuple(c.spec for c in self.cuda) if self.cuda else tuple(h.spec for h in self.host)
 

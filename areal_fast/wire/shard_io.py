@@ -36,8 +36,9 @@ def write_shard_file(path: str, tensors: dict[str, torch.Tensor]) -> None:
 
 
 def read_shard_file(path: str, node: str) -> dict[str, torch.Tensor]:
-    """Read a spooled shard written by :func:`write_shard_file` (and delete it: a shard is
-    trained at most once).
+    """Read a spooled shard written by :func:`write_shard_file`. The file stays: a
+    reproducible run's pending checkpoint may still link it; the worker that spooled it (or
+    its replacement) deletes it with the trained groups, the end of the run the rest.
 
     Raises
     ------
@@ -54,7 +55,6 @@ def read_shard_file(path: str, node: str) -> dict[str, torch.Tensor]:
             f"worker {node!r} is gone and its spooled shard {path} cannot be "
             f"read ({type(exc).__name__}: {exc})"
         ) from exc
-    Path(path).unlink(missing_ok=True)
     return tensors
 
 

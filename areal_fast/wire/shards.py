@@ -293,7 +293,7 @@ def fetch_shards(
         by_addr.setdefault(shard.node_addr, []).append(shard)
     fetched: dict[tuple[str, int], dict] = {}
     for addr, shards in by_addr.items():
-        if not addr:  # no worker holds them (restored from a checkpoint): their files
+        if not addr:  # no worker holds them (restored from a checkpoint): their copies
             reply = {s.shard_id: read_shard_file(s.path, s.node_id) for s in shards}
             for shard in shards:
                 fetched[(addr, shard.shard_id)] = reply[shard.shard_id]

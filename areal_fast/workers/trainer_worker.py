@@ -58,6 +58,9 @@ class TrainerWorkerSpec:
     sync : SyncConfig
         ``sync.checksum``: report a CRC-32 of every published version; ``sync.transport``
         auto or cuda_ipc: a trainer on a CUDA device also keeps CUDA slots.
+    slots : int
+        Rank 0's weight slots (version v in slot v % slots): 2, or η + 1 in a reproducible
+        run (a replaced rollout worker loads the version its groups were started under).
     """
 
     trainer_factory: Callable
@@ -70,6 +73,7 @@ class TrainerWorkerSpec:
     resume_from: str = ""
     host: str = "127.0.0.1"
     sync: SyncConfig = field(default_factory=SyncConfig)
+    slots: int = 2
 
 
 def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes) -> None:
@@ -94,6 +98,7 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
         leader,
         cuda_twins=transport in CUDA_IPC_SETTINGS,
         dtype=getattr(spec.trainer_factory, "weights_dtype", None),
+        count=spec.slots,
     )
     links = None  # rank 0: sends the slots to rollout workers on other nodes
     remote = transport == "auto" and node_id() != LOCAL_NODE
@@ -101,7 +106,9 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
         listen = transport != "disk"
         links = SlotBroadcaster(spec.host, reachable_host(spec.host), listen=listen)
         if trainer.version > 0:  # resumed: workers load the checkpoint's version (a fresh
-            links.publish(int(trainer.version), buffers[trainer.version % 2])  # run's: theirs)
+            links.publish(
+                int(trainer.version), buffers[trainer.version % len(buffers)]
+            )  # run's: theirs)
     fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch")
     inbox: queue.Queue = queue.Queue()
     threading.Thread(
