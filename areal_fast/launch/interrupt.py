@@ -95,7 +95,9 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
         Its ``saves.saving`` maps each checkpoint's temporary folder to (version, asked
         at); :class:`StepDone` and :class:`StateSaved` answers go through its message
         handler (a save asked for at step v and answered after step v + 1 was trained holds
-        step v + 1, whose controller state the :class:`StepDone` records).
+        step v + 1, whose controller state the :class:`StepDone` records). In a
+        reproducible run every rollout worker message goes there too: the checkpoint
+        commits once the groups it keeps have finished.
     trainer_ranks : list of WorkerHandle
     timeout : float
         Seconds.
@@ -119,19 +121,24 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
     versions = ", ".join(f"step-{v}" for v, _ in sorted(saves.saving.values()))
     say(f"finishing checkpoint {versions} (at most {timeout:g} s; Ctrl-C again to discard it)")
     deadline = time.monotonic() + timeout
+    # a reproducible run's checkpoint also waits for the rollouts it keeps: the rollout
+    # workers (which ignore the signal) go on generating, and their messages are handled
+    rollout = list(controller.fleet.workers) if saves.held is not None else []
     try:
         while saves.saving:
             left = deadline - time.monotonic()
             if left <= 0:
                 return False
             for handle, message in wait_messages(
-                trainer_ranks, min(left, 1.0), "while finishing a checkpoint"
+                [*trainer_ranks, *rollout], min(left, 1.0), "while finishing a checkpoint"
             ):
                 # a step the trainer finished meanwhile is recorded first: a save asked for
                 # before it holds that step's weights and is committed under its version;
                 # an answer for a save committed from its files already is dropped
-                if isinstance(message, StepDone) or (
-                    isinstance(message, StateSaved) and message.path in saves.saving
+                if (
+                    isinstance(message, StepDone)
+                    or handle in rollout
+                    or (isinstance(message, StateSaved) and message.path in saves.saving)
                 ):
                     controller.handle([(handle, message)])
             saves.commit_written()
