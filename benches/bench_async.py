@@ -17,9 +17,14 @@ All times may be scaled down uniformly with ``--time-scale`` (throughputs are re
 unscaled tokens/s). Output fields: ``throughput_ratio_async_vs_sync`` (trained tokens/s at
 η = 4 over η = 0, same number of trained samples), ``async_efficiency_vs_bound`` (η = 4 over
 min(generation capacity, trainer capacity)) and ``controller_overhead_ms_per_trajectory``
-(controller CPU time per finished trajectory with 10 000 rollouts in flight).
+(controller CPU time per finished trajectory with 10 000 rollouts in flight). With ``--modes
+default reproducible`` every η also runs under ``rollout.reproducible`` (each worker generates
+its groups of a version as one submission and takes the next version once all have
+finished), and ``reproducible_vs_default`` gives the throughput ratio per η.
 
     python benches/bench_async.py --simulated --json benches/results/async_simulated.json
+    python benches/bench_async.py --simulated --etas 2 4 --modes default reproducible \
+        --json benches/results/async_simulated_reproducible.json
     python benches/bench_async.py --real --json benches/results/async_real_cpu.json
     pytest benches/bench_async.py    # pytest-benchmark, small simulated workload
 """
@@ -67,7 +72,7 @@ WORKLOAD = dict(
 )
 
 
-def _cluster(scale: float, max_running: int, w: dict) -> ClusterSpec:
+def _cluster(scale: float, max_running: int, w: dict, slots: int = 2) -> ClusterSpec:
     engine = SimulatedEngineConfig(
         token_seconds=w["token_ms"] * 1e-3 * scale,
         max_running=max_running,
@@ -78,7 +83,7 @@ def _cluster(scale: float, max_running: int, w: dict) -> ClusterSpec:
     return ClusterSpec(
         rollout=RolloutWorkerSpec(SimulatedEngineFactory(engine), sim_reward, threads=1),
         trainer=TrainerWorkerSpec(
-            SimulatedTrainerFactory(w["train_us_per_token"] * 1e-6 * scale), threads=1
+            SimulatedTrainerFactory(w["train_us_per_token"] * 1e-6 * scale), threads=1, slots=slots
         ),
         num_rollout_workers=w["workers"],
     )
@@ -94,13 +99,27 @@ def _requests(seed: int, w: dict):
 
 
 def run_case(
-    eta: int, scale: float, seed: int, w: dict, max_concurrent: int, max_running: int, steps: int
+    eta: int,
+    scale: float,
+    seed: int,
+    w: dict,
+    max_concurrent: int,
+    max_running: int,
+    steps: int,
+    reproducible: bool = False,
 ) -> dict:
-    """One controller run; throughput in unscaled trained tokens per second."""
+    """One controller run; throughput in unscaled trained tokens per second. With
+    ``reproducible`` the run follows ``rollout.reproducible`` (its fixed plan: no
+    ``max_concurrent`` bound, each worker its groups of a version at once)."""
     records: list[dict] = []
     plan = RunPlan(total_steps=steps, batch_size=w["prompts"])
-    rollout = RolloutConfig(max_head_offpolicyness=eta, max_concurrent_rollouts=max_concurrent)
-    with LocalCluster(_cluster(scale, max_running, w)) as cluster:
+    rollout = RolloutConfig(
+        max_head_offpolicyness=eta,
+        max_concurrent_rollouts=None if reproducible else max_concurrent,
+        reproducible=reproducible,
+    )
+    slots = max(2, eta + 1) if reproducible else 2
+    with LocalCluster(_cluster(scale, max_running, w, slots)) as cluster:
         controller = AsyncController(
             cluster.rollout_workers,
             cluster.trainer,
@@ -119,6 +138,7 @@ def run_case(
     trajectories = finished * w["group_size"]
     return {
         "eta": eta,
+        "mode": "reproducible" if reproducible else "default",
         "steps": steps,
         "trained_samples": counts.trained * w["group_size"],
         "trained_tokens": trained,
@@ -143,15 +163,24 @@ def simulated(args) -> dict:
     groups_in_flight = 2 * slots // w["group_size"]
     cases = [
         run_case(
-            eta, args.time_scale, args.seed, w, groups_in_flight, w["seqs_per_worker"], w["steps"]
+            eta,
+            args.time_scale,
+            args.seed,
+            w,
+            groups_in_flight,
+            w["seqs_per_worker"],
+            w["steps"],
+            mode == "reproducible",
         )
+        for mode in args.modes
         for eta in args.etas
     ]
     eprint(json.dumps(cases, indent=1))
     gen_capacity = slots / (w["token_ms"] * 1e-3)
     train_capacity = 1.0 / (w["train_us_per_token"] * 1e-6)
     bound = min(gen_capacity, train_capacity)
-    by_eta = {c["eta"]: c for c in cases}
+    by_eta = {c["eta"]: c for c in cases if c["mode"] == "default"}
+    fixed = {c["eta"]: c for c in cases if c["mode"] == "reproducible"}
     # controller overhead: 10 000 rollouts in flight. B = 1000 prompt groups per step and
     # η = 9 allow (9 + 0 + 1) · 1000 = 10 000 at once; the engines take all of them (no
     # queueing) and the trainer takes no time, so the controller is as busy as it can be.
@@ -176,6 +205,11 @@ def simulated(args) -> dict:
             by_eta[4]["trained_tokens_per_s"] / by_eta[0]["trained_tokens_per_s"]
         )
         result["async_efficiency_vs_bound"] = by_eta[4]["trained_tokens_per_s"] / bound
+    result["reproducible_vs_default"] = {  # throughput ratio at each η run in both modes
+        str(eta): fixed[eta]["trained_tokens_per_s"] / by_eta[eta]["trained_tokens_per_s"]
+        for eta in fixed
+        if eta in by_eta
+    }
     return result
 
 
@@ -183,6 +217,7 @@ def table(result: dict) -> str:
     rows = [
         [
             c["eta"],
+            c.get("mode", "default"),
             c["trained_samples"],
             fmt(c["trained_tokens_per_s"], ",.0f"),
             fmt(c["trained_tokens_per_s"] / result["pipelined_bound_tokens_per_s"], ".3f"),
@@ -195,6 +230,7 @@ def table(result: dict) -> str:
     text = markdown_table(
         [
             "η",
+            "mode",
             "trained samples",
             "trained tok/s",
             "of bound",
@@ -215,6 +251,8 @@ def table(result: dict) -> str:
             f"{result['throughput_ratio_async_vs_sync']:.2f}, async_efficiency_vs_bound"
             f" = {result['async_efficiency_vs_bound']:.3f}"
         )
+    for eta, ratio in result.get("reproducible_vs_default", {}).items():
+        extra.append(f"η = {eta}: reproducible / default throughput = {ratio:.3f}")
     return text + "\n\n" + "\n".join(extra)
 
 
@@ -291,6 +329,7 @@ def real_table(result: dict) -> str:
     rows = [
         [
             c["eta"],
+            c.get("mode", "default"),
             c["trained_samples"],
             fmt(c["train_wall_s"] / 60, ".2f"),
             fmt(c["trained_tokens_per_s"], ".1f"),
@@ -305,6 +344,7 @@ def real_table(result: dict) -> str:
     return markdown_table(
         [
             "η",
+            "mode",
             "trained samples",
             "train minutes",
             "trained tok/s",
@@ -376,6 +416,13 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--steps", type=int, default=WORKLOAD["steps"])
     parser.add_argument("--etas", type=int, nargs="+", default=[0, 1, 2, 4])
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=["default", "reproducible"],
+        default=["default"],
+        help="--simulated: run every η in these modes (reproducible: rollout.reproducible)",
+    )
     parser.add_argument(
         "--overhead-steps",
         type=int,
