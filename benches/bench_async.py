@@ -118,8 +118,7 @@ def run_case(
         max_concurrent_rollouts=None if reproducible else max_concurrent,
         reproducible=reproducible,
     )
-    slots = max(2, eta + 1) if reproducible else 2
-    with LocalCluster(_cluster(scale, max_running, w, slots)) as cluster:
+    with LocalCluster(_cluster(scale, max_running, w, rollout.weight_slots)) as cluster:
         controller = AsyncController(
             cluster.rollout_workers,
             cluster.trainer,
@@ -329,7 +328,6 @@ def real_table(result: dict) -> str:
     rows = [
         [
             c["eta"],
-            c.get("mode", "default"),
             c["trained_samples"],
             fmt(c["train_wall_s"] / 60, ".2f"),
             fmt(c["trained_tokens_per_s"], ".1f"),
@@ -344,7 +342,6 @@ def real_table(result: dict) -> str:
     return markdown_table(
         [
             "η",
-            "mode",
             "trained samples",
             "train minutes",
             "trained tok/s",

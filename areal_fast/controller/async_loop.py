@@ -124,10 +124,11 @@ class AsyncController:
         self.ledger = Ledger(eta if rollout.drop_stale and not fixed else None, ordered=not fixed)
         self.timeouts = timeouts or Timeouts()
         schedule = None
-        if fixed and len(weight_buffers) < eta + 1:  # a replaced worker needs its version
+        if fixed and len(weight_buffers) < rollout.weight_slots:  # a replaced worker: its version
             raise ValueError(
                 f"rollout.reproducible at rollout.max_head_offpolicyness = {eta} needs "
-                f"{eta + 1} trainer weight slots, the trainer has {len(weight_buffers)}"
+                f"{rollout.weight_slots} trainer weight slots, the trainer has "
+                f"{len(weight_buffers)}"
             )
         if fixed:
             schedule = FixedSchedule(plan.batch_size, eta, len(rollout_workers), plan.total_steps)

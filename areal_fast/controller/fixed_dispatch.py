@@ -107,7 +107,7 @@ class FixedDispatch:
         assigned to it; the finished ones are replayed and their reports ignored). Past that,
         every group of the chunk has finished (the trainer cannot publish beyond version
         v + η while a group of v's chunk, batch v + η, runs; see
-        :func:`~areal_fast.launch.worker_specs.weight_slots`), so
+        :attr:`~areal_fast.rollout.config.RolloutConfig.weight_slots`), so
         nothing is redone: the worker is told the versions after it like any other.
 
         Parameters

@@ -7,8 +7,8 @@ worker until its share is done (:meth:`WorkerWeights.evaluate_at`), while the tr
 rollouts it already runs go on beside them. The trainer goes on as the staleness bound and
 its weight slots allow (a version may be written only once every worker serves the one
 n slots before it, n = 2 unless a reproducible run keeps more), so training waits for an
-evaluation only where it needs the workers to load newer weights. Evaluations of later steps queue behind the running one, each on its own
-version. When every worker has answered, ``on_done`` receives the records and the accuracy
+evaluation only where it needs the workers to load newer weights. Evaluations of later steps
+queue behind the running one, each on its own version. When every worker has answered, ``on_done`` receives the records and the accuracy
 goes into the next step record (``eval_accuracy``, ``eval_step``).
 """
 

@@ -67,16 +67,6 @@ def agent_spec(cfg: ExperimentConfig):
     return AgentWorkloadSpec(cfg.agent, cfg.model.path, store)
 
 
-def weight_slots(cfg: ExperimentConfig) -> int:
-    """The trainer's weight slots: 2, or max(2, η + 1) in a reproducible run. There a rollout
-    worker may still run groups of version v while the trainer publishes up to v + η (its
-    groups of v belong to batch v + η, which the trainer waits for), so η + 1 slots keep
-    version v for a worker that replaces a dead one (:meth:`FixedDispatch.restarted`)."""
-    if not cfg.rollout.reproducible:
-        return 2
-    return max(2, cfg.rollout.max_head_offpolicyness + 1)
-
-
 def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
     """Worker specs of one experiment: the engines of ``rollout.engine``, the torch trainer
     (its ranks), math rewards or ``reward.path`` (or the configured agent); ``resume_from`` is
@@ -112,7 +102,7 @@ def cluster_spec(cfg: ExperimentConfig, resume_from: str = "") -> ClusterSpec:
             threads=trainer_threads,
             resume_from=resume_from,
             sync=sync,
-            slots=weight_slots(cfg),
+            slots=cfg.rollout.weight_slots,
         ),
         num_rollout_workers=cfg.rollout.num_workers,
         scheduler=cfg.scheduler,

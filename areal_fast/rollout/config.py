@@ -139,6 +139,17 @@ class RolloutConfig:
                 f"{self.num_workers}: give one per rollout worker"
             )
 
+    @property
+    def weight_slots(self) -> int:
+        """The trainer weight slots these settings need (version v in slot v % n): 2, or
+        max(2, η + 1) in a reproducible run. There a rollout worker may still run groups of
+        version v while the trainer publishes up to v + η (its groups of v belong to batch
+        v + η, which the trainer waits for), so η + 1 slots keep version v for a worker that
+        replaces a dead one (:meth:`~areal_fast.controller.fixed_dispatch.FixedDispatch.restarted`)."""
+        if not self.reproducible:
+            return 2
+        return max(2, self.max_head_offpolicyness + 1)
+
     def _check_reproducible(self) -> None:
         """Refuse, in one line naming the key, what a reproducible run cannot reproduce."""
         if self.engine != "hf":

@@ -108,9 +108,8 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
         listen = transport != "disk"
         links = SlotBroadcaster(spec.host, reachable_host(spec.host), listen=listen)
         if trainer.version > 0:  # resumed: workers load the checkpoint's version (a fresh
-            links.publish(
-                int(trainer.version), buffers[trainer.version % len(buffers)]
-            )  # run's: theirs)
+            version = int(trainer.version)  # run's: theirs)
+            links.publish(version, buffers[version % len(buffers)])
     fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fetch")
     inbox: queue.Queue = queue.Queue()
     threading.Thread(
