@@ -10,15 +10,22 @@ so one program per tile of ``BLOCK`` tokens forms ℓ_t and dℓ_t/dlogp_t in re
 trained (the caller has already dropped the masked-out ones):
 
 * base = prox if given else old, r = exp(logp − base), clip(r) = min(max(r, 1 − ε), 1 + ε_h);
-* pg = max(−A·r, −A·clip(r)) (PPO, Schulman et al. 2017, Eq. 7), clip_hit = −A·clip(r) > −A·r;
-* dual clip (Ye et al. 2020, Eq. 5): pg ← min(pg, −c·A) where A < 0;
+* surrogate "clip": pg = max(−A·r, −A·clip(r)) (PPO, Schulman et al. 2017, Eq. 7),
+  clip_hit = −A·clip(r) > −A·r; dual clip (Ye et al. 2020, Eq. 5): pg ← min(pg, −c·A) where
+  A < 0;
+* surrogate "cispo" (MiniMax-M1, arXiv:2506.13585): pg = −clip(r)·A·logp, clip(r) constant,
+  so dpg/dlogp = −clip(r)·A; clip_hit = r outside the range;
+* surrogate "sapo" (Gao et al. 2025, arXiv:2511.20347): pg = −A·σ(τ(r − 1))·4/τ, τ = τ₊ for
+  A > 0 else τ₋, dpg/dlogp = −A·4σ(1 − σ)·r; clip_hit all False;
 * decoupled PPO (Fu et al. 2025, AReaL, Eq. 5): pg ← w·pg, w = exp(prox − old) (constant),
   set to 0 above the cap (mode "mask") or clamped to it (mode "clamp");
 * truncated importance sampling: pg ← min(exp(old − engine), tis_cap)·pg (constant);
+* IcePop (arXiv:2510.18855): the weight of the sampler→trainer ratio (the engine's with engine
+  log-probs, else w) is set to 0 outside [icepop_low, icepop_high] instead of capped;
 * ℓ = pg + kl_coef·KL_est(logp, ref) − entropy_coef·entropy, KL_est from Schulman (2020):
   k1 = x, k2 = x²/2, k3 = exp(−x) − 1 + x with x = logp − ref (ref constant).
 
-Gradient (by hand; dr/dlogp = r, and w, tis, ref are constants)::
+Gradient of the "clip" surrogate (by hand; dr/dlogp = r, and w, tis, ref are constants)::
 
     dℓ/dlogp = w·tis·s_dual·(−A)·r·(s_a + (1 − s_a)·[1 − ε ≤ r ≤ 1 + ε_h]) + kl_coef·dKL/dlogp
     dKL/dlogp = 1 (k1), x (k2), 1 − exp(−x) (k3);   dℓ/dentropy = −entropy_coef
@@ -55,6 +62,7 @@ __all__ = ["token_loss_grads", "TokenLossGrads"]
 _MAX_BLOCK = 1024
 _KL_CODES = {"k1": 0, "k2": 1, "k3": 2}
 _CAP_CODES = {"mask": 1, "clamp": 2}
+_SURROGATE_CODES = {"clip": 0, "cispo": 1, "sapo": 2}
 
 
 @triton.jit
@@ -91,6 +99,28 @@ def _expm1(x):
 
 
 @triton.jit
+def _clip_term(ratio, adv, clip_low, clip_high, neg_dual_c, HAS_DUAL: tl.constexpr):
+    """PPO clip with the dual clip: (pg, d pg / d logp, clip hit), torch's subgradients."""
+    clipped = tl.minimum(tl.maximum(ratio, clip_low), clip_high)
+    neg_adv = -adv
+    a = neg_adv * ratio
+    b = neg_adv * clipped
+    pg = tl.where(a >= b, a, b)
+    # torch.maximum's subgradient: all to a when a > b, half each on a tie, all to b else;
+    # b's share reaches r only where clamp passes it (closed interval).
+    share_a = tl.where(a > b, 1.0, tl.where(a == b, 0.5, 0.0))
+    in_range = ((ratio >= clip_low) & (ratio <= clip_high)).to(tl.float32)
+    grad = neg_adv * ratio * (share_a + (1.0 - share_a) * in_range)  # d pg / d logp
+    if HAS_DUAL:  # pg ← min(pg, −c·A) where A < 0, torch.minimum's tie split
+        cap = neg_dual_c * adv
+        negative = adv < 0.0
+        share_pg = tl.where(pg < cap, 1.0, tl.where(pg == cap, 0.5, 0.0))
+        grad = tl.where(negative, grad * share_pg, grad)
+        pg = tl.where(negative, tl.minimum(pg, cap), pg)
+    return pg, grad, b > a
+
+
+@triton.jit
 def _grpo_token_loss_kernel(
     logprobs_ptr,
     old_ptr,
@@ -112,9 +142,14 @@ def _grpo_token_loss_kernel(
     tis_cap,
     kl_coef,
     entropy_coef,
+    tau_pos,
+    tau_neg,
+    band_low,
+    band_high,
+    SURROGATE: tl.constexpr,
     HAS_PROX: tl.constexpr,
     CAP_MODE: tl.constexpr,
-    HAS_TIS: tl.constexpr,
+    TIS_MODE: tl.constexpr,
     HAS_DUAL: tl.constexpr,
     HAS_KL: tl.constexpr,
     KL_EST: tl.constexpr,
@@ -136,36 +171,37 @@ def _grpo_token_loss_kernel(
     else:
         base = old
 
-    # PPO clip: pg = max(a, b), a = −A·r, b = −A·clip(r).
     ratio = tl.exp(logp - base)
-    clipped = tl.minimum(tl.maximum(ratio, clip_low), clip_high)
-    neg_adv = -adv
-    a = neg_adv * ratio
-    b = neg_adv * clipped
-    pg = tl.where(a >= b, a, b)
-    # torch.maximum's subgradient: all to a when a > b, half each on a tie, all to b else;
-    # b's share reaches r only where clamp passes it (closed interval).
-    share_a = tl.where(a > b, 1.0, tl.where(a == b, 0.5, 0.0))
-    in_range = ((ratio >= clip_low) & (ratio <= clip_high)).to(tl.float32)
-    grad = neg_adv * ratio * (share_a + (1.0 - share_a) * in_range)  # d pg / d logp
-
-    if HAS_DUAL:  # pg ← min(pg, −c·A) where A < 0, torch.minimum's tie split
-        cap = neg_dual_c * adv
-        negative = adv < 0.0
-        share_pg = tl.where(pg < cap, 1.0, tl.where(pg == cap, 0.5, 0.0))
-        grad = tl.where(negative, grad * share_pg, grad)
-        pg = tl.where(negative, tl.minimum(pg, cap), pg)
+    if SURROGATE == 0:
+        pg, grad, hit = _clip_term(ratio, adv, clip_low, clip_high, neg_dual_c, HAS_DUAL)
+    elif SURROGATE == 1:  # CISPO: −sg(clip(r))·A·logp
+        clipped = tl.minimum(tl.maximum(ratio, clip_low), clip_high)
+        pg = -clipped * adv * logp
+        grad = -clipped * adv
+        hit = (ratio < clip_low) | (ratio > clip_high)
+    else:  # SAPO: −A·σ(τ(r − 1))·4/τ, τ by the sign of A
+        tau = tl.where(adv > 0.0, tau_pos, tau_neg)
+        gate = 1.0 / (1.0 + tl.exp(-tau * (ratio - 1.0)))
+        pg = -adv * gate * (4.0 / tau)
+        grad = -adv * (4.0 * gate * (1.0 - gate)) * ratio
+        hit = ratio != ratio  # nothing is clipped (all False)
     if HAS_PROX:  # decoupled PPO behaviour weight (a constant)
         w = tl.exp(prox - old)
         if CAP_MODE == 1:
             w = tl.where(w > behav_cap, 0.0, w)
         if CAP_MODE == 2:
             w = tl.minimum(w, behav_cap)
+        if CAP_MODE == 3:  # IcePop's band
+            w = tl.where((w < band_low) | (w > band_high), 0.0, w)
         pg = w * pg
         grad = w * grad
-    if HAS_TIS:  # truncated importance weight trainer/engine (a constant)
+    if TIS_MODE > 0:  # trainer/engine weight (a constant): truncated, or IcePop's band
         engine = tl.load(engine_ptr + offs, mask=inside, other=0.0).to(tl.float32)
-        tis = tl.minimum(tl.exp(old - engine), tis_cap)
+        tis = tl.exp(old - engine)
+        if TIS_MODE == 1:
+            tis = tl.minimum(tis, tis_cap)
+        else:
+            tis = tl.where((tis < band_low) | (tis > band_high), 0.0, tis)
         pg = tis * pg
         grad = tis * grad
 
@@ -193,7 +229,6 @@ def _grpo_token_loss_kernel(
     if STORE_LOSS:
         tl.store(loss_ptr + offs, c * loss, mask=inside)
     if STORE_CLIP:
-        hit = b > a
         tl.store(clip_hit_ptr + offs, hit.to(clip_hit_ptr.dtype.element_ty), mask=inside)
 
 
@@ -255,14 +290,17 @@ def token_loss_grads(
     weights : Tensor [C], float
         Aggregation weights c_t (``aggregation_weights`` on the kept tokens).
     config : LossConfig
-        ``ratio_level`` must be "token". Uses eps_clip, clip_high, dual_clip_c,
-        behav_weight_cap/behav_weight_mode, tis_cap, kl_coef/kl_estimator, entropy_coef.
+        Per-token losses only (``config.couples_tokens`` False: token-level ratios, no M2PO,
+        no seq_rejection). Uses eps_clip, clip_high, dual_clip_c, surrogate ("clip",
+        "cispo", "sapo" with sapo_tau_pos/neg), behav_weight_cap/behav_weight_mode, tis_cap,
+        icepop (icepop_low/high), kl_coef/kl_estimator, entropy_coef.
     prox_logprobs : Tensor [C], optional
         Proximal-policy log-probs: the ratio's base and w = exp(prox − old) (decoupled PPO).
     ref_logprobs : Tensor [C], optional
         Reference-policy log-probs of the KL term (left out when ``kl_coef == 0``).
     engine_logprobs : Tensor [C], optional
-        Inference-engine log-probs; the TIS factor applies when ``config.tis_cap`` is set.
+        Inference-engine log-probs; the TIS factor applies when ``config.tis_cap`` is set,
+        IcePop's band when ``config.icepop`` is.
     entropy : Tensor [C], optional
         Current-policy entropy; gives the ``−entropy_coef·entropy`` term and ``grad_entropy``.
     with_loss : bool
@@ -283,11 +321,16 @@ def token_loss_grads(
     Raises
     ------
     ValueError
-        ``ratio_level`` is not "token", a tensor of the wrong shape/dtype/device (named), a
-        missing ``ref_logprobs`` while ``kl_coef > 0``, or a bad ``block``.
+        Coupled tokens (see ``config``), a tensor of the wrong shape/dtype/device (named), a
+        missing ``ref_logprobs`` while ``kl_coef > 0``, icepop with neither engine nor
+        proximal log-probs, or a bad ``block``.
     """
-    if config.ratio_level != "token":
-        raise ValueError(f"token_loss_grads needs ratio_level='token', got {config.ratio_level!r}")
+    if config.couples_tokens:
+        raise ValueError(
+            "token_loss_grads needs per-token losses: ratio_level='token', surrogate other "
+            f"than 'm2po', no seq_rejection (got {config.ratio_level!r}, "
+            f"{config.surrogate!r}, {config.seq_rejection!r})"
+        )
     if logprobs.dim() != 1 or not logprobs.is_floating_point():
         raise ValueError(
             f"logprobs must be a floating [C] tensor, got {tuple(logprobs.shape)} {logprobs.dtype}"
@@ -324,13 +367,16 @@ def token_loss_grads(
         return TokenLossGrads(loss, grad_lp, grad_ent, clip_hit)
 
     has_prox = opt["prox_logprobs"] is not None
-    has_tis = opt["engine_logprobs"] is not None and config.tis_cap is not None
+    on_engine = opt["engine_logprobs"] is not None and (config.tis_cap is not None or config.icepop)
+    if config.icepop and not (on_engine or has_prox):
+        raise ValueError("config.icepop needs engine_logprobs or prox_logprobs")
+    tis_mode = (2 if config.icepop else 1) if on_engine else 0
     has_kl = opt["ref_logprobs"] is not None and config.kl_coef != 0
-    cap_mode = (
-        _CAP_CODES[config.behav_weight_mode]
-        if has_prox and config.behav_weight_cap is not None
-        else 0
-    )
+    cap_mode = 0
+    if has_prox and config.icepop and not on_engine:
+        cap_mode = 3
+    elif has_prox and config.behav_weight_cap is not None:
+        cap_mode = _CAP_CODES[config.behav_weight_mode]
     has_dual = config.dual_clip_c is not None
     # Absent tensors get a stand-in pointer that the disabled branches never dereference.
     stand_in = grad_lp
@@ -341,7 +387,7 @@ def token_loss_grads(
         weights,
         opt["prox_logprobs"] if has_prox else stand_in,
         opt["ref_logprobs"] if has_kl else stand_in,
-        opt["engine_logprobs"] if has_tis else stand_in,
+        opt["engine_logprobs"] if on_engine else stand_in,
         opt["entropy"] if has_entropy else stand_in,
         loss if with_loss else stand_in,
         grad_lp,
@@ -351,13 +397,18 @@ def token_loss_grads(
         float(1.0 - config.eps_clip),
         float(1.0 + config.clip_high),
         float(-config.dual_clip_c) if has_dual else 0.0,
-        float(config.behav_weight_cap) if cap_mode else 0.0,
-        float(config.tis_cap) if has_tis else 0.0,
+        float(config.behav_weight_cap) if cap_mode in (1, 2) else 0.0,
+        float(config.tis_cap) if tis_mode == 1 else 0.0,
         float(config.kl_coef),
         float(config.entropy_coef),
+        float(config.sapo_tau_pos),
+        float(config.sapo_tau_neg),
+        float(config.icepop_low),
+        float(config.icepop_high),
+        SURROGATE=_SURROGATE_CODES[config.surrogate],
         HAS_PROX=has_prox,
         CAP_MODE=cap_mode,
-        HAS_TIS=has_tis,
+        TIS_MODE=tis_mode,
         HAS_DUAL=has_dual,
         HAS_KL=has_kl,
         KL_EST=_KL_CODES[config.kl_estimator],

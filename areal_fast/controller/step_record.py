@@ -40,7 +40,10 @@ STEP_METRICS: dict[str, str] = {
     "behav_weight_mean": "decoupled PPO: mean behaviour importance weight",
     "behav_weight_masked_fraction": "decoupled PPO: fraction of tokens over behav_weight_cap",
     "entropy_mean / clip_fraction / ratio_mean / approx_kl": "loss statistics of "
-    "rl.objectives.grpo_loss (means over trained tokens)",
+    "rl.objectives.grpo_loss (means over trained tokens; clip_fraction: clipped, or masked "
+    "out by M2PO)",
+    "rejected_fraction": "trained tokens whose weight IcePop or sequence rejection set to 0 "
+    "(only with actor.loss.icepop or actor.loss.seq_rejection)",
     "kl": "KL to the reference policy, mean over trained tokens (only with actor.loss.kl_coef > 0)",
     "trainable_parameters": "parameter elements the optimizer updates (actor.lora: the adapters')",
     "weight_update_bytes": "bytes of one published weight version (actor.lora: the adapter's)",

@@ -49,12 +49,14 @@ _AGGREGATION = {
     "dr_grpo": "seq_mean_token_sum",  # token sum / (B * max_completion_length)
     "dapo": "token_sum",  # token sum / tokens of the whole accumulated batch
     "luspo": "seq_mean_token_sum",  # token sum / B (seq_len_norm = 1)
+    "cispo": "token_sum",  # as dapo
+    "sapo": "seq_mean_token_mean",  # as grpo
 }
 _NO_EQUIVALENT = {
-    "cispo": "clips the detached importance weight of a REINFORCE-style term",
-    "sapo": "replaces clipping with a sigmoid gate",
     "vespo": "weights sequences with a Gamma function of the sequence ratio",
 }
+# vllm_importance_sampling_mode -> the LossConfig option of its engine/trainer weight
+_VLLM_MODES = ("token_truncate", "token_mask")
 _MULTIMODAL_OK = ("token_type_ids", "mm_token_type_ids")
 
 
@@ -69,6 +71,11 @@ def trl_loss_config(args) -> LossConfig:
     - ``"dapo"`` → ``"token_sum"`` (the trainer then divides by the token count of the
       accumulated batch, ``num_items_in_batch``)
     - ``"luspo"`` → ``"seq_mean_token_sum"``, ``seq_len_norm=1``
+    - ``"cispo"`` → ``surrogate="cispo"``, ``"token_sum"`` (as dapo), ``eps_clip=1`` (no
+      lower bound) and ``eps_clip_high=epsilon_high − 1`` (TRL caps the ratio at
+      ``epsilon_high``); ``delta`` is not used, as in TRL
+    - ``"sapo"`` → ``surrogate="sapo"``, ``"seq_mean_token_mean"`` (as grpo),
+      ``sapo_tau_pos`` / ``sapo_tau_neg`` = ``sapo_temperature_pos`` / ``_neg``
     - ``epsilon`` / ``epsilon_high`` → ``eps_clip`` / ``eps_clip_high``
     - ``delta`` (two-sided clip) → ``dual_clip_c=delta`` (identical whenever
       delta > 1 + epsilon_high; smaller values raise)
@@ -76,7 +83,8 @@ def trl_loss_config(args) -> LossConfig:
     - ``beta`` → ``kl_coef`` with ``kl_estimator="k3"``
     - ``use_vllm`` with ``vllm_importance_sampling_mode="token_truncate"`` →
       ``tis_cap=vllm_importance_sampling_clip_max`` (engine log-probs:
-      ``sampling_per_token_logps``)
+      ``sampling_per_token_logps``); ``"token_mask"`` → ``icepop=True`` with the band
+      [``clip_min`` or 0, ``clip_max`` or ∞] (IcePop's double-sided mask)
 
     ``entropy_coef`` is not part of the returned config: TRL adds its entropy bonus as a token
     mean whatever the loss_type, and :class:`AFGRPOTrainer` does the same outside
@@ -95,10 +103,11 @@ def trl_loss_config(args) -> LossConfig:
     ------
     ValueError
         One line naming the TRL option that has no areal_fast equivalent or is out of range:
-        loss_type "cispo" / "sapo" / "vespo", delta <= 1 + epsilon_high, beta != 0 with
+        loss_type "vespo", delta <= 1 + epsilon_high, epsilon_high <= 1 with "cispo",
+        importance_sampling_level "sequence" with "cispo" or "sapo", beta != 0 with
         use_bias_correction_kl=True, top_entropy_quantile < 1, off_policy_mask_threshold,
-        use_adaptive_entropy, vLLM importance sampling other than "token_truncate" without
-        clip_min, epsilon outside (0, 1).
+        use_adaptive_entropy, vLLM importance sampling modes "sequence_*" or
+        "token_truncate" with clip_min, epsilon outside (0, 1).
     """
     loss_type = args.loss_type
     if loss_type in _NO_EQUIVALENT:
@@ -115,6 +124,8 @@ def trl_loss_config(args) -> LossConfig:
     if eps_high <= 0:
         raise ValueError(f"epsilon_high = {eps_high} must be > 0")
     delta = getattr(args, "delta", None)
+    if loss_type in ("cispo", "sapo"):
+        delta = None  # TRL applies delta to the PPO clip only
     if delta is not None and not delta > 1 + eps_high:
         # TRL's two-sided clip caps the unclipped ratio at delta for every advantage sign; it
         # equals the dual clip (which acts on negative advantages only) when delta > 1 + eps_high.
@@ -123,6 +134,16 @@ def trl_loss_config(args) -> LossConfig:
     if level not in ("token", "sequence"):
         raise ValueError(
             f"importance_sampling_level = {level!r} is not one of ('token', 'sequence')"
+        )
+    if level == "sequence" and loss_type in ("cispo", "sapo"):
+        raise ValueError(
+            f"importance_sampling_level = 'sequence' with loss_type = {loss_type!r} has no "
+            f"areal_fast equivalent; use 'token'"
+        )
+    if loss_type == "cispo" and not eps_high > 1:
+        raise ValueError(
+            f"epsilon_high = {eps_high} must be > 1 with loss_type = 'cispo' (TRL caps the "
+            f"ratio at epsilon_high; 5.0 is TRL's recommendation)"
         )
     beta = float(args.beta)
     if not (beta >= 0 and math.isfinite(beta)):
@@ -146,26 +167,7 @@ def trl_loss_config(args) -> LossConfig:
         raise ValueError(
             "use_adaptive_entropy = True has no areal_fast equivalent; use a fixed entropy_coef"
         )
-    tis_cap = None
-    if getattr(args, "use_vllm", False) and getattr(
-        args, "vllm_importance_sampling_correction", False
-    ):
-        mode = args.vllm_importance_sampling_mode
-        if mode != "token_truncate":
-            raise ValueError(
-                f"vllm_importance_sampling_mode = {mode!r} has no areal_fast "
-                f"equivalent; use 'token_truncate'"
-            )
-        if args.vllm_importance_sampling_clip_min is not None:
-            raise ValueError(
-                f"vllm_importance_sampling_clip_min = "
-                f"{args.vllm_importance_sampling_clip_min} has no areal_fast "
-                f"equivalent; use None"
-            )
-        clip_max = args.vllm_importance_sampling_clip_max
-        tis_cap = math.inf if clip_max is None else float(clip_max)
-        if not tis_cap > 0:
-            raise ValueError(f"vllm_importance_sampling_clip_max = {clip_max} must be > 0")
+    engine_options = _engine_weight_options(args)
     seq_len_norm = None
     if loss_type == "dr_grpo":
         seq_len_norm = args.max_completion_length
@@ -176,17 +178,57 @@ def trl_loss_config(args) -> LossConfig:
         seq_len_norm = float(seq_len_norm)
     elif loss_type == "luspo":
         seq_len_norm = 1.0
+    surrogate = {"cispo": "cispo", "sapo": "sapo"}.get(loss_type, "clip")
     return LossConfig(
-        eps_clip=eps,
-        eps_clip_high=eps_high,
+        eps_clip=1.0 if surrogate == "cispo" else eps,
+        eps_clip_high=eps_high - 1 if surrogate == "cispo" else eps_high,
         dual_clip_c=None if delta is None else float(delta),
         ratio_level=level,
         aggregation=_AGGREGATION[loss_type],
         seq_len_norm=seq_len_norm,
         kl_coef=beta,
         kl_estimator="k3",
-        tis_cap=tis_cap,
+        surrogate=surrogate,
+        sapo_tau_pos=float(getattr(args, "sapo_temperature_pos", 1.0)),
+        sapo_tau_neg=float(getattr(args, "sapo_temperature_neg", 1.05)),
+        **engine_options,
     )
+
+
+def _engine_weight_options(args) -> dict:
+    """LossConfig options of TRL's vLLM importance-sampling correction (engine log-probs:
+    ``sampling_per_token_logps``): "token_truncate" → ``tis_cap``, "token_mask" → IcePop."""
+    if not (
+        getattr(args, "use_vllm", False)
+        and getattr(args, "vllm_importance_sampling_correction", False)
+    ):
+        return {}
+    mode = args.vllm_importance_sampling_mode
+    if mode not in _VLLM_MODES:
+        raise ValueError(
+            f"vllm_importance_sampling_mode = {mode!r} has no areal_fast equivalent "
+            f"(sequence weights are products of the token ratios); use one of {_VLLM_MODES}"
+        )
+    clip_min, clip_max = (
+        args.vllm_importance_sampling_clip_min,
+        args.vllm_importance_sampling_clip_max,
+    )
+    high = math.inf if clip_max is None else float(clip_max)
+    if not high > 0:
+        raise ValueError(f"vllm_importance_sampling_clip_max = {clip_max} must be > 0")
+    if mode == "token_mask":
+        low = 0.0 if clip_min is None else float(clip_min)
+        if not 0 <= low < high:
+            raise ValueError(
+                f"vllm_importance_sampling_clip_min = {clip_min} must be in [0, clip_max)"
+            )
+        return {"icepop": True, "icepop_low": low, "icepop_high": high}
+    if clip_min is not None:
+        raise ValueError(
+            f"vllm_importance_sampling_clip_min = {clip_min} has no areal_fast equivalent "
+            f"with 'token_truncate'; use None"
+        )
+    return {"tis_cap": high}
 
 
 def _logit_scale(config) -> float:
@@ -238,9 +280,10 @@ class AFGRPOTrainer(GRPOTrainer):
       grad-accumulation steps in training;
     - entropy bonus (``entropy_coef``): TRL's token mean of the entropy, subtracted outside
       ``grpo_loss``;
-    - logged metrics: ``entropy``, ``kl``, ``clip_ratio/{low,high,region}_mean``,
-      ``policy_loss`` (with an entropy bonus), ``aux_loss`` (MoE) and the areal_fast extras
-      ``af/approx_kl`` and ``af/ratio_mean``; TRL's per-sequence ``clip_ratio/low_min`` and
+    - logged metrics: ``entropy``, ``kl``, ``clip_ratio/{low,high,region}_mean`` (PPO-clip
+      loss types) or ``cispo_clip_ratio`` ("cispo"), ``policy_loss`` (with an entropy bonus),
+      ``aux_loss`` (MoE) and the areal_fast extras ``af/approx_kl``, ``af/ratio_mean`` and,
+      with "token_mask", ``af/rejected_fraction``; TRL's per-sequence ``clip_ratio/low_min`` and
       ``high_max`` are not logged.
 
     Notes
@@ -386,7 +429,7 @@ class AFGRPOTrainer(GRPOTrainer):
         config = self.af_loss_config
         ref_logps = inputs["ref_per_token_logps"].reshape(-1) if config.kl_coef > 0 else None
         engine_logps = None
-        if config.tis_cap is not None:
+        if config.tis_cap is not None or config.icepop:
             sampling = inputs["sampling_per_token_logps"]
             # tokens the engine could not score (NaN) get no correction, as in TRL
             engine_logps = torch.where(torch.isnan(sampling), old_logps, sampling).reshape(-1)
@@ -404,7 +447,7 @@ class AFGRPOTrainer(GRPOTrainer):
 
         mode = "train" if self.model.training else "eval"
         accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1.0
-        if self.loss_type == "dapo":
+        if self.loss_type in ("dapo", "cispo"):
             normalizer = (
                 inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
             )
@@ -413,7 +456,7 @@ class AFGRPOTrainer(GRPOTrainer):
             loss = loss / normalizer
             policy_loss = loss.detach()
         else:
-            if self.loss_type == "grpo":  # TRL's mean runs over all B rows, empty ones included
+            if self.loss_type in ("grpo", "sapo"):  # TRL's mean runs over all B rows
                 loss = loss * ((mask.sum(-1) > 0).sum() / num_seqs)
             policy_loss = loss.detach()
             loss = loss / accumulation
@@ -459,6 +502,11 @@ class AFGRPOTrainer(GRPOTrainer):
                 )
             ratio = torch.exp(log_ratio)
             adv = advantages if advantages.dim() == 2 else advantages[:, None]
+            if config.surrogate != "clip":
+                if config.surrogate == "cispo":  # TRL: ratio above its cap, A > 0
+                    hit = ((ratio > 1 + config.clip_high) & (adv > 0)).to(logps.dtype)
+                    metrics["cispo_clip_ratio"].append(global_mean(hit, mask))
+                return self._log_af_stats(metrics, stats)
             low = ((ratio < 1 - config.eps_clip) & (adv < 0)).to(logps.dtype)
             high = ((ratio > 1 + config.clip_high) & (adv > 0)).to(logps.dtype)
             # one flag per sequence (sequence ratios, sequence advantages): TRL averages them
@@ -467,6 +515,12 @@ class AFGRPOTrainer(GRPOTrainer):
             metrics["clip_ratio/low_mean"].append(global_mean(low, weights))
             metrics["clip_ratio/high_mean"].append(global_mean(high, weights))
             metrics["clip_ratio/region_mean"].append(global_mean(torch.maximum(low, high), weights))
-            for name in ("approx_kl", "ratio_mean"):
+            self._log_af_stats(metrics, stats)
+
+    def _log_af_stats(self, metrics, stats) -> None:
+        """``af/approx_kl``, ``af/ratio_mean`` (and ``af/rejected_fraction`` with IcePop):
+        :func:`areal_fast.grpo_loss` statistics, means over processes."""
+        for name in ("approx_kl", "ratio_mean", "rejected_fraction"):
+            if name in stats:
                 value = self.accelerator.reduce(stats[name].detach(), reduction="mean")
                 metrics[f"af/{name}"].append(value.item())

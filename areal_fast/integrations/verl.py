@@ -11,7 +11,11 @@ verl picks the actor's policy loss by name from a registry
 
 It reproduces verl's ``"vanilla"`` loss (PPO clip with separate low/high ranges, dual clip
 ``clip_ratio_c`` on negative advantages, log-ratio clamped to [−20, 20], optional rollout
-importance weights) with :func:`areal_fast.grpo_loss`. verl adds the entropy and KL terms
+importance weights) with :func:`areal_fast.grpo_loss`, and verl's ``"cispo"`` and ``"sapo"``
+losses with a template of ``surrogate="cispo"`` / ``"sapo"``
+(``register_verl_policy_loss("af_sapo", LossConfig(surrogate="sapo"))``). IcePop and
+sequence-level rejection are verl's own (``algorithm.rollout_correction``): their weights
+reach the loss as ``rollout_is_weights``. verl adds the entropy and KL terms
 outside the policy loss, so the loss here has neither.
 
 Packing convention: verl's padded [B, L] response tensors become B packed sequences of L
@@ -61,10 +65,15 @@ def _check_template(template: LossConfig | None) -> LossConfig:
             )
     if template.behav_weight_cap is not None:
         raise ValueError("config.behav_weight_cap has no verl input (no proximal log-probs)")
-    if template.tis_cap is not None:
+    if template.tis_cap is not None or template.corrects_sampler:
         raise ValueError(
-            "config.tis_cap must be None: verl passes its rollout importance "
-            "weights (policy_loss.rollout_correction) ready-made"
+            "config.tis_cap, icepop and seq_rejection must be off: verl passes its rollout "
+            "importance weights and rejection (algorithm.rollout_correction) ready-made"
+        )
+    if template.surrogate not in ("clip", "cispo", "sapo"):
+        raise ValueError(
+            f"config.surrogate = {template.surrogate!r} has no verl loss; use 'clip', "
+            f"'cispo' or 'sapo'"
         )
     return template
 
@@ -79,7 +88,11 @@ def verl_loss_config(
 
     - ``clip_ratio_low`` (or ``clip_ratio``) → ``eps_clip``
     - ``clip_ratio_high`` (or ``clip_ratio``) → ``eps_clip_high``
-    - ``clip_ratio_c`` (default 3.0) → ``dual_clip_c``
+    - ``clip_ratio_c`` (default 3.0) → ``dual_clip_c`` (PPO clip only: verl's "cispo" and
+      "sapo" have no dual clip)
+    - ``tau_pos`` / ``tau_neg`` (defaults 1.0 / 1.05) → ``sapo_tau_pos`` / ``sapo_tau_neg``
+      (template ``surrogate="sapo"``, whose aggregation is always "seq-mean-token-mean",
+      as in verl)
     - ``loss_agg_mode="token-mean"`` → ``aggregation="token_mean"``
     - ``"token-sum"`` → ``"token_sum"``
     - ``"seq-mean-token-mean"`` → ``"seq_mean_token_mean"``
@@ -119,6 +132,8 @@ def verl_loss_config(
     template = _check_template(template)
     if loss_agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode = {loss_agg_mode!r} is not one of {LOSS_AGG_MODES}")
+    if template.surrogate == "sapo":
+        loss_agg_mode = "seq-mean-token-mean"
     clip = float(_get(actor_config, "clip_ratio", 0.2))
     low = float(_get(actor_config, "clip_ratio_low", clip))
     high = float(_get(actor_config, "clip_ratio_high", clip))
@@ -154,9 +169,11 @@ def verl_loss_config(
         template,
         eps_clip=low,
         eps_clip_high=high,
-        dual_clip_c=dual,
+        dual_clip_c=dual if template.surrogate == "clip" else None,
         aggregation=aggregation,
         seq_len_norm=seq_len_norm,
+        sapo_tau_pos=float(_get(actor_config, "tau_pos", 1.0)),
+        sapo_tau_neg=float(_get(actor_config, "tau_neg", 1.05)),
     )
 
 
@@ -260,21 +277,27 @@ def verl_policy_loss(
             )
     num_seqs, length = log_prob.shape
     loss_config = verl_loss_config(config, loss_agg_mode, length, template)
+    if loss_config.surrogate == "sapo":
+        loss_agg_mode = "seq-mean-token-mean"  # verl's SAPO ignores loss_agg_mode
     if rollout_is_weights is not None:
         loss_config = replace(loss_config, tis_cap=math.inf)
     mask = response_mask.bool()
-    # grpo_loss sees only the clamped log-ratio (old log-prob 0), exactly verl's ratio
+    # verl's ratio: exp of the log-ratio clamped to [-20, 20]; grpo_loss sees the clamped
+    # log-ratio with old log-prob 0, except CISPO, whose value is −sg(clip(r))·A·log_prob (the
+    # clip saturates before the clamp acts)
     log_ratio = torch.clamp(log_prob - old_log_prob, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    zeros = torch.zeros_like(log_ratio)
+    current, behaviour = log_ratio, torch.zeros_like(log_ratio)
+    if loss_config.surrogate == "cispo":
+        current, behaviour = log_prob, old_log_prob.to(log_prob.dtype)
     engine = (
         None
         if rollout_is_weights is None
-        else -torch.log(rollout_is_weights.detach().to(log_ratio.dtype))
+        else behaviour - torch.log(rollout_is_weights.detach().to(log_ratio.dtype))
     )
     cu_seqlens = torch.arange(num_seqs + 1, device=log_prob.device, dtype=torch.int32) * length
     loss, stats = grpo_loss(
-        log_ratio.reshape(-1),
-        zeros.reshape(-1),
+        current.reshape(-1),
+        behaviour.reshape(-1),
         advantages.reshape(-1),
         mask.reshape(-1),
         cu_seqlens,
@@ -283,20 +306,29 @@ def verl_policy_loss(
     )
     info = dict(_get(config, "global_batch_info", {}) or {})
     loss = loss * _global_scale(loss_agg_mode, mask, info)
+    metrics = _verl_metrics(log_ratio, advantages, mask, loss_config, stats)
+    return loss, metrics
 
-    with torch.no_grad():
-        weights = mask.to(log_ratio.dtype)
-        denominator = weights.sum() + 1e-8
+
+@torch.no_grad()
+def _verl_metrics(log_ratio, advantages, mask, loss_config: LossConfig, stats) -> dict:
+    """``actor/pg_clipfrac``, ``actor/ppo_kl``, ``actor/pg_clipfrac_lower`` as verl's loss of
+    the same kind reports them (0 where verl reports 0: SAPO's clip fractions, the lower one
+    of CISPO)."""
+    weights = mask.to(log_ratio.dtype)
+    denominator = weights.sum() + 1e-8
+    lower = torch.zeros((), dtype=log_ratio.dtype)
+    if loss_config.surrogate == "clip":
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1 - loss_config.eps_clip, 1 + loss_config.clip_high)
         pg_clip = torch.maximum(-advantages * ratio, -advantages * clipped)
-        lower = (pg_clip > -advantages * loss_config.dual_clip_c) & (advantages < 0)
-        metrics = {
-            "actor/pg_clipfrac": stats["clip_fraction"].item(),
-            "actor/ppo_kl": ((-log_ratio * weights).sum() / denominator).item(),
-            "actor/pg_clipfrac_lower": ((lower * weights).sum() / denominator).item(),
-        }
-    return loss, metrics
+        below = (pg_clip > -advantages * loss_config.dual_clip_c) & (advantages < 0)
+        lower = (below * weights).sum() / denominator
+    return {
+        "actor/pg_clipfrac": stats["clip_fraction"].item(),
+        "actor/ppo_kl": ((-log_ratio * weights).sum() / denominator).item(),
+        "actor/pg_clipfrac_lower": lower.item(),
+    }
 
 
 def register_verl_policy_loss(name: str = "areal_fast", config: LossConfig | None = None):

@@ -10,7 +10,8 @@ chunk's dℓ/dlogp and dℓ/dentropy are known as soon as its log-probs are. The
 gives it the objective's per-chunk gradients (:func:`areal_fast.rl.objectives.token_terms`
 through autograd, or the Triton kernel :func:`areal_fast.kernels.grpo_loss.token_loss_grads`)
 and forms the loss value and statistics with :func:`areal_fast.rl.objectives.grpo_loss`.
-Sequence-level ratios (GSPO) couple the tokens of a sequence and take the composed path.
+Sequence-level ratios (GSPO), M2PO's batch-wide mask and sequence-level rejection couple the
+tokens (``LossConfig.couples_tokens``) and take the composed path.
 
 What a trainer logs comes out of the same pass: the entropy (``with_entropy``, also when
 it is not in the loss), the per-token log-probs, entropy and proximal log-probs
@@ -183,8 +184,8 @@ def fused_linear_grpo_loss(
     (with ``prox_fn``: ``prox_logprobs = prox_fn(logprobs.detach()[kept], kept)`` scattered
     to [T], ``kept`` the trained positions). For token-level ratios the loss gradient is
     formed chunk by chunk inside the single pass over the vocabulary (see the module
-    docstring); for ``ratio_level="sequence"`` (GSPO), or when no gradient is needed, it is
-    exactly the composition above. Tokens outside ``loss_mask`` never enter the matmuls of
+    docstring); when tokens are coupled (GSPO, M2PO, ``seq_rejection``), or when no gradient
+    is needed, it is exactly the composition above. Tokens outside ``loss_mask`` never enter the matmuls of
     the single pass.
 
     Parameters
@@ -297,7 +298,7 @@ def fused_linear_grpo_loss(
         trained_positions,
         upstream_grad,
     )
-    path = _composed if config.ratio_level == "sequence" or not needs_grad else _fused
+    path = _composed if config.couples_tokens or not needs_grad else _fused
     loss, stats, tokens = path(call)
     return (loss, stats, tokens) if return_per_token else (loss, stats)
 
@@ -356,7 +357,8 @@ def _fused(c: _LossCall):
     if c.upstream_grad is not None:
         weights = weights * float(c.upstream_grad)
     kept = trained_positions_of(c.loss_mask, c.trained_positions)
-    engine_lp = c.engine_logprobs if config.tis_cap is not None else None
+    uses_engine = config.tis_cap is not None or config.corrects_sampler
+    engine_lp = c.engine_logprobs if uses_engine else None
     per_token_inputs = tuple(
         None if t is None else t.index_select(0, kept).detach()
         for t in (c.old_logprobs, advantages_t, c.prox_logprobs, c.ref_logprobs, engine_lp)
@@ -420,7 +422,7 @@ def _grpo_chunk_grads(per_token_inputs, weights, config, impl, prox_fn, position
 
 
 def _composed(c: _LossCall):
-    """``linear_logprobs`` + ``grpo_loss`` (GSPO and no-grad calls): (loss, stats, tokens)."""
+    """``linear_logprobs`` + ``grpo_loss`` (coupled tokens, no-grad calls): (loss, stats, tokens)."""
     out = linear_logprobs(
         c.hidden,
         c.weight,

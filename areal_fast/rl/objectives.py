@@ -8,6 +8,8 @@ import torch
 
 from areal_fast.ops.segment import segment_sum
 from areal_fast.rl.config import LossConfig
+from areal_fast.rl.corrections import sampler_weights
+from areal_fast.rl.surrogates import surrogate_term
 
 
 def _segment_sum(values: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -106,7 +108,10 @@ def grpo_loss(
     pg = max(−A·r, −A·clip(r, 1 − eps_clip, 1 + eps_clip_high)) (PPO, Schulman et al. 2017,
     Eq. 7); dual clip for A < 0: pg = min(pg, −c·A) (Ye et al. 2020); decoupled PPO (AReaL,
     Fu et al. 2025, Eq. 5): pg ← w·pg, w = exp(prox − old) detached, masked or clamped at
-    behav_weight_cap; TIS: pg ← min(exp(old − engine), tis_cap)·pg. Per-token loss
+    behav_weight_cap; TIS: pg ← min(exp(old − engine), tis_cap)·pg. ``config.surrogate``
+    replaces the clipped term by CISPO, SAPO or M2PO (:mod:`areal_fast.rl.surrogates`);
+    IcePop and sequence-level rejection reshape the weights
+    (:mod:`areal_fast.rl.corrections`). Per-token loss
     ℓ = pg + kl_coef·KL_est(logprobs, ref) − entropy_coef·entropy, aggregated over
     loss_mask as config.aggregation says.
 
@@ -126,7 +131,8 @@ def grpo_loss(
     config : LossConfig
     prox_logprobs, ref_logprobs, entropy, engine_logprobs : Tensor [T], optional
         Proximal-policy log-probs (decoupled PPO), reference-policy log-probs (KL), entropy
-        of the current policy (entropy bonus, differentiable), inference-engine log-probs (TIS).
+        of the current policy (entropy bonus, differentiable), inference-engine log-probs
+        (TIS, IcePop, sequence rejection).
 
     Returns
     -------
@@ -135,12 +141,14 @@ def grpo_loss(
     stats : dict[str, Tensor]
         ``clip_fraction``, ``ratio_mean``, ``approx_kl`` (k3 of logprobs vs base),
         ``entropy_mean`` (when entropy is given), ``kl`` (when ref_logprobs is given),
-        ``num_tokens``; scalar tensors, no host synchronisation.
+        ``rejected_fraction`` (IcePop / sequence rejection), ``num_tokens``; scalar tensors,
+        no host synchronisation (M2PO's mask takes one).
 
     Raises
     ------
     ValueError
-        A tensor of the wrong shape or dtype (named), or a missing tensor the config needs.
+        A tensor of the wrong shape or dtype (named), or a missing tensor the config needs
+        (icepop / seq_rejection without engine or proximal log-probs).
     """
     if logprobs.dim() != 1:
         raise ValueError(f"logprobs must be [T], got shape {tuple(logprobs.shape)}")
@@ -206,6 +214,7 @@ class TokenTerms(NamedTuple):
     clip_hit: torch.Tensor
     kl: torch.Tensor | None
     entropy: torch.Tensor | None
+    rejected: torch.Tensor | None = None
 
     def stats(self, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Masked-mean statistics (tensors; no host synchronisation)."""
@@ -219,6 +228,8 @@ class TokenTerms(NamedTuple):
             stats["ratio_mean"] = _masked_mean(self.ratio, mask)
             stats["approx_kl"] = _masked_mean(kl_estimate(self.log_ratio, 0.0, "k3"), mask)
             stats["num_tokens"] = mask.sum()
+            if self.rejected is not None:
+                stats["rejected_fraction"] = _masked_mean(self.rejected.to(mask.dtype), mask)
         return stats
 
 
@@ -238,8 +249,9 @@ def token_terms(
     """The per-token loss ℓ [T] of :func:`grpo_loss` before aggregation, and its pieces.
 
     ``advantages`` is per token [T]. ``cu_seqlens`` is needed only for
-    ``ratio_level="sequence"``; with token-level ratios every ℓ_t depends on token t alone,
-    which is what lets the fused loss process tokens chunk by chunk.
+    ``ratio_level="sequence"`` and ``seq_rejection``; without those and M2PO
+    (``config.couples_tokens``) every ℓ_t depends on token t alone, which is what lets the
+    fused loss process tokens chunk by chunk.
     """
     base = (prox_logprobs if prox_logprobs is not None else old_logprobs).detach()
     # masked-out positions (padding) may hold anything, even -inf: keep them out of exp()
@@ -251,22 +263,17 @@ def token_terms(
         seq_log_ratio = _segment_sum(log_ratio, cu_seqlens) / seq_tokens
         log_ratio = torch.repeat_interleave(seq_log_ratio, seqlens, output_size=logprobs.shape[0])
     ratio = torch.exp(log_ratio)
-    clipped = ratio.clamp(1 - config.eps_clip, 1 + config.clip_high)
-    pg = torch.maximum(-advantages * ratio, -advantages * clipped)
-    clip_hit = -advantages * clipped > -advantages * ratio
-    if config.dual_clip_c is not None:
-        pg = torch.where(advantages < 0, torch.minimum(pg, -config.dual_clip_c * advantages), pg)
-    if prox_logprobs is not None:
-        weight = torch.exp(torch.where(loss_mask, prox_logprobs - old_logprobs, 0.0)).detach()
-        if config.behav_weight_cap is not None:
-            if config.behav_weight_mode == "mask":
-                weight = torch.where(weight > config.behav_weight_cap, 0.0, weight)
-            else:
-                weight = weight.clamp(max=config.behav_weight_cap)
+    pg, clip_hit = surrogate_term(logprobs, ratio, advantages, loss_mask, config, old_logprobs)
+    weight, rejected = sampler_weights(
+        config,
+        loss_mask,
+        old_logprobs,
+        prox_logprobs=prox_logprobs,
+        engine_logprobs=engine_logprobs,
+        cu_seqlens=cu_seqlens,
+    )
+    if weight is not None:
         pg = weight * pg
-    if engine_logprobs is not None and config.tis_cap is not None:
-        tis = torch.exp(torch.where(loss_mask, old_logprobs - engine_logprobs, 0.0))
-        pg = tis.clamp(max=config.tis_cap).detach() * pg
     per_token, kl = pg, None
     if ref_logprobs is not None:
         kl = kl_estimate(
@@ -275,7 +282,7 @@ def token_terms(
         per_token = per_token + config.kl_coef * kl
     if entropy is not None:
         per_token = per_token - config.entropy_coef * entropy
-    return TokenTerms(per_token, ratio, log_ratio, clip_hit, kl, entropy)
+    return TokenTerms(per_token, ratio, log_ratio, clip_hit, kl, entropy, rejected)
 
 
 def aggregation_weights(

@@ -79,5 +79,11 @@ class ActorConfig:
                 f"prox_logp_method = {self.prox_logp_method!r} is not 'recompute' or 'loglinear'"
             )
         at_least("ppo_n_minibatches", self.ppo_n_minibatches, 1)
+        if self.loss.corrects_sampler and not self.use_decoupled_loss:
+            option = "icepop" if self.loss.icepop else "seq_rejection"
+            raise ValueError(
+                f"loss.{option} needs use_decoupled_loss = true: the trainer's "
+                f"sampler→trainer ratio is exp(prox − behav)"
+            )
         if self.lora is None:  # programmatic None: full fine-tuning
             self.lora = LoraConfig()

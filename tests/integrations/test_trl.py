@@ -170,6 +170,14 @@ CASES = {
         loss_type="bnpo", beta=0.1, use_bias_correction_kl=False, epsilon=0.1
     ),
     "dapo-vllm-tis": dict(loss_type="dapo"),
+    "cispo": dict(loss_type="cispo", epsilon_high=1.25),
+    "sapo": dict(loss_type="sapo", sapo_temperature_pos=1.5, sapo_temperature_neg=3.0),
+    "grpo-vllm-icepop": dict(loss_type="grpo"),
+}
+# TRL's vLLM importance-sampling correction per case: (mode, clip_min, clip_max)
+VLLM_IS = {
+    "dapo-vllm-tis": ("token_truncate", None, 1.2),
+    "grpo-vllm-icepop": ("token_mask", 0.7, 1.4),
 }
 
 
@@ -196,27 +204,39 @@ def test_loss_and_grads_match_trl(case, prepared, tiny_model_dir, tmp_path):
     trainers = {}
     for cls in (GRPOTrainer, AFGRPOTrainer):
         trainers[cls] = _trainer(cls, tiny_model_dir, _args(tmp_path, cls.__name__, **CASES[case]))
-    if case == "dapo-vllm-tis":
+    if case in VLLM_IS:
         # vLLM is not installed here: switch TRL's importance-sampling correction on after
-        # construction and give TRL the token_truncate ratio it would have computed.
+        # construction and give TRL the ratio it would have computed (TRL's own formulas).
+        mode, clip_min, clip_max = VLLM_IS[case]
         args = copy.copy(trainers[AFGRPOTrainer].args)
-        args.use_vllm, args.vllm_importance_sampling_mode = True, "token_truncate"
-        args.vllm_importance_sampling_clip_max = 1.2
+        args.use_vllm, args.vllm_importance_sampling_mode = True, mode
+        args.vllm_importance_sampling_clip_min = clip_min
+        args.vllm_importance_sampling_clip_max = clip_max
         trainers[AFGRPOTrainer].af_loss_config = trl_loss_config(args)
-        assert trainers[AFGRPOTrainer].af_loss_config.tis_cap == 1.2
         trl = trainers[GRPOTrainer]
         trl.use_vllm, trl.vllm_importance_sampling_correction = True, True
         diff = inputs["old_per_token_logps"] - inputs["sampling_per_token_logps"]
-        diff = torch.nan_to_num(diff * inputs["completion_mask"], nan=0.0)
-        inputs["importance_sampling_ratio"] = torch.exp(diff).clamp(max=1.2)
+        ratio = torch.exp(torch.nan_to_num(diff * inputs["completion_mask"], nan=0.0))
+        if mode == "token_truncate":
+            assert trainers[AFGRPOTrainer].af_loss_config.tis_cap == clip_max
+            inputs["importance_sampling_ratio"] = ratio.clamp(max=clip_max)
+        else:
+            assert trainers[AFGRPOTrainer].af_loss_config.icepop
+            outside = (ratio < clip_min) | (ratio > clip_max)
+            assert 0 < float(outside.float().mean()) < 1, "the band masks nothing or all"
+            inputs["importance_sampling_ratio"] = ratio.masked_fill(outside, 0.0)
     want_loss, want_grads = _loss_and_grads(trainers[GRPOTrainer], inputs)
     got_loss, got_grads = _loss_and_grads(trainers[AFGRPOTrainer], inputs)
     assert torch.isfinite(got_loss)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-4, atol=1e-7)
     _assert_grads_close(got_grads, want_grads)
     metrics = trainers[AFGRPOTrainer]._metrics["train"]
-    assert metrics["clip_ratio/region_mean"][-1] > 0, "no token was clipped: weak test"
+    clip_metric = {"cispo": "cispo_clip_ratio", "sapo": "entropy"}.get(
+        CASES[case]["loss_type"], "clip_ratio/region_mean"
+    )
+    assert metrics[clip_metric][-1] > 0, "no token was clipped: weak test"
     for name in (
+        "cispo_clip_ratio",
         "entropy",
         "clip_ratio/low_mean",
         "clip_ratio/high_mean",
@@ -322,13 +342,39 @@ def test_loss_config_mapping(tmp_path):
         "k3",
     )
     assert c.tis_cap is None and c.entropy_coef == 0
+    ci = cfg(loss_type="cispo", epsilon_high=5.0, delta=2.0)
+    assert (ci.surrogate, ci.aggregation, ci.eps_clip, ci.clip_high, ci.dual_clip_c) == (
+        "cispo",
+        "token_sum",
+        1.0,
+        4.0,
+        None,
+    )
+    sa = cfg(loss_type="sapo", sapo_temperature_pos=0.5, sapo_temperature_neg=2.0)
+    assert (sa.surrogate, sa.aggregation, sa.sapo_tau_pos, sa.sapo_tau_neg) == (
+        "sapo",
+        "seq_mean_token_mean",
+        0.5,
+        2.0,
+    )
+    mask = cfg(
+        use_vllm=True,
+        vllm_importance_sampling_correction=True,
+        vllm_importance_sampling_mode="token_mask",
+        vllm_importance_sampling_clip_min=None,
+        vllm_importance_sampling_clip_max=3.0,
+    )
+    assert (mask.icepop, mask.icepop_low, mask.icepop_high, mask.tis_cap) == (True, 0.0, 3.0, None)
 
 
 @pytest.mark.parametrize(
     "changes, option",
     [
-        (dict(loss_type="cispo"), "loss_type"),
-        (dict(loss_type="sapo"), "loss_type"),
+        (dict(loss_type="cispo", epsilon_high=0.28), "epsilon_high = 0.28 must be > 1"),
+        (
+            dict(loss_type="sapo", importance_sampling_level="sequence"),
+            "importance_sampling_level = 'sequence' with loss_type = 'sapo'",
+        ),
         (dict(loss_type="vespo"), "loss_type"),
         (dict(loss_type="nope"), "loss_type"),
         (dict(epsilon=1.5), "epsilon"),
@@ -354,6 +400,16 @@ def test_loss_config_mapping(tmp_path):
             ),
             "vllm_importance_sampling_clip_min",
         ),
+        (
+            dict(
+                use_vllm=True,
+                vllm_importance_sampling_correction=True,
+                vllm_importance_sampling_mode="token_mask",
+                vllm_importance_sampling_clip_min=2.0,
+                vllm_importance_sampling_clip_max=1.5,
+            ),
+            "vllm_importance_sampling_clip_min = 2.0 must be in",
+        ),
     ],
 )
 def test_unsupported_options_raise(changes, option, tmp_path):
@@ -365,5 +421,5 @@ def test_unsupported_options_raise(changes, option, tmp_path):
 
 
 def test_trainer_rejects_unsupported_loss_type(tiny_model_dir, tmp_path):
-    with pytest.raises(ValueError, match="loss_type = 'sapo'"):
-        _trainer(AFGRPOTrainer, tiny_model_dir, _args(tmp_path, "sapo", loss_type="sapo"))
+    with pytest.raises(ValueError, match="loss_type = 'vespo'"):
+        _trainer(AFGRPOTrainer, tiny_model_dir, _args(tmp_path, "vespo", loss_type="vespo"))

@@ -167,6 +167,30 @@ def test_registry_and_dictconfig(fresh_seed):
     assert distinct >= 4, losses
 
 
+@pytest.mark.parametrize("loss_mode", ["cispo", "sapo"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("with_weights", [False, True], ids=["no-is", "rollout-is"])
+def test_matches_verl_cispo_and_sapo(loss_mode, mode, with_weights, fresh_seed):
+    """verl's own "cispo" and "sapo" losses against the adapter with that surrogate (SAPO
+    aggregates as "seq-mean-token-mean" whatever loss_agg_mode says, in both)."""
+    old, new, advantages, mask, weights = _inputs(with_weights)
+    new = old + 0.4 * torch.randn_like(old)  # |Δ| < 20: verl's CISPO value uses log_prob
+    config = _actor_config(GLOBAL_INFO, loss_agg_mode=mode, tau_pos=1.5, tau_neg=3.0)
+    want = _run(core_algos.get_policy_loss_fn(loss_mode), old, new, advantages, mask, weights,
+                mode, config)  # fmt: skip
+    register_verl_policy_loss(f"af_{loss_mode}", LossConfig(surrogate=loss_mode))
+    got = _run(core_algos.get_policy_loss_fn(f"af_{loss_mode}"), old, new, advantages, mask,
+               weights, mode, config)  # fmt: skip
+    msg = f"{loss_mode}, seed {fresh_seed}"
+    assert want[1].abs().max() > 1e-3, msg
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6, msg=msg)
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-7, msg=msg)
+    if loss_mode == "cispo":
+        assert 0 < want[2]["actor/pg_clipfrac"] < 1, msg
+    for key, value in want[2].items():
+        assert got[2][key] == pytest.approx(value, rel=1e-5, abs=1e-7), (key, msg)
+
+
 def test_sequence_ratio_template():
     """A template's ratio_level reaches grpo_loss (GSPO-style sequence ratios)."""
     config = _actor_config(loss_agg_mode="seq-mean-token-mean")
@@ -197,6 +221,8 @@ def test_sequence_ratio_template():
         (lambda: register_verl_policy_loss("vanilla"), "name"),
         (lambda: register_verl_policy_loss("x", LossConfig(kl_coef=0.1)), "kl_coef"),
         (lambda: register_verl_policy_loss("x", LossConfig(tis_cap=2.0)), "tis_cap"),
+        (lambda: register_verl_policy_loss("x", LossConfig(icepop=True)), "icepop"),
+        (lambda: register_verl_policy_loss("x", LossConfig(surrogate="m2po")), "m2po"),
         (lambda: verl_loss_config(_actor_config(), "seq-mean"), "loss_agg_mode"),
         (lambda: verl_loss_config(_actor_config(clip_ratio_c=1.0)), "clip_ratio_c"),
         (lambda: verl_loss_config(_actor_config(clip_ratio_low=1.5)), "clip_ratio_low"),

@@ -1,5 +1,7 @@
 """fused_linear_grpo_loss equals linear_logprobs + grpo_loss composed (values and gradients)."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import available_impls, impl_device, impl_params
@@ -18,7 +20,24 @@ CONFIGS = [
     LossConfig(aggregation="token_sum", kl_coef=0.05, kl_estimator="k2"),
     LossConfig(behav_weight_cap=1.05, behav_weight_mode="mask", tis_cap=1.5),
     LossConfig(behav_weight_cap=1.05, behav_weight_mode="clamp", kl_coef=0.1, kl_estimator="k1"),
+    LossConfig(surrogate="cispo", eps_clip_high=0.28, entropy_coef=0.01),
+    LossConfig(surrogate="sapo", aggregation="seq_mean_token_mean", kl_coef=0.1),
+    LossConfig(icepop=True, icepop_low=0.9, icepop_high=1.1),
+    LossConfig(surrogate="m2po", m2po_threshold=0.003),
+    LossConfig(seq_rejection="ratio", seq_rejection_low=0.9, seq_rejection_high=1.1),
+    LossConfig(seq_rejection="ratio", seq_rejection_mode="clamp", seq_rejection_high=1.01),
+    LossConfig(surrogate="cispo", seq_rejection="k3", seq_rejection_high=0.02),
 ]
+
+
+def config_id(config: LossConfig) -> str:
+    """The options a config changes from the defaults, as a test id."""
+    changed = [
+        f"{f.name}={getattr(config, f.name)}"
+        for f in dataclasses.fields(config)
+        if getattr(config, f.name) != f.default
+    ]
+    return ",".join(changed) or "default"
 
 
 def _batch(T=45, H=24, V=301, dtype=torch.float64):
@@ -61,7 +80,7 @@ def _composed(hidden, weight, labels, old, adv, mask, cu, cfg, extras):
 
 
 @pytest.mark.parametrize("impl", impl_params(IMPLS))
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: repr(c)[11:60])
+@pytest.mark.parametrize("cfg", CONFIGS, ids=config_id)
 def test_fused_equals_composed(impl, cfg, fresh_seed):
     hidden, weight, labels, old, adv, mask, cu, extras = _batch()
     ref_h, ref_w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

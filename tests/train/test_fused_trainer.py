@@ -53,6 +53,23 @@ SCENARIOS = {
         prox_logp_method="loglinear",
     ),
     "gspo-recompute": dict(loss=LossConfig(ratio_level="sequence"), use_decoupled_loss=True),
+    "cispo-icepop-recompute": dict(
+        loss=LossConfig(surrogate="cispo", icepop=True, icepop_low=0.8, icepop_high=1.25),
+        use_decoupled_loss=True,
+    ),
+    "sapo-icepop-loglinear": dict(
+        loss=LossConfig(surrogate="sapo", icepop=True, icepop_low=0.8, icepop_high=1.25),
+        use_decoupled_loss=True,
+        prox_logp_method="loglinear",
+    ),
+    "m2po-recompute": dict(
+        loss=LossConfig(surrogate="m2po", m2po_threshold=0.01), use_decoupled_loss=True
+    ),
+    "geo-rejection-loglinear": dict(
+        loss=LossConfig(seq_rejection="ratio", seq_rejection_low=0.8, seq_rejection_high=1.25),
+        use_decoupled_loss=True,
+        prox_logp_method="loglinear",
+    ),
 }
 
 
@@ -118,6 +135,8 @@ def test_fused_step_equals_composed_in_float64(tiny_model_dir, name, fresh_seed)
         assert {"behav_weight_mean", "behav_weight_masked_fraction"} <= set(got)
     if fields["loss"].behav_weight_cap is not None and fields["loss"].behav_weight_mode == "mask":
         assert 0 < got["behav_weight_masked_fraction"] < 1  # the cap is in play
+    if fields["loss"].corrects_sampler:
+        assert 0 < got["rejected_fraction"] < 1  # IcePop's band or the rejection is in play
     named = dict(composed.model.named_parameters())
     for pname, param in fused.model.named_parameters():
         ref = named[pname].grad
