@@ -91,6 +91,8 @@ class Finding:
 def check_run(path: Path) -> None:
     """Raises :class:`CompareError` unless ``path`` is a run directory (holds ``config.yaml``,
     as every run directory does from its start)."""
+    if path.exists() and not path.is_dir():
+        raise CompareError(f"{path} is a file, not a run directory (give the folder)")
     if not path.is_dir():
         raise CompareError(f"{path}: no such directory")
     if not (path / "config.yaml").is_file():
@@ -203,14 +205,23 @@ def _presence(section: str, a: Path, b: Path) -> Finding | None:
 # --------------------------------------------------------------------------- sections
 
 
-def compare_metrics(run_a: Path, run_b: Path, skip: frozenset) -> Finding:
+def compare_metrics(
+    run_a: Path, run_b: Path, skip: frozenset, ignore: tuple[str, ...] = ()
+) -> Finding:
     """The first step (in order) at which the ``metrics.jsonl`` of two runs differ: a step
     only one has, or its first differing field (fields in ``skip`` left out). Raises
-    :class:`CompareError` on a malformed file."""
+    :class:`CompareError` on a malformed file, or when a name in ``ignore`` is a field of
+    neither file (a misspelt ``--ignore``)."""
     absent = _presence(METRICS_FILE, run_a / METRICS_FILE, run_b / METRICS_FILE)
     if absent:
         return absent
     a, b = _steps(run_a / METRICS_FILE), _steps(run_b / METRICS_FILE)
+    fields = {key for records in (a, b) for record in records.values() for key in record}
+    unknown = sorted(set(ignore) - fields)
+    if unknown:
+        raise CompareError(
+            f"--ignore {', '.join(unknown)}: no such field in {METRICS_FILE} of either run"
+        )
     for step in sorted(a.keys() | b.keys()):
         if step not in a or step not in b:
             side = "a" if step in a else "b"
@@ -400,7 +411,7 @@ def compare_runs(run_a: Path, run_b: Path, ignore: tuple[str, ...] = ()) -> list
     check_run(run_b)
     skip = TIMING_FIELDS | frozenset(ignore)
     evals = [compare_eval(name, run_a, run_b) for name in eval_files(run_a, run_b)]
-    return [compare_metrics(run_a, run_b, skip), *evals, compare_weights(run_a, run_b)]
+    return [compare_metrics(run_a, run_b, skip, ignore), *evals, compare_weights(run_a, run_b)]
 
 
 def as_json(run_a: Path, run_b: Path, findings: list[Finding]) -> dict:
@@ -424,6 +435,8 @@ def run_compare(
     and returns the exit code: 0 when identical in everything compared, 1 otherwise. Raises
     :class:`CompareError` on bad input (the command turns it into exit code 2)."""
     findings = compare_runs(Path(run_a), Path(run_b), ignore)
+    if Path(run_a).resolve() == Path(run_b).resolve():
+        print(f"warning: {run_a} and {run_b} are the same directory", file=sys.stderr)
     if json_output:
         report = json.dumps(as_json(run_a, run_b, findings), indent=2)
     else:

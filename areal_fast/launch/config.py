@@ -72,8 +72,9 @@ class LauncherConfig:
     # let the trainer ranks and rollout workers take the cores the others leave idle: a
     # process uses every core while the others have no work, and its threads as derived
     # above while they do (checked at each decoder layer's forward and backward and each
-    # decode step); only with the local launcher, rollout.engine = hf, model.device = cpu
-    # and neither launcher.*_threads key set
+    # decode step); only with the local launcher, rollout.engine = hf, model.device = cpu,
+    # neither launcher.*_threads key set and rollout.reproducible off (its thread counts
+    # are part of what it reproduces)
     share_cores: bool = True
     startup_timeout: float = 600.0  # seconds for every worker to load its model
     timeouts: Timeouts = field(default_factory=Timeouts)
@@ -336,8 +337,9 @@ class ExperimentConfig:
             ),
         }
         for key, (bad, why) in refused.items():
-            if bad:
-                raise ValueError(f"rollout.reproducible = true with {key}: {why}")
+            if bad:  # "why" may start with the key's value ("= 'ray': ...")
+                sep = " " if why.startswith("=") else ": "
+                raise ValueError(f"rollout.reproducible = true with {key}{sep}{why}")
 
     def _check_agent_lengths(self) -> None:
         """An agent's sequences must fit a micro-batch: a concat sequence is at most one

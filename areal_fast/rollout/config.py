@@ -154,16 +154,16 @@ class RolloutConfig:
         """Refuse, in one line naming the key, what a reproducible run cannot reproduce."""
         if self.engine != "hf":
             raise ValueError(
-                f"reproducible = true needs engine = 'hf', not {self.engine!r}: "
+                f"reproducible = true needs rollout.engine = 'hf', not {self.engine!r}: "
                 f"{NOT_REPRODUCIBLE.get(self.engine, '')}"
             )
         if self.dynamic_filter:
             raise ValueError(
-                "reproducible = true with dynamic_filter = true: which groups replace the "
+                "reproducible = true with rollout.dynamic_filter = true: which groups replace the "
                 "filtered ones would depend on timing"
             )
         if self.max_concurrent_rollouts is not None:
             raise ValueError(
                 "reproducible = true sets what runs when (batches k + 1 … k + η during step "
-                "k + 1): leave max_concurrent_rollouts unset"
+                "k + 1): leave rollout.max_concurrent_rollouts unset"
             )

@@ -88,6 +88,12 @@ def test_identical_runs(runs, capsys):
     ]
 
 
+def test_a_run_against_itself_is_warned_about(runs, capsys):
+    code, lines, err = _compare(capsys, runs[0], runs[0])
+    assert code == 0 and lines[0] == "metrics.jsonl: identical (3 steps)"
+    assert err == f"warning: {runs[0]} and {runs[0]} are the same directory\n"
+
+
 def test_changed_field_names_step_and_field(runs, capsys):
     _edit_metrics(runs[1], 2, loss=0.3)
     _edit_metrics(runs[1], 3, reward_mean=0.0)  # a later difference is not the first
@@ -250,6 +256,8 @@ def test_json_report(runs, capsys):
     "case, message",
     [
         ("missing", "no such directory"),
+        ("a file", "is a file, not a run directory (give the folder)"),
+        ("misspelt --ignore", "--ignore los: no such field in metrics.jsonl of either run"),
         ("not a run", "is not an areal-fast run directory (no config.yaml)"),
         ("bad json", "metrics.jsonl line 2: not valid JSON"),
         ("no step", "metrics.jsonl line 1: not a JSON object with 'step'"),
@@ -261,8 +269,13 @@ def test_json_report(runs, capsys):
 def test_bad_input_is_one_line_and_exit_2(runs, capsys, case, message):
     run_a, run_b = runs
     metrics = run_b / "metrics.jsonl"
+    extra = ()
     if case == "missing":
         run_b = run_b / "nowhere"
+    elif case == "a file":
+        run_b = metrics
+    elif case == "misspelt --ignore":
+        extra = ("--ignore", "los")
     elif case == "not a run":
         (run_b / "config.yaml").unlink()
     elif case == "bad json":
@@ -276,7 +289,7 @@ def test_bad_input_is_one_line_and_exit_2(runs, capsys, case, message):
             file.write('{"id": 5}\n')
     else:
         (run_b / "checkpoint" / "model.safetensors").write_bytes(b"not safetensors")
-    code, out, err = _compare(capsys, run_a, run_b)
+    code, out, err = _compare(capsys, run_a, run_b, *extra)
     assert (code, out) == (2, [])
     assert len(err.splitlines()) == 1 and err.startswith("areal-fast: error: ")
     assert message in err
