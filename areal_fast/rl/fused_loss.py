@@ -185,8 +185,8 @@ def fused_linear_grpo_loss(
     to [T], ``kept`` the trained positions). For token-level ratios the loss gradient is
     formed chunk by chunk inside the single pass over the vocabulary (see the module
     docstring); when tokens are coupled (GSPO, M2PO, ``seq_rejection``), or when no gradient
-    is needed, it is exactly the composition above. Tokens outside ``loss_mask`` never enter the matmuls of
-    the single pass.
+    is needed, it is exactly the composition above. Tokens outside ``loss_mask`` never enter
+    the matmuls of the single pass.
 
     Parameters
     ----------

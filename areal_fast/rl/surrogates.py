@@ -107,8 +107,8 @@ def surrogate_term(logprobs, ratio, advantages, loss_mask, config: LossConfig, o
     """``(pg, hit)`` of ``config.surrogate`` (see the functions above)."""
     if config.surrogate == "clip":
         return clip_term(ratio, advantages, config)
-    if config.surrogate == "cispo":
-        return cispo_term(logprobs, ratio, advantages, config)
+    if config.surrogate == "cispo":  # padding may hold -inf: keep it out of the product
+        return cispo_term(torch.where(loss_mask, logprobs, 0.0), ratio, advantages, config)
     if config.surrogate == "sapo":
         return sapo_term(ratio, advantages, config)
     behav = torch.where(loss_mask, logprobs.detach() - old_logprobs, 0.0)
