@@ -37,7 +37,7 @@ class SftDataConfig:
     # "jsonl" (data.path: a .jsonl file, or a folder holding {split}.jsonl) or "hf" (a
     # Hugging Face dataset id or a datasets.save_to_disk folder; needs `pip install datasets`)
     task: str = "jsonl"
-    path: Optional[str] = None  # the rows (required; see task)
+    path: Optional[str] = None  # the rows (required by areal-fast sft; see task)
     split: str = "train"  # {split}.jsonl of a data.path folder, or the HF split
     prompt_key: str = "prompt"  # column of the prompt text (prompt/completion rows)
     completion_key: str = "completion"  # column of the trained completion text
@@ -52,11 +52,6 @@ class SftDataConfig:
     def __post_init__(self):
         if self.task not in SFT_TASKS:
             raise ValueError(f"task = {self.task!r} is not one of {', '.join(SFT_TASKS)}")
-        if not self.path:
-            raise ValueError(
-                "path is required: a .jsonl file or folder (data.task=jsonl), or a Hugging "
-                "Face dataset (data.task=hf)"
-            )
         for key in ("prompt_key", "completion_key", "messages_key", "split"):
             value = getattr(self, key)
             if value is not None and not value:
