@@ -151,3 +151,16 @@ def test_held_out_evaluation_during_and_after_training(tiny_model_dir, tmp_path)
     assert summary["eval_accuracy_by_step"] == {"2": 0.0} and summary["eval_after"] == 0.0
     assert summary["final_model"] is None and not (run / "checkpoint").exists()
     assert not (run / ".eval_model").exists()
+
+
+def test_lora_job_trains_the_adapter_and_saves_the_merged_model(tiny_model_dir, tmp_path):
+    pytest.importorskip("peft")
+    extra = ["total_steps=2", "actor.lora.rank=4", "actor.lora.alpha=8"]
+    assert main(_args(tiny_model_dir, tmp_path, _good_rows(tmp_path), *extra)) == 0
+    final = tmp_path / "runs" / "sft-arith" / "trial0" / "checkpoint"
+    assert (final / "adapter" / "adapter_config.json").is_file()
+    before = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
+    merged = load_file(str(final / "model.safetensors"))
+    assert set(merged) == set(before)  # plain names: a model.path for train
+    changed = [k for k in before if not (before[k] == merged[k]).all()]
+    assert changed and all("proj" in k for k in changed)  # the adapted linear layers only
