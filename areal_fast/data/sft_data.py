@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -108,7 +109,7 @@ def read_rows(d: SftDataConfig) -> list[tuple[str, dict]]:
         rows = jsonl_rows(path)
     else:
         loaded = _load_hf(d.path)
-        if hasattr(loaded, "keys") and not hasattr(loaded, "column_names"):
+        if isinstance(loaded, Mapping):  # a DatasetDict: pick the split
             if d.split not in loaded:
                 raise ValueError(
                     f"data.path {d.path}: no split {d.split!r} (data.split; its splits: "
@@ -257,6 +258,15 @@ def step_rows(num_rows: int, batch_size: int, seed: int, step: int) -> list[int]
 
     A function of ``(seed, step)`` alone, so a resumed run draws the rows an uninterrupted
     one would.
+
+    Returns
+    -------
+    list of int, length ``batch_size``, each in ``[0, num_rows)``
+
+    Raises
+    ------
+    ValueError
+        ``num_rows`` or ``batch_size`` < 1, or ``step`` < 0.
     """
     if num_rows < 1 or batch_size < 1 or step < 0:
         raise ValueError(

@@ -102,3 +102,14 @@ def test_step_rows_are_a_function_of_seed_and_step():
     assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
     assert steps[3] == step_rows(10, 4, seed=3, step=3)  # no state between calls
     assert step_rows(10, 4, seed=4, step=0) != steps[0]
+
+
+def test_hf_rows_from_a_saved_dataset(tokenizer, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": "1+1", "completion": "2"}, {"prompt": "2+2", "completion": None}]
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(tmp_path / "ds")
+    d = SftDataConfig(task="hf", path=str(tmp_path / "ds"), max_rows=1)
+    (example,) = load_sft_examples(d, tokenizer, 64)
+    assert _trained_spans(tokenizer, example) == ["2<|im_end|>\n"]
+    with pytest.raises(ValueError, match=r"\[train\] index 1: 'completion' must be a string"):
+        load_sft_examples(SftDataConfig(task="hf", path=str(tmp_path / "ds")), tokenizer, 64)
