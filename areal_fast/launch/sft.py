@@ -1,7 +1,7 @@
 """``areal-fast sft``: supervised fine-tuning in this process, through the trainer engine.
 
 The run reads and tokenizes every row before anything is written, then trains
-``total_steps`` updates of ``batch_size`` rows each (:func:`~areal_fast.train.sft.sft_step`:
+``total_steps`` updates of ``batch_size`` rows each (:func:`~areal_fast.train.sft_step.sft_step`:
 packed micro-batches, the fused token-mean NLL, AdamW, LoRA when ``actor.lora.rank`` > 0),
 with the run directory of ``areal-fast train``: ``config.yaml``, ``metrics.jsonl`` (one line
 per step), ``eval_*.jsonl`` (:mod:`areal_fast.launch.sft_evals`), ``tensorboard/`` /
@@ -36,7 +36,7 @@ from areal_fast.models.loading import load_tokenizer
 from areal_fast.rollout.config import RolloutConfig
 from areal_fast.train.checkpoint import load_train_state, save_train_state
 from areal_fast.train.config import ActorConfig
-from areal_fast.train.sft import pack_rows, sft_step
+from areal_fast.train.sft_step import pack_rows, sft_step
 
 
 @dataclass

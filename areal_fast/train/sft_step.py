@@ -22,7 +22,7 @@ import math
 import torch
 
 from areal_fast.ops.packing import cu_seqlens_from_lengths, position_ids_from_cu_seqlens
-from areal_fast.rl.batch import IGNORE_INDEX, PackedBatch
+from areal_fast.rl.batch import IGNORE_INDEX, PackedBatch, select_sequences
 from areal_fast.train.lora import set_dropout_active
 from areal_fast.train.torch_engine import TorchTrainEngine, packed_forward_logprobs
 
@@ -91,91 +91,95 @@ def nll_sum(model, batch: PackedBatch) -> torch.Tensor:
     return -logprobs.float().sum()
 
 
-def accumulate_sft_gradients(engine: TorchTrainEngine, batch: PackedBatch) -> tuple[float, int]:
+def accumulate_sft_gradients(engine: TorchTrainEngine, batch: PackedBatch) -> dict[str, float]:
     """Add the gradient of the batch's token-mean NLL to the trained parameters' ``.grad``.
 
-    For each micro-batch of at most ``actor.max_tokens_per_mb`` tokens
-    (:meth:`TorchTrainEngine.micro_batches`) its NLL sum divided by the batch's trained
-    tokens N is back-propagated, so the accumulated gradient equals that of one pass over
-    the whole batch. LoRA adapters' dropout is active during the passes when set.
+    The micro-batches are the engine's (at most ``actor.max_tokens_per_mb`` tokens each, the
+    same count on every FSDP rank, an empty part padding a rank with fewer: a zero-weight
+    pass, so the ranks' collectives pair up). Each back-propagates its NLL sum divided by
+    the global batch's trained tokens N (summed over the ranks), so the accumulated
+    gradient, summed over the ranks by FSDP, equals that of one pass over the whole batch.
+    LoRA adapters' dropout is active during the passes when set. Collective on an
+    :class:`~areal_fast.train.fsdp.FSDPTrainEngine`: every rank calls it with its own part.
 
     Parameters
     ----------
-    engine : TorchTrainEngine
+    engine : TorchTrainEngine or FSDPTrainEngine
     batch : PackedBatch
-        From :func:`pack_rows`.
+        This rank's rows, from :func:`pack_rows` (at least one).
 
     Returns
     -------
-    loss : float
-        The token-mean NLL (nats) of the batch.
-    micro_batches : int
+    dict[str, float]
+        Of the global batch: ``loss`` (token-mean NLL, nats), ``trained_tokens`` (N),
+        ``tokens`` (T), ``sequences`` (B); and this rank's ``num_micro_batches``.
 
     Raises
     ------
     ValueError
-        ``batch`` has no trained token.
+        The global batch has no trained token.
     """
-    total = int(batch.loss_mask.sum())
+    total = engine.batch_totals(batch).tokens
     if total == 0:
         raise ValueError("the batch has no trained token")
-    parts = engine.micro_batches(batch)
+    parts = engine._micro_batch_parts(batch)  # FSDP: as many on every rank
     lora = engine.actor.lora
     if lora.enabled:
         set_dropout_active(engine.model, lora.dropout > 0)
     loss_sum = torch.zeros((), dtype=torch.float64)
     try:
-        for mb in parts:
-            loss = nll_sum(engine.model, mb) / total
-            loss.backward()
-            loss_sum += loss.detach().to("cpu", torch.float64)
+        for part in parts:
+            loss = nll_sum(engine.model, select_sequences(batch, part or [0])) / total
+            (loss if part else loss * 0.0).backward()
+            if part:
+                loss_sum += loss.detach().to("cpu", torch.float64)
     finally:
         if lora.enabled:
             set_dropout_active(engine.model, False)
-    return float(loss_sum), len(parts)
+    local = [loss_sum, batch.loss_mask.sum(), batch.num_tokens, batch.num_seqs]
+    keys = ("loss", "trained_tokens", "tokens", "sequences")
+    stats = engine._reduce_stats(
+        {
+            k: torch.as_tensor(v, dtype=torch.float64, device=engine._device())
+            for k, v in zip(keys, local)
+        }
+    )
+    stats["num_micro_batches"] = float(len(parts))
+    return stats
 
 
 def sft_step(engine: TorchTrainEngine, batch: PackedBatch) -> dict[str, float]:
     """One supervised update of ``engine`` on ``batch``, then ``engine.version += 1``.
 
     Zero the gradients, :func:`accumulate_sft_gradients`, clip the global gradient norm to
-    ``actor.optim.grad_clip``, one AdamW step and one learning-rate schedule step.
+    ``actor.optim.grad_clip`` (the engine's clipping: of the sharded gradients on FSDP
+    ranks), one AdamW step and one learning-rate schedule step. Collective on FSDP ranks.
 
     Parameters
     ----------
-    engine : TorchTrainEngine
-        A single-process engine (its ``model``, ``optimizer``, ``scheduler``, ``actor``).
+    engine : TorchTrainEngine or FSDPTrainEngine
+        Its ``model``, ``optimizer``, ``scheduler`` and ``actor``.
     batch : PackedBatch
-        From :func:`pack_rows`; at least one trained token.
+        This rank's rows, from :func:`pack_rows`.
 
     Returns
     -------
     dict[str, float]
-        ``loss`` (token-mean NLL in nats, before the update), ``perplexity`` (exp of it),
-        ``grad_norm`` (pre-clip), ``lr`` (of this update), ``trained_tokens`` (N),
-        ``tokens`` (T), ``sequences`` (B), ``num_micro_batches``, ``version`` (after).
+        The stats of :func:`accumulate_sft_gradients`, plus ``perplexity`` (exp of the
+        loss), ``grad_norm`` (pre-clip), ``lr`` (of this update) and ``version`` (after).
 
     Raises
     ------
     ValueError
-        ``batch`` has no trained token.
+        The global batch has no trained token.
     """
     engine.optimizer.zero_grad(set_to_none=True)
-    loss, micro_batches = accumulate_sft_gradients(engine, batch)
-    params = [p for p in engine.model.parameters() if p.requires_grad]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, engine.optim.grad_clip))
-    lr = float(engine.optimizer.param_groups[0]["lr"])
+    stats = accumulate_sft_gradients(engine, batch)
+    stats["perplexity"] = math.exp(min(stats["loss"], 700.0))
+    stats["grad_norm"] = engine._clip_gradients()
+    stats["lr"] = float(engine.optimizer.param_groups[0]["lr"])
     engine.optimizer.step()
     engine.scheduler.step()
     engine.version += 1
-    return {
-        "loss": loss,
-        "perplexity": math.exp(min(loss, 700.0)),
-        "grad_norm": grad_norm,
-        "lr": lr,
-        "trained_tokens": float(batch.loss_mask.sum()),
-        "tokens": float(batch.num_tokens),
-        "sequences": float(batch.num_seqs),
-        "num_micro_batches": float(micro_batches),
-        "version": float(engine.version),
-    }
+    stats["version"] = float(engine.version)
+    return stats
