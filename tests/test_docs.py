@@ -447,6 +447,8 @@ TESTED_ELSEWHERE = {
     "areal_fast/launch/run_dir.py": "tests/test_cli.py",
     "areal_fast/launch/sft_config.py": "tests/launch/test_sft.py",
     "areal_fast/launch/sft_evals.py": "tests/launch/test_sft.py",
+    "areal_fast/launch/sft_ranks.py": "tests/launch/test_sft.py",
+    "areal_fast/launch/sft_reports.py": "tests/launch/test_sft.py",
     "areal_fast/launch/summary.py": "tests/test_cli.py",
     "areal_fast/launch/worker_specs.py": "tests/launch/test_components.py",
     "areal_fast/models/attention_backends.py": "tests/models/test_packed_attention_backends.py",

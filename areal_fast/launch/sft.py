@@ -14,29 +14,31 @@ fine-tuned model: a ``model.path`` for ``areal-fast train``) and ``summary.json`
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from dataclasses import dataclass
-
-import torch
+from pathlib import Path
 
 from areal_fast.controller.checkpoint_manager import CheckpointManager
-from areal_fast.controller.metrics import MetricsLog
 from areal_fast.data.sft_data import load_sft_examples, step_rows
 from areal_fast.launch import console
 from areal_fast.launch.config import ExperimentConfig, LoggingConfig
 from areal_fast.launch.experiment import seed_everything
 from areal_fast.launch.factories import TorchTrainerFactory
 from areal_fast.launch.interrupt import RunInterrupted, signal_of
-from areal_fast.launch.log_sinks import LogSinks
 from areal_fast.launch.packages import check_packages
 from areal_fast.launch.run_dir import check_run_dir, mark_failed, prepare_run_dir
 from areal_fast.launch.sft_config import SftConfig
-from areal_fast.launch.sft_evals import SftEvals
+from areal_fast.launch.sft_evals import SNAPSHOT_DIR, SftEvals, eval_due
+from areal_fast.launch.sft_ranks import Rank, set_threads, started_ranks
+from areal_fast.launch.sft_reports import open_reports
 from areal_fast.models.loading import load_tokenizer
 from areal_fast.rollout.config import RolloutConfig
 from areal_fast.train.checkpoint import load_train_state, save_train_state
 from areal_fast.train.config import ActorConfig
 from areal_fast.train.sft_step import pack_rows, sft_step
+
+FINAL_DIR = "checkpoint"  # the fine-tuned model: a model.path for areal-fast train
 
 
 @dataclass
@@ -81,15 +83,19 @@ def run_sft(cfg: SftConfig, show_progress: bool = True) -> dict:
         Bad input, before anything is written.
     RunInterrupted
         Ctrl-C or SIGTERM: ``INTERRUPTED`` names the last checkpoint ``resume=true`` uses.
+    RuntimeError
+        A spawned trainer rank failed.
     """
     started = time.perf_counter()
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    world = cfg.scheduler.train_world_size
+    set_threads(cfg.threads, world)
     seed_everything(cfg.seed)
     inputs = check_sft_inputs(cfg)  # nothing is written before this passes
     run_dir = prepare_run_dir(cfg)
     try:
-        summary = train_sft(cfg, inputs, show_progress)
+        ranks = started_ranks(world, rank_main, (cfg, inputs.examples))
+        with ranks as rank:
+            summary = train_sft(cfg, inputs, rank, show_progress)
     except KeyboardInterrupt as exc:
         line = _interrupted_line(cfg)
         (run_dir / "INTERRUPTED").write_text(line + "\n")
@@ -104,6 +110,13 @@ def run_sft(cfg: SftConfig, show_progress: bool = True) -> dict:
     return summary
 
 
+def rank_main(cfg: SftConfig, examples: list, rank: Rank) -> None:
+    """The body of a spawned trainer rank: the loop of :func:`train_sft` on its rows."""
+    set_threads(cfg.threads, rank.world_size)
+    seed_everything(cfg.seed)
+    train_sft(cfg, SftInputs(None, examples, None), rank, show_progress=False)
+
+
 def _interrupted_line(cfg: SftConfig) -> str:
     latest = _checkpoints(cfg).latest(quiet=True)
     where = f"step {latest.version} ({latest.path.name})" if latest else "step 0 (no checkpoint)"
@@ -115,67 +128,72 @@ def _checkpoints(cfg: SftConfig) -> CheckpointManager:
     return CheckpointManager(cfg.run_dir / "checkpoints", c.every_steps, c.keep, cfg.total_steps)
 
 
-def new_engine(cfg: SftConfig):
-    """The trainer engine of the run (model loaded, LoRA applied, mixed precision on a CUDA
-    device with a half-precision ``model.dtype``), as ``areal-fast train``'s trainer makes it."""
+def new_engine(cfg: SftConfig, rank: Rank):
+    """The trainer engine of ``rank`` (model loaded, LoRA applied, sharded with FSDP2 over
+    several ranks, mixed precision on a CUDA device with a half-precision ``model.dtype``),
+    as ``areal-fast train``'s trainer makes it."""
     factory = TorchTrainerFactory(
         model=cfg.model,
         actor=cfg.actor.trainer_actor(),
         rollout=RolloutConfig(temperature=1.0),
         seed=cfg.seed,
         total_steps=cfg.total_steps,
+        rank=rank.rank,
+        world_size=rank.world_size,
+        dist_init_method=rank.init_method,
+        dist_timeout=cfg.scheduler.dist_timeout,
     )
     return factory()
 
 
-def train_sft(cfg: SftConfig, inputs: SftInputs, show_progress: bool) -> dict:
-    """The training loop of :func:`run_sft` (the run directory prepared); returns the summary
-    without ``wall_seconds``."""
-    engine, checkpoints, evals, run_dir = (
-        new_engine(cfg),
-        _checkpoints(cfg),
-        inputs.evals,
-        cfg.run_dir,
-    )
-    latest = checkpoints.latest() if cfg.resume else None
-    if latest is not None:
-        load_train_state(engine, str(latest.path))
-        checkpoints.remove_temporaries()
+def _resume(cfg: SftConfig, engine, rank: Rank) -> bool:
+    """Load the newest complete checkpoint (``resume=true``; chosen by rank 0, loaded by
+    every rank); whether there was one."""
+    checkpoints = _checkpoints(cfg)
+    latest = checkpoints.latest() if cfg.resume and rank.main else None
+    path = rank.share(str(latest.path) if latest else None)
+    if path is not None:
+        load_train_state(engine, path)
+        if rank.main:
+            checkpoints.remove_temporaries()
+    return path is not None
+
+
+def train_sft(cfg: SftConfig, inputs: SftInputs, rank: Rank, show_progress: bool) -> dict:
+    """The training loop of one rank (the run directory prepared); on rank 0 returns the
+    summary without ``wall_seconds`` and writes the run's files, elsewhere returns {}."""
+    engine = new_engine(cfg, rank)
+    resumed = _resume(cfg, engine, rank)
     start = engine.version
-    metrics_path = run_dir / "metrics.jsonl"
-    metrics = MetricsLog.resume(metrics_path, start) if cfg.resume else MetricsLog(metrics_path)
-    evals.keep_until(run_dir, start)
-    with LogSinks(cfg, run_dir, start if cfg.resume else None) as sinks:
-        evals.evaluate_before(run_dir, resumed=latest is not None)
-        if evals.before is not None:
-            sinks.log_eval("eval_before", 0, evals.before)
-        bar = console.StepBar(cfg.total_steps, start, enabled=show_progress)
-        try:
-            for step in range(start + 1, cfg.total_steps + 1):
-                record = _train_one(cfg, engine, inputs, step)
-                if evals.due(step):
-                    record["eval_accuracy"] = evals.run_snapshot(
-                        engine, inputs.tokenizer, run_dir, step
-                    )
-                metrics.append(record)
-                sinks.log_step(record)
-                bar.update(record)
-                if checkpoints.due(step):
-                    _save_checkpoint(engine, checkpoints, step)
-        finally:
-            bar.close()
-        final = _save_final(cfg, engine, inputs.tokenizer)
-        _evaluate_after(cfg, engine, inputs, final, sinks)
-    return _summary(cfg, inputs, metrics.records, final)
+    with open_reports(cfg, inputs.evals, start, rank, show_progress) as reports:
+        reports.before(resumed)
+        for step in range(start + 1, cfg.total_steps + 1):
+            record = _train_one(cfg, engine, inputs.examples, step, rank)
+            if eval_due(cfg, step):
+                snapshot = _snapshot(engine, cfg, inputs, rank, SNAPSHOT_DIR)
+                record["eval_accuracy"] = reports.during(snapshot, step)
+                _remove(snapshot, rank)
+            reports.step(record)
+            if _checkpoints(cfg).due(step):
+                _save_checkpoint(engine, step, rank, cfg)
+        if cfg.checkpoint.final_model:
+            final = after = _snapshot(engine, cfg, inputs, rank, FINAL_DIR)
+        else:
+            final, after = (
+                None,
+                _snapshot(engine, cfg, inputs, rank, SNAPSHOT_DIR, reports.needs_after()),
+            )
+        reports.after(after)
+        _remove(None if final else after, rank)
+    return _summary(cfg, inputs, reports.records, final) if rank.main else {}
 
 
-def _train_one(cfg: SftConfig, engine, inputs: SftInputs, step: int) -> dict:
-    """One update on the rows of ``step``; its ``metrics.jsonl`` record."""
+def _train_one(cfg: SftConfig, engine, examples: list, step: int, rank: Rank) -> dict:
+    """One update on this rank's share of the rows of ``step``; its ``metrics.jsonl`` record
+    (the stats of the whole step's rows)."""
     t0 = time.perf_counter()
-    rows = [
-        inputs.examples[i]
-        for i in step_rows(len(inputs.examples), cfg.batch_size, cfg.seed, step - 1)
-    ]
+    picked = step_rows(len(examples), cfg.batch_size, cfg.seed, step - 1)
+    rows = [examples[i] for i in rank.rows(picked)]
     stats = sft_step(engine, pack_rows([(e.input_ids, e.targets) for e in rows]))
     seconds = time.perf_counter() - t0
     record = {"step": step, **{k: v for k, v in stats.items() if k != "version"}}
@@ -184,41 +202,37 @@ def _train_one(cfg: SftConfig, engine, inputs: SftInputs, step: int) -> dict:
     return record
 
 
-def _save_checkpoint(engine, checkpoints: CheckpointManager, step: int) -> None:
-    """A resumable checkpoint of the weights, optimizer, schedule and RNG states."""
-    tmp = checkpoints.begin(step)
-    save_train_state(engine, str(tmp))
-    checkpoints.commit(tmp, step, {"sft_step": step})
+def _save_checkpoint(engine, step: int, rank: Rank, cfg: SftConfig) -> None:
+    """A resumable checkpoint of the weights, optimizer, schedule and RNG states of every
+    rank (a collective; rank 0 commits it)."""
+    checkpoints = _checkpoints(cfg)
+    tmp = rank.share(str(checkpoints.begin(step)) if rank.main else None)
+    save_train_state(engine, tmp)
+    if rank.main:
+        checkpoints.commit(Path(tmp), step, {"sft_step": step})
+    rank.barrier()
 
 
-def _save_final(cfg: SftConfig, engine, tokenizer):
-    """Write ``checkpoint/`` (HF format, with the tokenizer) unless
-    ``checkpoint.final_model`` is false; its path or None."""
-    if not cfg.checkpoint.final_model:
+def _snapshot(engine, cfg: SftConfig, inputs: SftInputs, rank: Rank, name: str, needed=True):
+    """Save the weights (HF format) and the tokenizer into ``<run dir>/<name>`` (a
+    collective); its path on rank 0, None elsewhere or when not ``needed`` (rank 0's say)."""
+    if not rank.share(needed):
         return None
-    path = cfg.run_dir / "checkpoint"
+    path = cfg.run_dir / name
+    if rank.main:
+        shutil.rmtree(path, ignore_errors=True)
     engine.save(str(path))
-    tokenizer.save_pretrained(str(path))
-    return path
+    if rank.main:
+        inputs.tokenizer.save_pretrained(str(path))
+        return path
+    return None
 
 
-def _evaluate_after(cfg: SftConfig, engine, inputs: SftInputs, final, sinks: LogSinks) -> None:
-    """``eval.after`` on the fine-tuned weights (the evaluation of the last step reused)."""
-    evals, run_dir, step = inputs.evals, cfg.run_dir, cfg.total_steps
-    if not cfg.eval.after:
-        return
-    if step in evals.accuracy:
-        (run_dir / "eval_after.jsonl").write_text((run_dir / f"eval_step_{step}.jsonl").read_text())
-        evals.after = evals.accuracy[step]
-    elif final is not None:
-        evals.after = evals.run(
-            str(final), run_dir / "eval_after.jsonl", f"after training (step {step})"
-        )
-    else:
-        evals.after = evals.run_snapshot(engine, inputs.tokenizer, run_dir, step)
-        (run_dir / f"eval_step_{step}.jsonl").rename(run_dir / "eval_after.jsonl")
-        del evals.accuracy[step]
-    sinks.log_eval("eval_after", step, evals.after)
+def _remove(path, rank: Rank) -> None:
+    """Delete an evaluation's copy of the weights (rank 0), after the ranks meet."""
+    rank.barrier()  # the others waited here while rank 0 evaluated
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _summary(cfg: SftConfig, inputs: SftInputs, records: list[dict], final) -> dict:
@@ -255,4 +269,4 @@ def _end_lines(summary: dict, cfg: SftConfig) -> list[str]:
     return lines
 
 
-__all__ = ["SftInputs", "check_sft_inputs", "new_engine", "run_sft", "train_sft"]
+__all__ = ["SftInputs", "check_sft_inputs", "new_engine", "rank_main", "run_sft", "train_sft"]

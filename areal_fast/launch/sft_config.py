@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List, Optional
 
-from areal_fast._checks import at_least
+from areal_fast._checks import at_least, positive_finite
 from areal_fast.controller.config import CheckpointConfig
 from areal_fast.data.config import DataConfig
 from areal_fast.data.sft_data import SftDataConfig
@@ -84,6 +84,21 @@ class SftEvalConfig:
 
 
 @dataclass
+class SftSchedulerConfig:
+    """The trainer ranks of a supervised run (as ``areal-fast train``'s ``scheduler.*``):
+    this process and ``train_world_size`` − 1 spawned ones."""
+
+    # trainer ranks (FSDP2 data parallel: gloo on CPU, NCCL on GPU), each taking every
+    # train_world_size-th row of a step; <= batch_size
+    train_world_size: int = 1
+    dist_timeout: float = 600.0  # seconds a rank's collective may wait before failing
+
+    def __post_init__(self):
+        at_least("train_world_size", self.train_world_size, 1)
+        positive_finite("dist_timeout", self.dist_timeout)
+
+
+@dataclass
 class SftConfig:
     """Everything one ``areal-fast sft`` run needs."""
 
@@ -100,11 +115,13 @@ class SftConfig:
     seed: int = 1
     total_steps: int = 100  # optimizer updates, >= 1
     batch_size: int = 16  # rows per update
-    threads: Optional[int] = None  # torch CPU threads of this process (None: torch's default)
+    # torch CPU threads of the run, divided among the trainer ranks (None: the cores)
+    threads: Optional[int] = None
     model: ModelConfig = field(default_factory=ModelConfig)
     data: SftDataConfig = field(default_factory=SftDataConfig)
     actor: SftActorConfig = field(default_factory=SftActorConfig)
     eval: SftEvalConfig = field(default_factory=SftEvalConfig)
+    scheduler: SftSchedulerConfig = field(default_factory=SftSchedulerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, W&B sinks
     tags: List[str] = field(default_factory=list)  # free labels, kept in the run's config.yaml
@@ -114,6 +131,11 @@ class SftConfig:
         at_least("batch_size", self.batch_size, 1)
         if self.threads is not None:
             at_least("threads", self.threads, 1)
+        if self.scheduler.train_world_size > self.batch_size:
+            raise ValueError(
+                f"scheduler.train_world_size = {self.scheduler.train_world_size} is more than "
+                f"batch_size = {self.batch_size}: every rank needs a row per step"
+            )
         if not self.data.path:
             raise ValueError(
                 "data.path is required: the rows to fine-tune on (a .jsonl file or folder "

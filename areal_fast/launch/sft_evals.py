@@ -11,7 +11,6 @@ evaluation starts its own on a copy of the weights saved for it.
 
 from __future__ import annotations
 
-import shutil
 import time
 from pathlib import Path
 from typing import Optional
@@ -26,6 +25,13 @@ from areal_fast.launch.sft_config import SftConfig
 from areal_fast.launch.worker_specs import check_reward, make_cluster
 
 SNAPSHOT_DIR = ".eval_model"  # weights saved for an evaluation during training, then removed
+
+
+def eval_due(cfg: SftConfig, step: int) -> bool:
+    """Whether the weights of step ``step`` are evaluated during training
+    (``eval.every_steps``)."""
+    every = cfg.eval.every_steps
+    return every > 0 and step > 0 and step % every == 0
 
 
 class SftEvals:
@@ -64,11 +70,6 @@ class SftEvals:
             self.requests = eval_requests(problems, prompts, cfg.eval.max_new_tokens)
         self.problems = len(self.requests)
 
-    def due(self, step: int) -> bool:
-        """Whether step ``step``'s weights are evaluated during training."""
-        every = self.cfg.eval.every_steps
-        return every > 0 and step > 0 and step % every == 0
-
     def run(self, model_path: str, path: Path, when: str) -> float:
         """Evaluate the model at ``model_path`` on rollout workers started for it; writes
         the records to ``path`` and prints the two console lines; returns the accuracy.
@@ -90,20 +91,6 @@ class SftEvals:
         right = write_eval_records(path, records)
         console.say(console.eval_finished(when, right, len(records), time.perf_counter() - t0))
         return accuracy(records)
-
-    def run_snapshot(self, engine, tokenizer, run_dir: Path, step: int) -> float:
-        """Save ``engine``'s weights (and the tokenizer) for an evaluation during training,
-        evaluate them into ``eval_step_<step>.jsonl`` and delete the copy."""
-        snapshot = run_dir / SNAPSHOT_DIR
-        shutil.rmtree(snapshot, ignore_errors=True)
-        engine.save(str(snapshot))
-        tokenizer.save_pretrained(str(snapshot))
-        try:
-            value = self.run(str(snapshot), run_dir / f"eval_step_{step}.jsonl", f"at step {step}")
-        finally:
-            shutil.rmtree(snapshot, ignore_errors=True)
-        self.accuracy[step] = value
-        return value
 
     def evaluate_before(self, run_dir: Path, resumed: bool) -> None:
         """``eval.before`` on the starting model, or the result a resumed run measured."""

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from areal_fast.cli import main
@@ -81,10 +82,10 @@ def test_resume_after_an_interruption_ends_bit_identical(tiny_model_dir, tmp_pat
 
     real = sft_driver._train_one
 
-    def interrupted_at_step_3(cfg, engine, inputs, step):
+    def interrupted_at_step_3(cfg, engine, examples, step, rank):
         if step == 3:
             raise KeyboardInterrupt
-        return real(cfg, engine, inputs, step)
+        return real(cfg, engine, examples, step, rank)
 
     monkeypatch.setattr(sft_driver, "_train_one", interrupted_at_step_3)
     assert main(_args(tiny_model_dir, tmp_path, data, *common, "trial_name=cut")) == 130
@@ -164,3 +165,27 @@ def test_lora_job_trains_the_adapter_and_saves_the_merged_model(tiny_model_dir, 
     assert set(merged) == set(before)  # plain names: a model.path for train
     changed = [k for k in before if not (before[k] == merged[k]).all()]
     assert changed and all("proj" in k for k in changed)  # the adapted linear layers only
+
+
+def test_two_trainer_ranks_train_as_one(tiny_model_dir, tmp_path):
+    """scheduler.train_world_size=2: a spawned FSDP2 rank trains every second row; the
+    losses and the final model are those of one rank (to float32 rounding)."""
+    data = _good_rows(tmp_path)
+    # eps 1e-3: Adam's step of a gradient at float32 rounding noise stays far below lr
+    common = ["total_steps=2", "actor.optim.eps=1e-3", "checkpoint.every_steps=2"]
+    assert main(_args(tiny_model_dir, tmp_path, data, *common, "trial_name=one")) == 0
+    two = [*common, "trial_name=two", "scheduler.train_world_size=2"]
+    assert main(_args(tiny_model_dir, tmp_path, data, *two)) == 0
+    runs = tmp_path / "runs" / "sft-arith"
+    metrics = [
+        [json.loads(x) for x in (runs / name / "metrics.jsonl").read_text().splitlines()]
+        for name in ("one", "two")
+    ]
+    for one, two in zip(*metrics):
+        assert (one["trained_tokens"], one["sequences"]) == (two["trained_tokens"], 5)
+        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    a = load_file(str(runs / "one" / "checkpoint" / "model.safetensors"))
+    b = load_file(str(runs / "two" / "checkpoint" / "model.safetensors"))
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
+    assert (runs / "two" / "checkpoints" / "step-00000002" / "train_state.json").is_file()
