@@ -44,9 +44,13 @@ _KEYS_HELP = (
 )
 
 
-def _keys_epilog() -> str:
+def _keys_epilog(sft: bool = False) -> str:
     from areal_fast.launch.config_reference import section_index
 
+    if sft:
+        from areal_fast.launch.sft_config import SftConfig
+
+        return f"{_KEYS_HELP}\n{section_index(SftConfig)}"
     return f"{_KEYS_HELP}\n{section_index()}"
 
 
@@ -80,6 +84,7 @@ def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
         "sft",
         help="supervised fine-tuning (its output is a model.path for train)",
         description=textwrap.fill(_SFT_ABOUT, 90),
+        epilog=_keys_epilog(sft=True) if with_keys else None,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     evaluate = sub.add_parser(

@@ -49,10 +49,11 @@ def config_keys(root: type = ExperimentConfig, strict: bool = True) -> list[Conf
     return _keys.config_keys(root, strict)
 
 
-def section_index() -> str:
-    """Every section and its keys, for ``areal-fast train --help`` (one line per section)."""
+def section_index(root: type = ExperimentConfig) -> str:
+    """Every section and its keys, for ``areal-fast train --help`` (one line per section);
+    ``root``: another config (``areal-fast sft --help``)."""
     lines = []
-    for section in sections(strict=False):
+    for section in sections(root, strict=False):
         prefix = "" if section.name == TOP_LEVEL else f"{section.name}."
         names = ", ".join(k.key[len(prefix) :] for k in section.keys)
         lines.append(

@@ -13,6 +13,11 @@ weight (through :func:`~areal_fast.train.torch_engine.packed_forward_logprobs`),
 micro-batches of at most ``actor.max_tokens_per_mb`` tokens by the engine's balanced
 partitioner; each micro-batch's backward carries its share of the batch's sum, so the
 accumulated gradient is that of one pass over the whole batch.
+
+The step drives the RL trainer engine (:class:`~areal_fast.train.torch_engine.TorchTrainEngine`
+or :class:`~areal_fast.train.fsdp.FSDPTrainEngine`) with its own micro-batch partition, count
+reduction over the ranks and gradient clipping (``batch_totals``, ``_micro_batch_parts``,
+``_reduce_stats``, ``_clip_gradients``), so one rank and N FSDP2 ranks behave alike.
 """
 
 from __future__ import annotations
@@ -80,11 +85,22 @@ def pack_rows(rows: list[tuple[list[int], list[bool]]]) -> PackedBatch:
 
 
 def nll_sum(model, batch: PackedBatch) -> torch.Tensor:
-    """Summed negative log-likelihood of ``batch``'s trained tokens (0-d float32, with grad).
+    """Summed negative log-likelihood of ``batch``'s trained tokens.
 
     Σ_t −log p(labels[t]) over ``loss_mask``, the log-probs from the fused LM-head path at
     temperature 1 (:func:`~areal_fast.train.torch_engine.packed_forward_logprobs`: 0 where
-    ``labels == -100``).
+    ``labels == -100``; an FSDP2-sharded model gathers its root parameters around it).
+
+    Parameters
+    ----------
+    model : transformers causal LM (or one sharded by :func:`areal_fast.train.fsdp.shard_model`)
+    batch : PackedBatch
+        ``input_ids`` [T] int64, ``position_ids`` [T] int64, ``cu_seqlens`` [B+1] int32,
+        ``labels`` [T] int64 (copied to the model's device here).
+
+    Returns
+    -------
+    Tensor, 0-d float32 (differentiable w.r.t. the model's parameters)
     """
     device = next(model.parameters()).device
     logprobs, _ = packed_forward_logprobs(model, batch.to(device), 1.0, with_entropy=False)

@@ -189,3 +189,33 @@ def test_two_trainer_ranks_train_as_one(tiny_model_dir, tmp_path):
     for key in a:
         torch.testing.assert_close(b[key], a[key], rtol=1e-5, atol=1e-6)
     assert (runs / "two" / "checkpoints" / "step-00000002" / "train_state.json").is_file()
+
+
+@pytest.mark.parametrize(
+    "item, said",
+    [
+        (
+            "actor.optim.lrr=1",
+            "unknown config key 'actor.optim.lrr'; did you mean 'actor.optim.lr'?",
+        ),
+        ("actor.loss.eps_clip=0.1", "unknown config key 'actor.loss'; did you mean 'actor.lora'?"),
+        (
+            "scheduler.train_world_size=32",
+            "scheduler.train_world_size = 32 is more than batch_size",
+        ),
+    ],
+)
+def test_sft_keys_are_checked_as_trains_are(tmp_path, capsys, item, said):
+    args = ["sft", "--config", str(EXAMPLE), f"fileroot={tmp_path / 'runs'}", item]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("areal-fast: error: ") and said in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sft_help_lists_the_sft_keys(capsys):
+    with pytest.raises(SystemExit):
+        main(["sft", "--help"])
+    out = capsys.readouterr().out
+    assert "data: task, path, split, prompt_key, completion_key, messages_key" in out
+    assert "actor.loss" not in out
