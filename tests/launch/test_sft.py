@@ -219,3 +219,27 @@ def test_sft_help_lists_the_sft_keys(capsys):
     out = capsys.readouterr().out
     assert "data: task, path, split, prompt_key, completion_key, messages_key" in out
     assert "actor.loss" not in out
+
+
+def test_chat_rows_job_logs_to_tensorboard(tiny_model_dir, tmp_path):
+    """Rows of chat messages (data.messages_key), each step's loss in TensorBoard."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def chat(a: int) -> list[dict]:
+        return [
+            {"role": "user", "content": f"{a}+1?"},
+            {"role": "assistant", "content": f"{a + 1}"},
+            {"role": "user", "content": "and +2?"},
+            {"role": "assistant", "content": f"{a + 2}"},
+        ]
+
+    rows = [{"messages": chat(a)[:2] if a % 2 else chat(a)} for a in range(6)]
+    extra = ["total_steps=2", "data.messages_key=messages", "logging.tensorboard=true"]
+    assert main(_args(tiny_model_dir, tmp_path, _rows(tmp_path, rows), *extra)) == 0
+    run = tmp_path / "runs" / "sft-arith" / "trial0"
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [e.value for e in events.Scalars("loss")]
+    assert losses == pytest.approx([r["loss"] for r in metrics], rel=1e-6)
