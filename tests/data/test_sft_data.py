@@ -113,3 +113,30 @@ def test_hf_rows_from_a_saved_dataset(tokenizer, tmp_path):
     assert _trained_spans(tokenizer, example) == ["2<|im_end|>\n"]
     with pytest.raises(ValueError, match=r"\[train\] index 1: 'completion' must be a string"):
         load_sft_examples(SftDataConfig(task="hf", path=str(tmp_path / "ds")), tokenizer, 64)
+
+
+def test_sft_arith_rows_are_correct_worked_answers():
+    """examples/data/sft_arith/train.jsonl as its script writes it: each completion the sum
+    written out, scored 1 by the task's reward; no held-out question among the prompts."""
+    import importlib.util
+    from pathlib import Path
+
+    from areal_fast.data.rewards import DEFAULT_INSTRUCTION, math_reward
+
+    folder = Path(__file__).resolve().parents[2] / "examples" / "data" / "sft_arith"
+    spec = importlib.util.spec_from_file_location("sft_arith_make", folder / "make.py")
+    make = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make)
+    assert make.worked_answer("Calculate ( -9 + 8 ).", "-1") == "-9 + 8 = -1"
+    assert make.worked_answer("Calculate 3 + -7.", "-4") == "3 + -7 = -4"
+    rows = [json.loads(x) for x in (folder / "train.jsonl").read_text().splitlines()]
+    assert len(rows) > 1000
+    for row in rows:
+        assert row["prompt"].endswith("\n" + DEFAULT_INSTRUCTION)
+        assert math_reward(row["completion"], row["answer"]) == 1.0
+    from areal_fast.launch.config import load_config
+    from areal_fast.launch.inputs import load_eval_set
+
+    held_out = load_eval_set(load_config(str(folder.parents[1] / "arith.yaml")))
+    questions = {r["prompt"].split("\n")[0] for r in rows}
+    assert not questions & {p.question for p in held_out}
