@@ -169,7 +169,7 @@ def test_lora_job_trains_the_adapter_and_saves_the_merged_model(tiny_model_dir, 
 
 def test_two_trainer_ranks_train_as_one(tiny_model_dir, tmp_path):
     """scheduler.train_world_size=2: a spawned FSDP2 rank trains every second row; the
-    losses and the final model are those of one rank (to float32 rounding)."""
+    losses, gradient norms and final model are those of one rank (to float32 rounding)."""
     data = _good_rows(tmp_path)
     # eps 1e-3: Adam's step of a gradient at float32 rounding noise stays far below lr
     common = ["total_steps=2", "actor.optim.eps=1e-3", "checkpoint.every_steps=2"]
@@ -183,7 +183,10 @@ def test_two_trainer_ranks_train_as_one(tiny_model_dir, tmp_path):
     ]
     for one, two in zip(*metrics):
         assert (one["trained_tokens"], one["sequences"]) == (two["trained_tokens"], 5)
-        assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+        for key in ("loss", "grad_norm"):
+            assert two[key] == pytest.approx(one[key], rel=1e-5), key
+    # rank 0's 3 rows take 2 micro-batches, rank 1's 2 rows 1: the ranks agree on 2
+    assert [r["num_micro_batches"] for r in metrics[1]] == [2.0, 2.0]
     a = load_file(str(runs / "one" / "checkpoint" / "model.safetensors"))
     b = load_file(str(runs / "two" / "checkpoint" / "model.safetensors"))
     for key in a:

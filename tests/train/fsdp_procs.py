@@ -281,38 +281,3 @@ def fused_vs_composed_ranks(
     report["vocab"] = model.config.vocab_size
     report["hidden"] = model.config.hidden_size
     return report
-
-
-# ---------------------------------------------------------------------------- SFT
-def sft_rows(vocab: int, seed: int, count: int = 7) -> list[tuple[list[int], list[bool]]]:
-    """``count`` random rows (3 to 20 tokens, about half of them trained) from ``seed``."""
-    g = torch.Generator().manual_seed(seed)
-    rows = []
-    for _ in range(count):
-        n = int(torch.randint(3, 21, (1,), generator=g))
-        ids = torch.randint(0, vocab, (n,), generator=g).tolist()
-        targets = (torch.rand(n, generator=g) < 0.5).tolist()
-        targets[-1] = True
-        rows.append((ids, targets))
-    return rows
-
-
-def sft_ranks(rank, world_size, init_method, factory_kwargs: dict, seed: int, steps: int) -> dict:
-    """SFT steps on FSDP ranks: rank r trains rows r, r + world_size, ... of each step."""
-    from areal_fast.launch.factories import TorchTrainerFactory
-    from areal_fast.train.sft_step import pack_rows, sft_step
-
-    factory = TorchTrainerFactory(
-        rank=rank,
-        world_size=world_size,
-        dist_init_method=init_method,
-        dist_timeout=60,
-        **trainer_factory_args(**factory_kwargs),
-    )
-    engine = factory()
-    vocab = engine.model.config.vocab_size
-    stats = []
-    for step in range(steps):
-        rows = sft_rows(vocab, seed + step)[rank::world_size]
-        stats.append(sft_step(engine, pack_rows(rows)))
-    return {"stats": stats, "weights": weights_numpy(engine)}

@@ -91,32 +91,3 @@ def test_sft_step_lowers_the_loss_of_its_batch(tiny_model_dir):
     assert first["perplexity"] == pytest.approx(torch.tensor(first["loss"]).exp().item())
     with pytest.raises(ValueError, match="no trained token"):
         sft_step(engine, pack_rows([([1, 2], [False, False])]))
-
-
-def test_two_fsdp_ranks_equal_one_process(tiny_model_dir):
-    from fsdp_procs import run_ranks, sft_ranks, sft_rows, trainer_factory_args, weights_numpy
-
-    from areal_fast.launch.factories import TorchTrainerFactory
-    from areal_fast.train.config import OptimizerConfig
-
-    seed = int(torch.randint(0, 1 << 30, (1,)))
-    kwargs = dict(model_path=str(tiny_model_dir), max_tokens_per_mb=24)
-    # eps 1e-3: Adam's step of a gradient at float32 rounding noise stays far below lr
-    kwargs["optim"] = OptimizerConfig(lr=1e-2, eps=1e-3)
-    reports = run_ranks(sft_ranks, 2, (kwargs, seed, 2))
-    engine = TorchTrainerFactory(**trainer_factory_args(**kwargs))()
-    expected = [
-        sft_step(engine, pack_rows(sft_rows(engine.model.config.vocab_size, seed + step)))
-        for step in range(2)
-    ]
-    for got, want in zip(reports[0]["stats"], expected):
-        assert got["trained_tokens"] == want["trained_tokens"] and got["sequences"] == 7
-        for key in ("loss", "grad_norm", "lr"):
-            assert got[key] == pytest.approx(want[key], rel=1e-5), (seed, key)
-    assert reports[0]["stats"] == reports[1]["stats"]
-    for name, want in weights_numpy(engine).items():
-        for rank in (0, 1):
-            got = reports[rank]["weights"][name]
-            torch.testing.assert_close(
-                torch.from_numpy(got), torch.from_numpy(want), rtol=1e-5, atol=1e-6
-            )
