@@ -185,6 +185,7 @@ def train_sft(cfg: SftConfig, inputs: SftInputs, rank: Rank, show_progress: bool
             )
         reports.after(after)
         _remove(None if final else after, rank)
+        reports.plot()
     return _summary(cfg, inputs, reports.records, final) if rank.main else {}
 
 

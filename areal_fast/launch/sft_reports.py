@@ -1,7 +1,7 @@
 """Where an ``areal-fast sft`` run's news goes, on rank 0: ``metrics.jsonl``, TensorBoard /
-W&B (:mod:`areal_fast.launch.log_sinks`), the progress bar and the held-out evaluations
-(:mod:`areal_fast.launch.sft_evals`). The other ranks get :class:`NoReports`, which does
-nothing, so that the training loop reads the same on every rank.
+W&B (:mod:`areal_fast.launch.log_sinks`), the progress bar, ``progress.png`` and the held-out
+evaluations (:mod:`areal_fast.launch.sft_evals`). The other ranks get :class:`NoReports`,
+which does nothing, so that the training loop reads the same on every rank.
 """
 
 from __future__ import annotations
@@ -39,6 +39,9 @@ class NoReports:
 
     def after(self, path) -> None:
         """Nothing (rank 0 evaluates)."""
+
+    def plot(self) -> None:
+        """Nothing (rank 0 draws)."""
 
 
 class SftReports(NoReports):
@@ -102,6 +105,54 @@ class SftReports(NoReports):
         else:
             self.evals.after = self.evals.run(str(path), after, f"after training (step {step})")
         self.sinks.log_eval("eval_after", step, self.evals.after)
+
+    def plot(self) -> None:
+        """Draw ``progress.png`` (:func:`plot_loss`)."""
+        title = f"{self.cfg.experiment_name}/{self.cfg.trial_name} · sft · {self.cfg.model.path}"
+        plot_loss(self.records, self.evals, self.run_dir / "progress.png", title)
+
+
+def plot_loss(records: list[dict], evals: SftEvals, path, title: str = "") -> None:
+    """``progress.png`` of a supervised run: the training loss per step (nats per trained
+    token) and, on a second axis, the held-out accuracies measured (before, during, after).
+
+    Parameters
+    ----------
+    records : list of dict
+        ``metrics.jsonl``'s records (``step``, ``loss``); nothing is drawn without any.
+    evals : SftEvals
+        Its ``before``, ``accuracy`` (step -> accuracy) and ``after``.
+    path : str or Path
+        The PNG file.
+    title : str
+        The figure's title.
+    """
+    if not records:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], marker=".", label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / trained token)")
+    points = dict(sorted(evals.accuracy.items()))
+    if evals.before is not None:
+        points = {0: evals.before, **points}
+    if evals.after is not None:
+        points[records[-1]["step"]] = evals.after
+    if points:
+        acc = ax.twinx()
+        acc.plot(list(points), list(points.values()), "o--", color="tab:green")
+        acc.set_ylabel("held-out greedy accuracy", color="tab:green")
+        acc.set_ylim(-0.02, 1.02)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 @contextlib.contextmanager

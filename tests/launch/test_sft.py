@@ -63,6 +63,7 @@ def test_two_step_job_writes_a_model_for_train(tiny_model_dir, tmp_path):
     )
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == 2 and summary["rows"] == 12
+    assert (run / "progress.png").stat().st_size > 0
     assert summary["final_model"] == str(run / "checkpoint")
     before = load_file(str(Path(tiny_model_dir) / "model.safetensors"))
     after = load_file(str(run / "checkpoint" / "model.safetensors"))
@@ -151,6 +152,7 @@ def test_held_out_evaluation_during_and_after_training(tiny_model_dir, tmp_path)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["eval_accuracy_by_step"] == {"2": 0.0} and summary["eval_after"] == 0.0
     assert summary["final_model"] is None and not (run / "checkpoint").exists()
+    assert (run / "progress.png").is_file()
     assert not (run / ".eval_model").exists()
 
 
