@@ -4,7 +4,7 @@
   on the CPU. A block whose first line is ``# requires: mod1, mod2`` is skipped when one of
   those optional modules is not installed.
 - ```bash / ```sh blocks are read command by command (``&&``, ``||``, ``;`` and ``|`` split
-  commands; ``\\`` continues a line). ``areal-fast train|eval`` and ``python -m
+  commands; ``\\`` continues a line). ``areal-fast train|eval|sft`` and ``python -m
   areal_fast.launch.ray train`` lines have their config parsed with
   :func:`areal_fast.launch.config.load_config` (YAML file and ``key=value`` overrides) without
   running; ``pip install``, ``pytest`` and ``git clone`` lines are recognised and skipped;
@@ -35,6 +35,7 @@ ALLOWED = {
     ("areal-fast", "--help"),
     ("areal-fast", "compare"),  # two run directories, nothing written
     ("python", "benches/compare_runs.py"),
+    ("python", "examples/data/sft_arith/make.py"),
     ("python", "benches/eval_agent.py"),
     ("python", "benches/bench_async.py"),
     ("python", "benches/bench_logprobs.py"),
@@ -154,8 +155,8 @@ def _check_command(path: str, line: int, tokens: list[str]) -> None:
             return
         if tokens[2] == "pip":
             program, first = "pip", tokens[3] if len(tokens) > 3 else None
-    if program == "areal-fast" and first in ("train", "eval"):
-        _check_config(where, tokens[2:])
+    if program == "areal-fast" and first in ("train", "eval", "sft"):
+        _check_config(where, tokens[2:], sft=first == "sft")
         return
     if (program, first) in SKIPPED or (program, None) in SKIPPED:
         if program == "pytest":
@@ -170,8 +171,9 @@ def _check_command(path: str, line: int, tokens: list[str]) -> None:
         assert (ROOT / first).is_file(), f"{where}: {first} does not exist"
 
 
-def _check_config(where: str, args: list[str]) -> None:
+def _check_config(where: str, args: list[str], sft: bool = False) -> None:
     from areal_fast.launch.config import load_config
+    from areal_fast.launch.sft_config import load_sft_config
 
     config, overrides, i = None, [], 0
     while i < len(args):
@@ -189,7 +191,7 @@ def _check_config(where: str, args: list[str]) -> None:
         i += 1
     assert config is not None, f"{where}: no --config"
     assert (ROOT / config).is_file(), f"{where}: {config} does not exist"
-    load_config(str(ROOT / config), overrides)
+    (load_sft_config if sft else load_config)(str(ROOT / config), overrides)
 
 
 # --------------------------------------------------------------------------------- links
@@ -278,10 +280,12 @@ def test_benches_readme_is_compact():
 
 
 def _config_keys() -> tuple[set[str], set[str], set[str]]:
-    """Every config key, the dataclass sections, and the free-form mapping keys (task_kwargs)."""
+    """Every config key, the dataclass sections, and the free-form mapping keys (task_kwargs),
+    of ``areal-fast train`` and ``areal-fast sft`` together."""
     from omegaconf import DictConfig, OmegaConf
 
     from areal_fast.launch.config import ExperimentConfig
+    from areal_fast.launch.sft_config import SftConfig
 
     keys, sections, free = set(), set(), set()
 
@@ -297,6 +301,7 @@ def _config_keys() -> tuple[set[str], set[str], set[str]]:
                     walk(child, name + ".")
 
     walk(OmegaConf.structured(ExperimentConfig))
+    walk(OmegaConf.structured(SftConfig))
     return keys, sections, free
 
 
@@ -440,6 +445,10 @@ TESTED_ELSEWHERE = {
     "areal_fast/launch/ray.py": "tests/launch/test_multi_node.py",
     "areal_fast/launch/reporter.py": "tests/launch/test_experiment.py",
     "areal_fast/launch/run_dir.py": "tests/test_cli.py",
+    "areal_fast/launch/sft_config.py": "tests/launch/test_sft.py",
+    "areal_fast/launch/sft_evals.py": "tests/launch/test_sft.py",
+    "areal_fast/launch/sft_ranks.py": "tests/launch/test_sft.py",
+    "areal_fast/launch/sft_reports.py": "tests/launch/test_sft.py",
     "areal_fast/launch/summary.py": "tests/test_cli.py",
     "areal_fast/launch/worker_specs.py": "tests/launch/test_components.py",
     "areal_fast/models/attention_backends.py": "tests/models/test_packed_attention_backends.py",

@@ -1,6 +1,7 @@
 """areal-fast command line.
 
 areal-fast train --config FILE [key=value ...]   asynchronous GRPO training
+areal-fast sft   --config FILE [key=value ...]   supervised fine-tuning (prompt/completion, chat)
 areal-fast eval  --config FILE model.path=...    greedy held-out accuracy of a model
 areal-fast config [--markdown]                   every config key, its default and meaning
 areal-fast compare RUN_A RUN_B [--json]          the first place where two run directories differ
@@ -18,6 +19,12 @@ _TRAIN_ABOUT = (
     "Train a policy with fully asynchronous GRPO: rollout workers generate while the trainer "
     "trains, under a staleness bound. The held-out set is evaluated before and after "
     "training; everything goes to the run directory fileroot/experiment_name/trial_name."
+)
+_SFT_ABOUT = (
+    "Supervised fine-tuning on jsonl / Hugging Face rows (prompt and completion columns, or "
+    "chat messages with the loss on assistant turns only) through the trainer engine: "
+    "packed micro-batches, the fused LM-head cross-entropy, LoRA, checkpoints and resume. "
+    "The fine-tuned model (run directory's checkpoint/) is a model.path for areal-fast train."
 )
 _EVAL_ABOUT = (
     "Evaluate model.path (a directory such as a run's checkpoint/, an HF id, or demo:...) "
@@ -37,9 +44,13 @@ _KEYS_HELP = (
 )
 
 
-def _keys_epilog() -> str:
+def _keys_epilog(sft: bool = False) -> str:
     from areal_fast.launch.config_reference import section_index
 
+    if sft:
+        from areal_fast.launch.sft_config import SftConfig
+
+        return f"{_KEYS_HELP}\n{section_index(SftConfig)}"
     return f"{_KEYS_HELP}\n{section_index()}"
 
 
@@ -69,6 +80,13 @@ def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    sft = sub.add_parser(
+        "sft",
+        help="supervised fine-tuning (its output is a model.path for train)",
+        description=textwrap.fill(_SFT_ABOUT, 90),
+        epilog=_keys_epilog(sft=True) if with_keys else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     evaluate = sub.add_parser(
         "eval",
         help="greedy held-out accuracy of model.path (no training)",
@@ -76,7 +94,7 @@ def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.fill(_EVAL_ABOUT, 90),
     )
-    for command in (train, evaluate):
+    for command in (train, sft, evaluate):
         command.add_argument(
             "--config",
             required=True,
@@ -134,6 +152,16 @@ def _compare(args) -> int:
         return 2
 
 
+def _sft(args) -> int:
+    """``areal-fast sft``: 0 when the run finished (its console summary names the run
+    directory)."""
+    from areal_fast.launch.sft import run_sft
+    from areal_fast.launch.sft_config import load_sft_config
+
+    run_sft(load_sft_config(args.config, args.overrides), show_progress=not args.no_progress)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the process exit code (2 on a user error, with one line).
 
@@ -173,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (schedulers, `timeout`) stops like Ctrl-C: one line, INTERRUPTED, exit 128 + N
     signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
+        if args.command == "sft":
+            return _sft(args)
         cfg = load_config(args.config, args.overrides)
         if args.command == "eval":
             from areal_fast.launch.evaluation import accuracy_line, run_evaluation

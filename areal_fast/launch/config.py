@@ -386,9 +386,10 @@ class ConfigError(ValueError):
 
 
 def load_config(
-    yaml_path: str | None = None, overrides: list[str] | None = None
-) -> ExperimentConfig:
-    """Build an :class:`ExperimentConfig` from defaults, a YAML file and ``key=value`` items.
+    yaml_path: str | None = None, overrides: list[str] | None = None, root: type | None = None
+):
+    """Build an :class:`ExperimentConfig` (or ``root``) from defaults, a YAML file and
+    ``key=value`` items.
 
     Parameters
     ----------
@@ -399,6 +400,10 @@ def load_config(
         A mapping value is merged into the mapping already there, except ``{}``, which
         empties a mapping key (``data.task_kwargs={}``). ``experiment_name``, when neither
         sets it, is the YAML file's name without its extension.
+    root : dataclass type, optional
+        The config to build (default :class:`ExperimentConfig`; ``areal-fast sft`` passes
+        :class:`~areal_fast.launch.sft_config.SftConfig`); it needs an ``experiment_name``
+        field.
 
     Raises
     ------
@@ -410,7 +415,8 @@ def load_config(
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    merged = OmegaConf.structured(ExperimentConfig)
+    root = root or ExperimentConfig
+    merged = OmegaConf.structured(root)
     where: dict[str, tuple[int, int]] = {}
     if yaml_path is not None:
         loaded, where = _load_yaml(Path(yaml_path))
@@ -418,7 +424,9 @@ def load_config(
             merged = OmegaConf.merge(merged, loaded)
         except OmegaConfBaseException as exc:
             raise ConfigError(
-                _located(_omegaconf_message(exc), getattr(exc, "full_key", None), yaml_path, where)
+                _located(
+                    _omegaconf_message(exc, root), getattr(exc, "full_key", None), yaml_path, where
+                )
             ) from exc
         if merged.experiment_name is None:  # each config file gets a folder of its own
             merged.experiment_name = Path(yaml_path).stem.lstrip(".") or DEFAULT_EXPERIMENT
@@ -428,23 +436,24 @@ def load_config(
         if "=" not in item or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
         try:
-            if value.strip() == "{}" and key in _mapping_keys():
+            if value.strip() == "{}" and key in _mapping_keys(root):
                 OmegaConf.update(merged, key, {}, merge=False)
             else:
                 merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
-            raise ConfigError(f"{_omegaconf_message(exc)} (in {item!r})") from exc
+            raise ConfigError(f"{_omegaconf_message(exc, root)} (in {item!r})") from exc
     try:
         return OmegaConf.to_object(merged)
     except (OmegaConfBaseException, ValueError) as exc:  # ValueError: a __post_init__ check
-        prefix = _failing_section(merged, ExperimentConfig)
+        prefix = _failing_section(merged, root)
         message = (
-            _omegaconf_message(exc)
+            _omegaconf_message(exc, root)
             if isinstance(exc, OmegaConfBaseException)
             else str(exc).splitlines()[0]
         )
         message = _full_keyed(prefix, message)
-        raise ConfigError(_blamed(message, prefix, overrides or [], yaml_path, where)) from exc
+        blamed = _blamed(message, prefix, overrides or [], yaml_path, (where, root))
+        raise ConfigError(blamed) from exc
 
 
 def _full_keyed(prefix: str, message: str) -> str:
@@ -461,16 +470,18 @@ def _full_keyed(prefix: str, message: str) -> str:
     return prefix + message
 
 
-def _blamed(message: str, prefix: str, overrides: list[str], yaml_path, where: dict) -> str:
+def _blamed(message: str, prefix: str, overrides: list[str], yaml_path, located) -> str:
     """``message`` with where its value came from: the command-line item that set the key it
     starts with, else the YAML file's ``file:line:column`` of that key; when the key is the
     file's but another key the message names was set on the command line (a conflict
-    between the two), that command-line item is blamed instead of the file's line."""
+    between the two), that command-line item is blamed instead of the file's line.
+    ``located``: ``(where, root)``, the file's key positions and the config type."""
+    where, root = located
     items = {item.partition("=")[0].strip(): item for item in overrides}
     key = re.match(r"[\w.]*", message).group(0)
     if key in items or key not in where:  # the value is not the file's
         return message
-    known = set(_known_keys())
+    known = set(_known_keys(root))
     for word in re.findall(r"[A-Za-z_]\w*(?:\.\w+)*", message):
         for name in (word, prefix + word):
             if name != key and name in known and name in items:
@@ -478,28 +489,28 @@ def _blamed(message: str, prefix: str, overrides: list[str], yaml_path, where: d
     return _located(message, key, yaml_path, where)
 
 
-@functools.lru_cache(maxsize=1)
-def _mapping_keys() -> frozenset[str]:
+@functools.lru_cache(maxsize=4)
+def _mapping_keys(root: type = ExperimentConfig) -> frozenset[str]:
     """Dotted keys whose value is a free-form mapping (``data.task_kwargs``, ...)."""
     from areal_fast.launch.config_keys import config_keys
 
-    return frozenset(k.key for k in config_keys(ExperimentConfig, strict=False) if k.type == "dict")
+    return frozenset(k.key for k in config_keys(root, strict=False) if k.type == "dict")
 
 
-@functools.lru_cache(maxsize=1)
-def _known_keys() -> tuple[str, ...]:
-    """Every dotted key and section name of :class:`ExperimentConfig`."""
+@functools.lru_cache(maxsize=4)
+def _known_keys(root: type = ExperimentConfig) -> tuple[str, ...]:
+    """Every dotted key and section name of :class:`ExperimentConfig` (or ``root``)."""
     from areal_fast.launch.config_keys import TOP_LEVEL, sections
 
     found = []
-    for section in sections(ExperimentConfig, strict=False):
+    for section in sections(root, strict=False):
         if section.name != TOP_LEVEL:
             found.append(section.name)
         found += [k.key for k in section.keys]
     return tuple(found)
 
 
-def did_you_mean(key: str) -> str:
+def did_you_mean(key: str, root: type = ExperimentConfig) -> str:
     """``"; did you mean 'a.b'?"`` for an unknown dotted ``key`` ("" when nothing is close).
 
     The known keys most like the whole key (difflib ratio >= 0.6 and within 0.1 of the
@@ -508,7 +519,7 @@ def did_you_mean(key: str) -> str:
     """
     parts = key.split(".")
     ancestors = {".".join(parts[:i]) for i in range(1, len(parts))}
-    known = [k for k in _known_keys() if k not in ancestors]
+    known = [k for k in _known_keys(root) if k not in ancestors]
     close = _closest(key, known, 0.6)
     if not close:
         leaves = _closest(parts[-1], sorted({k.rsplit(".", 1)[-1] for k in known}), 0.75)
@@ -596,17 +607,19 @@ def _failing_section(node, cls, prefix: str = "") -> str:
     return prefix
 
 
-def _omegaconf_message(exc) -> str:
-    """One line from an OmegaConf error: what went wrong and the full key."""
+def _omegaconf_message(exc, root: type = ExperimentConfig) -> str:
+    """One line from an OmegaConf error: what went wrong and the full key (the
+    closest keys of ``root`` for an unknown one)."""
     key = getattr(exc, "full_key", None)
     head = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     if "Key" in type(exc).__name__ and key:
-        return f"unknown config key {key!r}{did_you_mean(key)}"
+        return f"unknown config key {key!r}{did_you_mean(key, root)}"
     return f"config key {key!r}: {head}" if key else head
 
 
-def to_yaml(config: ExperimentConfig) -> str:
-    """The resolved config as YAML (written into the run directory)."""
+def to_yaml(config) -> str:
+    """The resolved config (an :class:`ExperimentConfig` or another config dataclass) as
+    YAML (written into the run directory)."""
     from omegaconf import OmegaConf
 
     return OmegaConf.to_yaml(OmegaConf.structured(config))

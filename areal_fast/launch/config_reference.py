@@ -49,10 +49,11 @@ def config_keys(root: type = ExperimentConfig, strict: bool = True) -> list[Conf
     return _keys.config_keys(root, strict)
 
 
-def section_index() -> str:
-    """Every section and its keys, for ``areal-fast train --help`` (one line per section)."""
+def section_index(root: type = ExperimentConfig) -> str:
+    """Every section and its keys, for ``areal-fast train --help`` (one line per section);
+    ``root``: another config (``areal-fast sft --help``)."""
     lines = []
-    for section in sections(strict=False):
+    for section in sections(root, strict=False):
         prefix = "" if section.name == TOP_LEVEL else f"{section.name}."
         names = ", ".join(k.key[len(prefix) :] for k in section.keys)
         lines.append(
@@ -112,20 +113,44 @@ def render_markdown() -> str:
         "",
     ]
     for section in sections():
-        out += [
-            f"## {section.name}",
-            "",
-            _cell(section.about),
-            "",
-            "| key | type | default | meaning |",
-            "| --- | --- | --- | --- |",
-        ]
-        out += [
-            f"| `{k.key}` | {_cell(k.type)} | `{_cell(k.default)}` | {_cell(k.meaning)} |"
-            for k in section.keys
-        ]
-        out.append("")
+        out += _markdown_section(section, section.name)
+    out += _sft_markdown()
     return "\n".join(out)
+
+
+def _markdown_section(section: Section, heading: str) -> list[str]:
+    """One section's heading, about line and key table."""
+    out = [
+        f"## {heading}",
+        "",
+        _cell(section.about),
+        "",
+        "| key | type | default | meaning |",
+        "| --- | --- | --- | --- |",
+    ]
+    out += [
+        f"| `{k.key}` | {_cell(k.type)} | `{_cell(k.default)}` | {_cell(k.meaning)} |"
+        for k in section.keys
+    ]
+    out.append("")
+    return out
+
+
+def _sft_markdown() -> list[str]:
+    """The ``areal-fast sft`` keys (:class:`~areal_fast.launch.sft_config.SftConfig`), each
+    section headed ``sft <section>``."""
+    from areal_fast.launch.sft_config import SftConfig
+
+    out = [
+        "# `areal-fast sft` keys",
+        "",
+        "Supervised fine-tuning ([sft.md](sft.md)) reads its own keys the same way:",
+        "`areal-fast sft --config examples/sft_arith.yaml total_steps=10`.",
+        "",
+    ]
+    for section in sections(SftConfig):
+        out += _markdown_section(section, f"sft {section.name}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

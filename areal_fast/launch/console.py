@@ -107,7 +107,7 @@ class StepBar:
         return left + self.extra
 
     def update(self, record: dict) -> None:
-        """One step done; ``record`` has ``reward_mean`` and ``loss``."""
+        """One step done; ``record`` has ``loss`` and, for RL steps, ``reward_mean``."""
         now = time.monotonic()
         self.done += 1
         if self.first_done is None:
@@ -116,10 +116,8 @@ class StepBar:
             self.steps_since_first += 1
         left = self.remaining(now)
         eta = "…" if left is None else tqdm.format_interval(left)
-        self.bar.set_postfix_str(
-            f"reward={record['reward_mean']:.3f}, loss={record['loss']:.4f}, eta={eta}",
-            refresh=False,
-        )
+        reward = f"reward={record['reward_mean']:.3f}, " if "reward_mean" in record else ""
+        self.bar.set_postfix_str(f"{reward}loss={record['loss']:.4f}, eta={eta}", refresh=False)
         self.bar.update(1)
 
     def close(self) -> None:
