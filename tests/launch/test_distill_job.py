@@ -86,6 +86,26 @@ def _other_vocab_dir(model_dir: Path, out: Path) -> Path:
     return out
 
 
+def _bad_overrides(case: str, model_dir: Path, tmp_path: Path) -> list[str]:
+    teacher = "actor.distill.teacher_path="
+    if case == "coef":
+        return [f"{teacher}x", "actor.distill.coef=0"]
+    if case == "alone":
+        return ["actor.distill.task_reward=false"]
+    if case == "missing":
+        return [f"{teacher}{tmp_path / 'no' / 'such'}"]
+    if case == "adapter":
+        return [f"{teacher}{_adapter_dir(tmp_path / 'adapter')}"]
+    if case == "vocab":
+        return [f"{teacher}{_other_vocab_dir(model_dir, tmp_path / 'v')}"]
+    assert case == "filter"
+    return [
+        f"{teacher}{model_dir}",
+        "actor.distill.task_reward=false",
+        "rollout.dynamic_filter=true",
+    ]
+
+
 @pytest.mark.parametrize(
     "case,needles",
     [
@@ -94,16 +114,11 @@ def _other_vocab_dir(model_dir: Path, out: Path) -> Path:
         ("missing", ["actor.distill.teacher_path = ", "does not exist"]),
         ("adapter", ["actor.distill.teacher_path = ", "is a LoRA adapter, not a model"]),
         ("vocab", ["has another vocabulary than model.path = ", "in the teacher, "]),
+        ("filter", ["rollout.dynamic_filter = true with actor.distill.task_reward = false"]),
     ],
 )
 def test_bad_distill_settings_are_one_line(tiny_model_dir, tmp_path, capsys, case, needles):
-    overrides = {
-        "coef": ["actor.distill.teacher_path=x", "actor.distill.coef=0"],
-        "alone": ["actor.distill.task_reward=false"],
-        "missing": [f"actor.distill.teacher_path={tmp_path / 'no' / 'such'}"],
-        "adapter": [f"actor.distill.teacher_path={_adapter_dir(tmp_path / 'adapter')}"],
-        "vocab": [f"actor.distill.teacher_path={_other_vocab_dir(tiny_model_dir, tmp_path / 'v')}"],
-    }[case]
+    overrides = _bad_overrides(case, tiny_model_dir, tmp_path)
     assert main(_args(tiny_model_dir, tmp_path / "runs", *overrides)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("areal-fast: error:") and "\n" not in err, err
