@@ -223,7 +223,10 @@ class TorchTrainEngine:
           LoRA adapters (:func:`~areal_fast.train.lora.apply_lora`); only they require
           gradients and are in the optimizer, :meth:`named_weights` yields them alone and
           :meth:`save` writes the merged model and the adapter. The LM head stays frozen
-          (the fused loss then forms no head-weight gradient).
+          (the fused loss then forms no head-weight gradient);
+        - ``distill`` (DistillConfig; ``teacher_path`` set turns it on): on-policy
+          distillation, each micro-batch's advantages replaced by
+          :func:`~areal_fast.rl.distill.distill_advantages` of ``teacher_model``'s log-probs.
 
         ``adv_mode`` is not used here (advantages are computed when a batch is assembled).
     temperature : float
