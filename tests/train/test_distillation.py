@@ -35,12 +35,14 @@ def _sampled_by(model, batch):
     return dataclasses.replace(batch, behav_logprobs=torch.where(batch.loss_mask, logprobs, 0.0))
 
 
-def _engine(model_dir, distill: DistillConfig, teacher=None, lr=1e-3):
+def _engine(model_dir, distill: DistillConfig, teacher=None, lr=1e-3, fused_loss=True):
     actor = ActorConfig(optim=OptimizerConfig(lr=lr), distill=distill, keep_groups=False)
     if distill.enabled and teacher is None:
         teacher = load_causal_lm(distill.teacher_path)
     model = load_causal_lm(str(model_dir))
-    return TorchTrainEngine(model, actor, temperature=TEMPERATURE, teacher_model=teacher)
+    return TorchTrainEngine(
+        model, actor, temperature=TEMPERATURE, teacher_model=teacher, fused_loss=fused_loss
+    )
 
 
 def _perturbed(model_dir, seed: int):
@@ -76,14 +78,16 @@ def test_teacher_equal_to_student_is_exactly_zero_and_moves_nothing(tiny_model_d
     assert moved > 1e-4, moved
 
 
-@pytest.mark.parametrize("task_reward", [False, True])
-def test_the_teacher_signal_is_the_advantage(tiny_model_dir, fresh_seed, task_reward):
+@pytest.mark.parametrize(
+    "task_reward,fused_loss", [(False, True), (True, True), (False, False)], ids=str
+)
+def test_the_teacher_signal_is_the_advantage(tiny_model_dir, fresh_seed, task_reward, fused_loss):
     """Distillation's gradients equal plain GRPO's on the advantages A + coef·(teacher −
     behav) (or the signal alone), and distill_kl is the mean reverse KL of the trained tokens."""
     coef = 0.7
     teacher = _perturbed(tiny_model_dir, fresh_seed)
     distill = DistillConfig(teacher_path=str(tiny_model_dir), coef=coef, task_reward=task_reward)
-    engine = _engine(tiny_model_dir, distill, teacher=teacher)
+    engine = _engine(tiny_model_dir, distill, teacher=teacher, fused_loss=fused_loss)
     batch = _sampled_by(engine.model, _batch(engine.model.config.vocab_size, fresh_seed % 991))
     with torch.no_grad():
         teacher_lp, _ = packed_forward_logprobs(teacher, batch, TEMPERATURE, with_entropy=False)
@@ -93,7 +97,7 @@ def test_the_teacher_signal_is_the_advantage(tiny_model_dir, fresh_seed, task_re
     manual = dataclasses.replace(
         batch, advantages=batch.advantages + signal if task_reward else signal
     )
-    plain = _engine(tiny_model_dir, DistillConfig())
+    plain = _engine(tiny_model_dir, DistillConfig(), fused_loss=fused_loss)
     stats = engine.accumulate_gradients(batch)
     plain.accumulate_gradients(manual)
     assert stats["distill_kl"] == pytest.approx(float(kl.sum() / mask.sum()), rel=1e-5, abs=1e-7)
