@@ -45,6 +45,8 @@ STEP_METRICS: dict[str, str] = {
     "rejected_fraction": "trained tokens whose weight IcePop or sequence rejection set to 0 "
     "(only with actor.loss.icepop or actor.loss.seq_rejection)",
     "kl": "KL to the reference policy, mean over trained tokens (only with actor.loss.kl_coef > 0)",
+    "distill_kl": "on-policy distillation: reverse KL (student - teacher log-prob of the "
+    "sampled tokens), mean over trained tokens (only with actor.distill.teacher_path)",
     "trainable_parameters": "parameter elements the optimizer updates (actor.lora: the adapters')",
     "weight_update_bytes": "bytes of one published weight version (actor.lora: the adapter's)",
     "trainer_peak_rss_mb": "trainer rank 0's peak resident memory so far (getrusage), MiB",

@@ -280,6 +280,11 @@ class ExperimentConfig:
             )
         if self.actor.lora.enabled:
             self._check_lora_engine()
+        if self.rollout.dynamic_filter and not self.actor.distill.task_reward:
+            raise ValueError(
+                "rollout.dynamic_filter = true with actor.distill.task_reward = false: groups "
+                "would be dropped for equal rewards, which distillation alone does not train on"
+            )
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other")
         if self.rollout.reproducible:  # before the checks of what it refuses

@@ -129,8 +129,9 @@ def engine_factory(
 @dataclass
 class TorchTrainerFactory:
     """Builds a :class:`~areal_fast.train.torch_engine.TorchTrainEngine` (and its frozen
-    reference model when ``actor.loss.kl_coef > 0``); with ``world_size > 1`` it joins the
-    trainer process group as rank ``rank`` and builds an
+    reference model when ``actor.loss.kl_coef > 0``, its frozen teacher, loaded and placed as
+    the reference is, when ``actor.distill.teacher_path`` is set); with ``world_size > 1`` it
+    joins the trainer process group as rank ``rank`` and builds an
     :class:`~areal_fast.train.fsdp.FSDPTrainEngine` (called inside each rank's process; every
     rank then gets its own part of each batch).
 
@@ -186,13 +187,19 @@ class TorchTrainerFactory:
         load = dict(dtype=dtype, attn_implementation=m.attn_implementation, device=device)
         policy = load_causal_lm(m.path, **load)
         ref = load_causal_lm(m.path, **load) if self.actor.loss.kl_coef > 0 else None
+        teacher_path = self.actor.distill.teacher_path  # loaded as the reference is
+        teacher = load_causal_lm(teacher_path, **load) if teacher_path else None
         if mixed:  # the reference computes as the policy does (KL 0 at the same weights)
             from areal_fast.train.precision import compute_in_dtype
 
-            for model in (policy, ref) if ref is not None else (policy,):
-                compute_in_dtype(model, getattr(torch, m.dtype))
+            for model in (policy, ref, teacher):
+                if model is not None:
+                    compute_in_dtype(model, getattr(torch, m.dtype))
         kwargs = dict(
-            temperature=self.rollout.temperature, ref_model=ref, total_steps=self.total_steps
+            temperature=self.rollout.temperature,
+            ref_model=ref,
+            teacher_model=teacher,
+            total_steps=self.total_steps,
         )
         if mesh is None:
             from areal_fast.train.torch_engine import TorchTrainEngine

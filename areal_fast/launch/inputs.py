@@ -15,6 +15,7 @@ from areal_fast.launch.packages import check_packages
 from areal_fast.launch.run_dir import check_run_dir, check_trajectory_dir
 from areal_fast.launch.worker_specs import check_resources, check_reward, check_sync
 from areal_fast.models.loading import load_model_config, load_tokenizer
+from areal_fast.models.teacher import check_teacher
 
 
 @dataclass
@@ -69,6 +70,8 @@ def check_inputs(cfg: ExperimentConfig) -> RunInputs:
         from areal_fast.train.lora import check_lora_targets
 
         check_lora_targets(model_config, cfg.actor.lora)
+    if cfg.actor.distill.enabled:  # a teacher that cannot read the student's tokens
+        check_teacher(cfg.actor.distill.teacher_path, cfg.model.path)
     max_positions = getattr(model_config, "max_position_embeddings", None)
     check_lengths(cfg, prompts, train_set + eval_set, max_positions)
     return RunInputs(prompts, tokenizer, train_set, eval_set, removed)

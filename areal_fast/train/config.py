@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Optional
 
 from areal_fast._checks import at_least
 from areal_fast.rl.advantages import ADVANTAGE_MODES
@@ -52,8 +53,52 @@ class OptimizerConfig:
 
 
 @dataclass
+class DistillConfig:
+    """On-policy distillation from a frozen teacher (``actor.distill.*``): the student samples,
+    the teacher scores the student's tokens, and coef · (log π_teacher − log π_student) per
+    token is added to the advantages (docs/distillation.md).
+
+    Sources: Agarwal et al. 2024, "On-Policy Distillation of Language Models: Learning from
+    Self-Generated Mistakes" (GKD), ICLR 2024; Lu & Thinking Machines Lab 2025, "On-Policy
+    Distillation".
+    """
+
+    # the teacher: a Hugging Face id or local model folder like model.path, with the
+    # student's tokenizer; always the full model, frozen (never LoRA); null: no distillation
+    teacher_path: Optional[str] = None
+    coef: float = 1.0  # weight of the per-token reverse-KL signal, > 0
+    # keep the task reward: true adds the signal to the task advantages, false trains on
+    # the signal alone (distillation only)
+    task_reward: bool = True
+
+    def __post_init__(self):
+        if self.teacher_path is not None and (
+            not isinstance(self.teacher_path, str) or not self.teacher_path.strip()
+        ):
+            raise ValueError(
+                f"distill.teacher_path = {self.teacher_path!r} must be a model id or folder"
+            )
+        if isinstance(self.coef, bool) or not (
+            isinstance(self.coef, (int, float)) and self.coef > 0 and math.isfinite(self.coef)
+        ):
+            raise ValueError(f"distill.coef = {self.coef!r} must be a finite number > 0")
+        if not isinstance(self.task_reward, bool):
+            raise ValueError(f"distill.task_reward = {self.task_reward!r} must be true or false")
+        if not self.task_reward and self.teacher_path is None:
+            raise ValueError(
+                "distill.task_reward = false needs actor.distill.teacher_path: without a teacher "
+                "nothing would be trained"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        """Whether distillation is on (``teacher_path`` set)."""
+        return self.teacher_path is not None
+
+
+@dataclass
 class ActorConfig:
-    """The trained policy: loss, optimizer, packing, LoRA."""
+    """The trained policy: loss, optimizer, packing, LoRA, distillation."""
 
     loss: LossConfig = field(default_factory=LossConfig)
     optim: OptimizerConfig = field(default_factory=OptimizerConfig)
@@ -67,6 +112,8 @@ class ActorConfig:
     prox_logp_method: str = "recompute"  # "recompute" | "loglinear" (version interpolation)
     ppo_n_minibatches: int = 1  # optimizer steps per batch (one policy version per batch)
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (docs/lora.md)
+    # on-policy distillation from a teacher (docs/distillation.md)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def __post_init__(self):
         if self.adv_mode not in ADVANTAGE_MODES:
@@ -87,3 +134,5 @@ class ActorConfig:
             )
         if self.lora is None:  # programmatic None: full fine-tuning
             self.lora = LoraConfig()
+        if self.distill is None:  # programmatic None: no distillation
+            self.distill = DistillConfig()

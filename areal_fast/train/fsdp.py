@@ -164,11 +164,11 @@ def shard_model(model, mesh: DeviceMesh):
 class FSDPTrainEngine(TorchTrainEngine):
     """:class:`~areal_fast.train.torch_engine.TorchTrainEngine` on one data-parallel rank.
 
-    Shards ``model`` (and ``ref_model``) with :func:`shard_model`. :meth:`train_step` takes
-    THIS rank's part of the global batch; the step's gradients, optimizer update and
-    statistics equal those of one single-process step on the whole batch, for every loss
-    aggregation, up to float rounding (micro-batch weights divide by global totals, so how
-    the batch is cut into micro-batches does not matter). ``num_micro_batches`` in the stats
+    Shards ``model`` (and ``ref_model``, ``teacher_model``) with :func:`shard_model`.
+    :meth:`train_step` takes THIS rank's part of the global batch; the step's gradients,
+    optimizer update and statistics equal those of one single-process step on the whole
+    batch, for every loss aggregation, up to float rounding (micro-batch weights divide by
+    global totals, so how the batch is cut into micro-batches does not matter). ``num_micro_batches`` in the stats
     is the per-rank count (the same on every rank).
 
     With ``ppo_n_minibatches > 1`` each rank splits its own part into that many minibatches,
@@ -186,8 +186,8 @@ class FSDPTrainEngine(TorchTrainEngine):
         As for TorchTrainEngine.
     mesh : DeviceMesh
         The 1-D data-parallel mesh (:func:`init_trainer_group`).
-    ref_model : causal LM, optional
-        Sharded too (its forward is a collective as well).
+    ref_model, teacher_model : causal LM, optional
+        Sharded too (their forwards are collectives as well).
     **kwargs
         The other keyword arguments of TorchTrainEngine (``temperature`` among them).
 
@@ -199,7 +199,16 @@ class FSDPTrainEngine(TorchTrainEngine):
         Where small collectives (counts, statistics) run: CPU for gloo, this GPU for nccl.
     """
 
-    def __init__(self, model, actor: ActorConfig, *, mesh: DeviceMesh, ref_model=None, **kwargs):
+    def __init__(
+        self,
+        model,
+        actor: ActorConfig,
+        *,
+        mesh: DeviceMesh,
+        ref_model=None,
+        teacher_model=None,
+        **kwargs,
+    ):
         if mesh.ndim != 1:
             raise ValueError(f"mesh must be 1-D (data parallel), got {mesh.ndim} dimensions")
         self.mesh = mesh
@@ -214,16 +223,18 @@ class FSDPTrainEngine(TorchTrainEngine):
         if actor.lora.enabled:  # adapters first: they are sharded with their layers
             apply_lora(model, actor.lora)
         shard_model(model, mesh)
-        if ref_model is not None:
-            shard_model(ref_model.eval().requires_grad_(False), mesh)
-        super().__init__(model, actor, ref_model=ref_model, **kwargs)
+        for frozen in (ref_model, teacher_model):
+            if frozen is not None:
+                shard_model(frozen.eval().requires_grad_(False), mesh)
+        super().__init__(model, actor, ref_model=ref_model, teacher_model=teacher_model, **kwargs)
 
     def accumulate_gradients(
         self, batch: PackedBatch, prox_logprobs: Optional[torch.Tensor] = None
     ) -> dict[str, float]:
         stats = super().accumulate_gradients(batch, prox_logprobs)
-        if self.ref_model is not None:
-            self.ref_model.reshard()  # no backward reshards the no-grad root: free it here
+        for frozen in (self.ref_model, self.teacher_model):
+            if frozen is not None:
+                frozen.reshard()  # no backward reshards the no-grad root: free it here
         return stats
 
     accumulate_gradients.__doc__ = TorchTrainEngine.accumulate_gradients.__doc__

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Iterator, NamedTuple, Optional
 
@@ -20,6 +21,7 @@ from areal_fast.rl.decoupled import (
     loglinear_prox_logprobs,
     staleness_stats,
 )
+from areal_fast.rl.distill import distill_advantages
 from areal_fast.rl.fused_loss import fused_linear_grpo_loss
 from areal_fast.rl.objectives import grpo_loss
 from areal_fast.train.config import LR_SCHEDULES, PROX_LOGP_METHODS, ActorConfig, OptimizerConfig  # noqa: F401
@@ -221,7 +223,10 @@ class TorchTrainEngine:
           LoRA adapters (:func:`~areal_fast.train.lora.apply_lora`); only they require
           gradients and are in the optimizer, :meth:`named_weights` yields them alone and
           :meth:`save` writes the merged model and the adapter. The LM head stays frozen
-          (the fused loss then forms no head-weight gradient).
+          (the fused loss then forms no head-weight gradient);
+        - ``distill`` (DistillConfig; ``teacher_path`` set turns it on): on-policy
+          distillation, each micro-batch's advantages replaced by
+          :func:`~areal_fast.rl.distill.distill_advantages` of ``teacher_model``'s log-probs.
 
         ``adv_mode`` is not used here (advantages are computed when a batch is assembled).
     temperature : float
@@ -229,6 +234,10 @@ class TorchTrainEngine:
         recomputed at it.
     ref_model : causal LM, optional
         Frozen reference policy for the KL term (needed when ``actor.loss.kl_coef > 0``).
+    teacher_model : causal LM, optional
+        Frozen teacher of on-policy distillation (needed when ``actor.distill.teacher_path``
+        is set): each micro-batch's teacher log-probs, taken like the reference's, turn
+        into per-token advantages (:func:`~areal_fast.rl.distill.distill_advantages`).
     packed_attention : bool
         Switch the models to the mask-free packed attention of
         :mod:`areal_fast.models.packed_attention` (one varlen kernel per layer on CUDA,
@@ -259,7 +268,8 @@ class TorchTrainEngine:
     Raises
     ------
     ValueError
-        ``actor.loss.kl_coef > 0`` without ``ref_model``; ``temperature`` not a finite
+        ``actor.loss.kl_coef > 0`` without ``ref_model``; ``actor.distill.teacher_path``
+        set without ``teacher_model``, or the reverse; ``temperature`` not a finite
         number > 0; ``initial_version`` or ``total_steps`` out of range; ``fused_loss`` not
         a bool.
 
@@ -283,6 +293,7 @@ class TorchTrainEngine:
         *,
         temperature: float,
         ref_model=None,
+        teacher_model=None,
         packed_attention: bool = True,
         initial_version: int = 0,
         total_steps: Optional[int] = None,
@@ -292,6 +303,10 @@ class TorchTrainEngine:
             raise TypeError(f"actor must be an ActorConfig, got {type(actor).__name__}")
         if actor.loss.kl_coef > 0 and ref_model is None:
             raise ValueError("actor.loss.kl_coef > 0 needs a reference model")
+        if actor.distill.enabled and teacher_model is None:
+            raise ValueError("actor.distill.teacher_path is set but no teacher_model is given")
+        if teacher_model is not None and not actor.distill.enabled:
+            raise ValueError("teacher_model is given but actor.distill.teacher_path is not set")
         positive_finite("temperature", temperature)
         _check_decoupled_args(actor.prox_logp_method, actor.ppo_n_minibatches, initial_version)
         if total_steps is not None and (
@@ -304,7 +319,7 @@ class TorchTrainEngine:
             apply_lora(model, actor.lora)
         if packed_attention:
             name = register_packed_attention()
-            for m in (model, ref_model):
+            for m in (model, ref_model, teacher_model):
                 if m is not None:
                     m.set_attn_implementation(name)
         # Dropout stays off (eval mode; gradients flow as usual): the trainer must recompute
@@ -312,7 +327,8 @@ class TorchTrainEngine:
         self.model = model.eval()
         self.actor = actor
         self.temperature = temperature
-        self.ref_model = None if ref_model is None else ref_model.eval().requires_grad_(False)
+        self.ref_model = _frozen(ref_model)
+        self.teacher_model = _frozen(teacher_model)
         optim = actor.optim
         self.optimizer = torch.optim.AdamW(
             [p for p in model.parameters() if p.requires_grad],  # LoRA: the adapters only
@@ -437,7 +453,9 @@ class TorchTrainEngine:
             ``num_minibatches``, ``lr`` (mean over the step's updates), ``version`` (after
             the step) and, with decoupled PPO,
             ``staleness_mean`` / ``staleness_max`` (version at the start of the step minus
-            token version) and ``behav_weight_mean`` / ``behav_weight_masked_fraction``.
+            token version) and ``behav_weight_mean`` / ``behav_weight_masked_fraction``;
+            with ``actor.distill``, ``distill_kl`` (mean over trained tokens of behaviour
+            minus teacher log-prob, the reverse-KL estimate).
         """
         start_stats = {}
         if self.use_decoupled_loss:
@@ -600,6 +618,9 @@ class TorchTrainEngine:
                 ref, _ = packed_forward_logprobs(
                     self.ref_model, dev, self.temperature, with_entropy=False
                 )
+        distill_stats = {}
+        if self.teacher_model is not None:
+            dev, distill_stats = self._distill(dev)
         if self.fused_loss:
             loss, stats, logprobs, prox = self._fused_loss(mb, dev, prox, ref, weight)
         else:
@@ -609,7 +630,28 @@ class TorchTrainEngine:
         stats["behav_logprob_abs_diff"] = diff / mask.sum().clamp(min=1)
         if prox is not None:
             stats.update(behav_weight_stats(prox, behav, mask, self.loss_config.behav_weight_cap))
+        stats.update(distill_stats)
         return loss, stats
+
+    def _distill(self, dev: PackedBatch) -> tuple[PackedBatch, dict]:
+        """``dev`` with on-policy distillation advantages, and ``{"distill_kl": mean reverse
+        KL over its trained tokens}`` (0-d tensor; no host synchronisation).
+
+        The teacher scores the micro-batch's tokens on the reference's path (no grad, no
+        [T, V] logits, at :attr:`temperature`); the student's log-probs are the behaviour
+        log-probs, those of the policy that sampled the tokens
+        (:func:`~areal_fast.rl.distill.distill_advantages`).
+        """
+        with torch.no_grad():
+            teacher, _ = packed_forward_logprobs(
+                self.teacher_model, dev, self.temperature, with_entropy=False
+            )
+        cfg = self.actor.distill
+        advantages, reverse_kl = distill_advantages(
+            dev.advantages, dev.behav_logprobs, teacher, dev.loss_mask, cfg.coef, cfg.task_reward
+        )
+        mean_kl = reverse_kl.sum() / dev.loss_mask.sum().clamp(min=1)
+        return dataclasses.replace(dev, advantages=advantages), {"distill_kl": mean_kl}
 
     def _fused_loss(self, mb: PackedBatch, dev: PackedBatch, prox, ref, weight):
         """fused_linear_grpo_loss inside packed_forward_loss: (loss, stats, detached
@@ -735,6 +777,11 @@ class TorchTrainEngine:
         peft_model.get_base_model().save_pretrained(path, state_dict=merged)
         adapter = get_peft_model_state_dict(peft_model, state_dict=_peft_keys(state))
         peft_model.save_pretrained(os.path.join(path, "adapter"), state_dict=adapter)
+
+
+def _frozen(model):
+    """``model`` in eval mode without gradients (None stays None)."""
+    return None if model is None else model.eval().requires_grad_(False)
 
 
 def _peft_keys(state: dict) -> dict:

@@ -29,6 +29,7 @@ from areal_fast.launch.factories import TorchTrainerFactory
 from areal_fast.models.config import ModelConfig
 from areal_fast.rl.batch import select_sequences
 from areal_fast.rl.config import LossConfig
+from areal_fast.train.config import DistillConfig
 from areal_fast.train.fsdp import init_trainer_group
 from areal_fast.train.lora import LoraConfig
 from areal_fast.train.torch_engine import OptimizerConfig
@@ -48,13 +49,16 @@ SCENARIOS = {
         keep_groups=True,
     ),
     # two minibatches: compared with a single process whose minibatch i is the union of the
-    # ranks' i-th minibatches; KL against a sharded reference model; a decaying LR
-    "token_sum-kl-minibatches": dict(
+    # ranks' i-th minibatches; KL against a sharded reference model; a decaying LR; beside
+    # the reference a sharded distillation teacher (the tiny model itself: its signal is
+    # coef · (its log-probs − the batch's random behaviour log-probs))
+    "token_sum-kl-distill-minibatches": dict(
         loss=LossConfig(aggregation="token_sum", kl_coef=0.1, entropy_coef=0.01),
         optim=OptimizerConfig(lr=1e-4, lr_schedule="linear", warmup_steps=1),
         use_decoupled_loss=True,
         ppo_n_minibatches=2,
         total_steps=STEPS,
+        distill=DistillConfig(teacher_path="the tiny model", coef=0.5),
     ),
     # LoRA adapters sharded with their layers; the weights compared are the adapter's
     "token_mean-lora": dict(
@@ -70,6 +74,8 @@ SCENARIOS = {
 def test_two_ranks_equal_one_rank(tiny_model_dir, name):
     seed = random.SystemRandom().randrange(1 << 30)
     kwargs = dict(SCENARIOS[name], model_path=str(tiny_model_dir), max_tokens_per_mb=BUDGET)
+    if "distill" in kwargs:
+        kwargs["distill"] = dataclasses.replace(kwargs["distill"], teacher_path=str(tiny_model_dir))
     reports = run_ranks(train_ranks, 2, (kwargs, seed, STEPS))
     expected, expected_weights, counts = _single_process(kwargs, seed)
     assert counts[0][1] > counts[0][0], counts  # micro-batch counts differ before agreeing
