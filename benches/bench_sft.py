@@ -169,8 +169,10 @@ def held_out_accuracy(model: str, out: Path, threads: int) -> float:
     done = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO_ROOT)
     if done.returncode != 0:
         raise SystemExit(f"areal-fast eval failed:\n{done.stderr[-3000:]}")
-    rows = [json.loads(line) for path in out.rglob("eval_*.jsonl") for line in open(path)]
-    return sum(bool(r["correct"]) for r in rows) / max(len(rows), 1)
+    rows = [json.loads(line) for path in out.rglob("eval.jsonl") for line in open(path)]
+    if not rows:
+        raise SystemExit(f"areal-fast eval wrote no eval.jsonl under {out}")
+    return sum(bool(r["correct"]) for r in rows) / len(rows)
 
 
 def summarize(name: str, run: dict, warmup: int) -> dict:
