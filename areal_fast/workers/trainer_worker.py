@@ -25,7 +25,6 @@ from areal_fast.sync.trainer_slots import TrainerSlots
 from areal_fast.train.config import ActorConfig
 from areal_fast.wire import messages as msg
 from areal_fast.wire.shards import fetch_packed_batch
-from areal_fast.workers.allocator import return_large_blocks
 from areal_fast.workers.core_hooks import trainer_cores
 from areal_fast.workers.core_share import CoreShareSpec, FixedCores
 
@@ -83,7 +82,6 @@ def trainer_worker_main(conn, name: str, spec: TrainerWorkerSpec, authkey: bytes
     A reader thread starts fetching each TrainStep's shards as soon as the message arrives,
     so the next batch downloads while the current one trains; steps run in order.
     """
-    return_large_blocks()  # before the first step's blocks (see workers/allocator.py)
     if spec.threads:
         torch.set_num_threads(spec.threads)
     trainer = spec.trainer_factory()
