@@ -92,6 +92,21 @@ def make_tiny_model_dir(path: Path, arch: str = "llama", tie: bool = True) -> Pa
     return path
 
 
+def swapped_vocab_copy(model_dir: Path, out: Path, a: str, b: str) -> dict:
+    """Copy the model folder ``model_dir`` to ``out`` with tokens ``a`` and ``b`` swapped in its
+    tokenizer (another vocabulary, same size); returns the copy's token → id dict."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    path = out / "tokenizer.json"
+    tok = json.loads(path.read_text())
+    vocab = tok["model"]["vocab"]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    path.write_text(json.dumps(tok))
+    return vocab
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"), "llama")

@@ -166,6 +166,24 @@ WANDB_MODES = ("online", "offline", "disabled")
 DEFAULT_EXPERIMENT = "default"  # experiment_name of a config built without a YAML file
 
 
+def name_run_folders(cfg) -> None:
+    """Fill ``cfg.experiment_name`` (None: :data:`DEFAULT_EXPERIMENT`) and check that it and
+    ``cfg.trial_name`` are plain folder names (the run directory is
+    ``fileroot/experiment_name/trial_name``); shared by ``train`` and ``sft`` configs.
+
+    Raises
+    ------
+    ValueError
+        Either name empty, holding "/", or starting with ".".
+    """
+    if cfg.experiment_name is None:
+        cfg.experiment_name = DEFAULT_EXPERIMENT
+    for key in ("experiment_name", "trial_name"):
+        value = getattr(cfg, key)
+        if not value or "/" in value or value.startswith("."):
+            raise ValueError(f"{key} = {value!r} must be a plain, non-empty folder name")
+
+
 @dataclass
 class WandbConfig:
     """A Weights & Biases run fed each step's record, the held-out accuracies and the config;
@@ -291,12 +309,7 @@ class ExperimentConfig:
             self._check_reproducible()
         if self.agent.path:
             self._check_agent_lengths()
-        if self.experiment_name is None:
-            self.experiment_name = DEFAULT_EXPERIMENT
-        for key in ("experiment_name", "trial_name"):
-            value = getattr(self, key)
-            if not value or "/" in value or value.startswith("."):
-                raise ValueError(f"{key} = {value!r} must be a plain, non-empty folder name")
+        name_run_folders(self)
 
     def _check_lora_engine(self) -> None:
         engine = self.rollout.engine

@@ -16,10 +16,10 @@ from areal_fast.controller.config import CheckpointConfig
 from areal_fast.data.config import DataConfig
 from areal_fast.data.sft_data import SftDataConfig
 from areal_fast.launch.config import (
-    DEFAULT_EXPERIMENT,
     ExperimentConfig,
     LoggingConfig,
     load_config,
+    name_run_folders,
 )
 from areal_fast.models.config import ModelConfig
 from areal_fast.train.config import ActorConfig, OptimizerConfig
@@ -143,12 +143,7 @@ class SftConfig:
             )
         if self.resume and self.overwrite:
             raise ValueError("resume=true and overwrite=true contradict each other")
-        if self.experiment_name is None:
-            self.experiment_name = DEFAULT_EXPERIMENT
-        for key in ("experiment_name", "trial_name"):
-            value = getattr(self, key)
-            if not value or "/" in value or value.startswith("."):
-                raise ValueError(f"{key} = {value!r} must be a plain, non-empty folder name")
+        name_run_folders(self)
 
     @property
     def run_dir(self) -> Path:

@@ -4,10 +4,10 @@ perturbed copy of the student as teacher, and the settings refused in one line."
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
+from conftest import swapped_vocab_copy
 from linked_job import tiny_job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
@@ -77,12 +77,7 @@ def _adapter_dir(out: Path) -> Path:
 
 def _other_vocab_dir(model_dir: Path, out: Path) -> Path:
     """The tiny model with two token ids swapped in its tokenizer."""
-    shutil.copytree(model_dir, out)
-    path = out / "tokenizer.json"
-    tok = json.loads(path.read_text())
-    vocab = tok["model"]["vocab"]
-    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
-    path.write_text(json.dumps(tok))
+    swapped_vocab_copy(model_dir, out, "a", "b")
     return out
 
 

@@ -1,10 +1,8 @@
 """The distillation teacher's checks: a full model reading the student's token ids."""
 
-import json
-import shutil
-
 import pytest
 import transformers
+from conftest import swapped_vocab_copy
 
 from areal_fast.models.teacher import check_teacher
 
@@ -21,12 +19,7 @@ def test_a_teacher_with_the_same_tokenizer_and_a_wider_head_passes(tiny_model_di
 
 def test_another_vocabulary_names_both_paths_and_a_token(tiny_model_dir, tmp_path):
     teacher = tmp_path / "t"
-    shutil.copytree(tiny_model_dir, teacher)
-    path = teacher / "tokenizer.json"
-    tok = json.loads(path.read_text())
-    vocab = tok["model"]["vocab"]
-    vocab["x"], vocab["y"] = vocab["y"], vocab["x"]
-    path.write_text(json.dumps(tok))
+    vocab = swapped_vocab_copy(tiny_model_dir, teacher, "x", "y")
     with pytest.raises(ValueError) as info:
         check_teacher(str(teacher), str(tiny_model_dir))
     message = str(info.value)
