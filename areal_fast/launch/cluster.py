@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 from areal_fast._nodes import LOCAL_NODE, reachable_host
+from areal_fast.launch.allocator import loaded_allocator, trainer_environment
 from areal_fast.launch.config import LauncherConfig, SchedulerConfig
 from areal_fast.sync.config import SyncConfig, choose_transport
 from areal_fast.sync.shared_memory import remove_orphaned_buffers
@@ -262,13 +263,16 @@ class Cluster:
         self._links = 0  # weight links made, for unique tags
         self._job_tag = secrets.token_hex(4)
         self._cores: Optional[CoreShareSpec] = None  # the core table (LocalCluster)
+        self._trainer_env: dict[str, str] = {}  # the trainer processes' allocator (local)
 
     @property
     def trainer(self) -> Optional[WorkerHandle]:
         """Trainer rank 0 (None before start)."""
         return self.trainer_ranks[0] if self.trainer_ranks else None
 
-    def _start_worker(self, name: str, target, spec) -> WorkerHandle:
+    def _start_worker(self, name: str, target, spec, env=None) -> WorkerHandle:
+        """Start worker ``name``; ``env``: variables its process starts with (the local
+        launcher's trainer allocator, :mod:`areal_fast.launch.allocator`)."""
         raise NotImplementedError
 
     def __enter__(self) -> "Cluster":
@@ -277,7 +281,10 @@ class Cluster:
             for rank, spec in enumerate(self.spec.trainer_specs()):
                 self.trainer_ranks.append(
                     self._start_worker(
-                        trainer_name(rank), trainer_worker_main, self._core_slot(spec, rank)
+                        trainer_name(rank),
+                        trainer_worker_main,
+                        self._core_slot(spec, rank),
+                        self._trainer_env,
                     )
                 )
             rollout = self.spec.rollout_spec()
@@ -478,12 +485,19 @@ class LocalCluster(Cluster):
 
     def __enter__(self) -> "LocalCluster":
         s = self.spec
+        self._trainer_env = trainer_environment(s.launcher.allocator)
         if s.shared_cores:  # a failed start closes the cluster, which deletes the table
             shares = (s.trainer.threads,) * s.train_world_size
             self._cores = create_table(
                 shares + (s.rollout.threads,) * s.num_rollout_workers, s.shared_cores
             )
-        return super().__enter__()
+        super().__enter__()
+        log.info(
+            "trainer allocator: %s (launcher.allocator = %s)",
+            loaded_allocator(self.trainer.pid),
+            s.launcher.allocator,
+        )
+        return self
 
     def close(self, grace_seconds: float = 2.0) -> None:
         """:meth:`Cluster.close`, then delete the core table."""
@@ -492,12 +506,12 @@ class LocalCluster(Cluster):
             remove_table(self._cores)
             self._cores = None
 
-    def _start_worker(self, name: str, target, spec) -> WorkerHandle:
+    def _start_worker(self, name: str, target, spec, env=None) -> WorkerHandle:
         target = functools.partial(worker_main, target)
         if threading.current_thread() is not threading.main_thread():
-            return spawn_worker(name, target, spec, self.authkey)
+            return spawn_worker(name, target, spec, self.authkey, env)
         handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            return spawn_worker(name, target, spec, self.authkey)
+            return spawn_worker(name, target, spec, self.authkey, env)
         finally:
             signal.signal(signal.SIGINT, handler)

@@ -26,6 +26,7 @@ from areal_fast.agent.store import TrajectoryConfig
 from areal_fast.controller.config import CheckpointConfig, RecoveryConfig, Timeouts
 from areal_fast.data.config import DataConfig
 from areal_fast.data.user_reward import RewardConfig
+from areal_fast.launch.allocator import ALLOCATORS
 from areal_fast.models.config import ModelConfig
 from areal_fast.rl.config import LossConfig
 from areal_fast.rollout.config import RolloutConfig
@@ -78,12 +79,19 @@ class LauncherConfig:
     share_cores: bool = True
     startup_timeout: float = 600.0  # seconds for every worker to load its model
     timeouts: Timeouts = field(default_factory=Timeouts)
+    # malloc of the local launcher's trainer processes: "auto" (mimalloc where the
+    # cmeel-mimalloc package is installed, on Linux; glibc's heap otherwise keeps freed
+    # activation blocks it cannot reuse, docs/lora.md), "mimalloc" (an error without it),
+    # "system" (the C library's)
+    allocator: str = "auto"
 
     def __post_init__(self):
         for name in ("trainer_threads", "rollout_threads"):
             if getattr(self, name) is not None:
                 at_least(name, getattr(self, name), 1)
         positive_finite("startup_timeout", self.startup_timeout)
+        if self.allocator not in ALLOCATORS:
+            raise ValueError(f"launcher.allocator = {self.allocator!r} is not one of {ALLOCATORS}")
 
 
 @dataclass

@@ -397,7 +397,9 @@ class RayCluster(Cluster):
             for i in range(len(names))
         ]
 
-    def _start_worker(self, name: str, target, spec) -> WorkerHandle:
+    def _start_worker(self, name: str, target, spec, env=None) -> WorkerHandle:
+        # env (the local launcher's trainer allocator) is not applied: an actor keeps its
+        # node's allocator (LD_PRELOAD through Ray's runtime_env, docs/lora.md)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = self._bundles[name]

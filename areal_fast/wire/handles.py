@@ -8,9 +8,11 @@ every pipe and every process sentinel at once, so a worker that dies is reported
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import selectors
+import threading
 import traceback
 from multiprocessing.connection import wait
 from typing import Optional
@@ -148,19 +150,43 @@ def _worker_entry(target, raw_conn, name: str, spec, authkey: bytes) -> None:
         raise
 
 
-def spawn_worker(name: str, target, spec, authkey: bytes) -> ProcessHandle:
+def spawn_worker(
+    name: str, target, spec, authkey: bytes, env: Optional[dict[str, str]] = None
+) -> ProcessHandle:
     """Start ``target(conn, name, spec, authkey)`` in a new ``spawn`` process.
 
     ``target`` and ``spec`` must be picklable (module-level function, dataclass spec).
+    ``env``: variables the new interpreter starts with besides this process's environment
+    (e.g. ``LD_PRELOAD``, which only an exec'd process takes); this process's own
+    environment is restored as soon as the child has started.
     """
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)
     process = ctx.Process(
         target=_worker_entry, args=(target, child, name, spec, authkey), name=name, daemon=True
     )
-    process.start()
+    with _SPAWN_LOCK, _environment(env or {}):
+        process.start()
     child.close()
     return ProcessHandle(name, process, MessageChannel(parent))
+
+
+_SPAWN_LOCK = threading.Lock()  # one process start at a time while the environment is changed
+
+
+@contextlib.contextmanager
+def _environment(env: dict[str, str]):
+    """``os.environ`` with ``env`` set inside the block, as it was after it."""
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def _receive(handle: WorkerHandle, doing: str):
