@@ -26,7 +26,7 @@ from areal_fast.agent.store import TrajectoryConfig
 from areal_fast.controller.config import CheckpointConfig, RecoveryConfig, Timeouts
 from areal_fast.data.config import DataConfig
 from areal_fast.data.user_reward import RewardConfig
-from areal_fast.launch.allocator import ALLOCATORS
+from areal_fast.launch.allocator import trainer_environment
 from areal_fast.models.config import ModelConfig
 from areal_fast.rl.config import LossConfig
 from areal_fast.rollout.config import RolloutConfig
@@ -90,8 +90,7 @@ class LauncherConfig:
             if getattr(self, name) is not None:
                 at_least(name, getattr(self, name), 1)
         positive_finite("startup_timeout", self.startup_timeout)
-        if self.allocator not in ALLOCATORS:
-            raise ValueError(f"launcher.allocator = {self.allocator!r} is not one of {ALLOCATORS}")
+        trainer_environment(self.allocator)  # an unknown name, or mimalloc not installed
 
 
 @dataclass

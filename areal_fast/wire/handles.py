@@ -14,6 +14,7 @@ import os
 import selectors
 import threading
 import traceback
+from multiprocessing import resource_tracker
 from multiprocessing.connection import wait
 from typing import Optional
 
@@ -165,6 +166,8 @@ def spawn_worker(
     process = ctx.Process(
         target=_worker_entry, args=(target, child, name, spec, authkey), name=name, daemon=True
     )
+    if env:  # started lazily by the first spawn; it must not inherit ``env``
+        resource_tracker.ensure_running()
     with _SPAWN_LOCK, _environment(env or {}):
         process.start()
     child.close()

@@ -5,6 +5,7 @@ environment is left as it was, and the refusals."""
 from __future__ import annotations
 
 import os
+from multiprocessing import resource_tracker
 
 import pytest
 
@@ -48,10 +49,13 @@ def test_system_sets_nothing_and_missing_mimalloc_is_refused(monkeypatch):
         trainer_environment("jemalloc")
 
 
-def test_config_key_is_checked():
+def test_config_key_is_checked_before_anything_runs(monkeypatch):
     assert load_config(None, []).launcher.allocator == "auto"
     with pytest.raises((ConfigError, ValueError), match="launcher.allocator"):
         load_config(None, ["launcher.allocator=tcmalloc"])
+    monkeypatch.setattr(allocator, "mimalloc_library", lambda: None)
+    with pytest.raises((ConfigError, ValueError), match="libmimalloc.so not found"):
+        load_config(None, ["launcher.allocator=mimalloc"])
 
 
 @needs_mimalloc
@@ -69,3 +73,5 @@ def test_a_spawned_worker_runs_with_the_chosen_allocator(choice, monkeypatch):
     expected = "mimalloc" if choice == "auto" else "system"
     assert reply == {"allocator": expected, "purge": "-1" if choice == "auto" else None}
     assert loaded_allocator() == "system"  # this process is untouched
+    # nor is multiprocessing's resource tracker, which the first spawn starts
+    assert loaded_allocator(resource_tracker._resource_tracker._pid) == "system"

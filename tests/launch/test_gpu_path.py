@@ -40,7 +40,7 @@ class _Handle:
 
 
 class _Cluster(Cluster):
-    def _start_worker(self, name, target, spec):
+    def _start_worker(self, name, target, spec, env=None):
         return _Handle(name)
 
 

@@ -498,7 +498,7 @@ def test_local_cluster_gives_each_worker_its_slot(tmp_path):
             pass
 
     class Recording(LocalCluster):
-        def _start_worker(self, name, target, spec):
+        def _start_worker(self, name, target, spec, env=None):
             return Handle(name, spec)
 
         def _wait_ready(self, handles):
