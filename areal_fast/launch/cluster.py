@@ -492,11 +492,12 @@ class LocalCluster(Cluster):
                 shares + (s.rollout.threads,) * s.num_rollout_workers, s.shared_cores
             )
         super().__enter__()
-        log.info(
-            "trainer allocator: %s (launcher.allocator = %s)",
-            loaded_allocator(self.trainer.pid),
-            s.launcher.allocator,
-        )
+        if self.trainer is not None:  # an evaluation's cluster has rollout workers only
+            log.info(
+                "trainer allocator: %s (launcher.allocator = %s)",
+                loaded_allocator(self.trainer.pid),
+                s.launcher.allocator,
+            )
         return self
 
     def close(self, grace_seconds: float = 2.0) -> None:
