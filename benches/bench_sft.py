@@ -3,8 +3,9 @@
 The same model (the demo SmolLM2-135M-Instruct, float32, CPU), the same rows (the first
 ``--rows`` of ``examples/data/sft_arith/train.jsonl``, prompt + completion rendered as a user
 and an assistant turn by the model's chat template, the loss on the completion only), the
-same rows per step (``--batch``), steps, learning rate, AdamW, gradient clipping, seed and
-threads; packing on in both (areal_fast: rows packed without padding into micro-batches of
+same rows per step (``--batch``), steps, learning rate, AdamW, gradient clipping, seed,
+threads and activation checkpointing (``--checkpointing``, on by default as in TRL's
+``SFTConfig``); packing on in both (areal_fast: rows packed without padding into micro-batches of
 at most ``--tokens-per-mb`` tokens; TRL: ``packing=True`` with its default best-fit-decreasing
 strategy, padding-free, packed sequences of at most as many tokens, gradient accumulation over
 as many as one step's rows fill). On a CPU without flash-attn TRL's packed sequences attend
@@ -28,12 +29,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from _harness import REPO_ROOT, base_metadata, eprint, markdown_table, positive_int, write_json
+
+from areal_fast.launch.allocator import trainer_environment
 
 ROWS_FILE = REPO_ROOT / "examples" / "data" / "sft_arith" / "train.jsonl"
 SFT_CONFIG = REPO_ROOT / "examples" / "sft_arith.yaml"
@@ -77,6 +81,7 @@ config = SFTConfig(
     max_length=micro, packing=True, learning_rate=args["lr"],
     max_grad_norm=args["grad_clip"], lr_scheduler_type="constant", warmup_steps=0,
     weight_decay=0.0, seed=args["seed"], bf16=False, fp16=False, use_cpu=True,
+    gradient_checkpointing=args["gradient_checkpointing"],
     logging_steps=1, save_strategy="no", report_to=[], dataloader_num_workers=0,
     completion_only_loss=True,
 )
@@ -126,10 +131,14 @@ def run_areal(args, out: Path) -> dict:
         f"experiment_name={out.name}",
         f"fileroot={out.parent}",
     ]
-    cmd = ["sft", "--config", str(SFT_CONFIG), *overrides]
+    cmd = ["sft", "--config", str(SFT_CONFIG), *overrides, f"launcher.allocator={args.allocator}",
+           f"actor.gradient_checkpointing={args.checkpointing == 'on'}"]  # fmt: skip
+    # the environment `areal-fast sft` gives itself (it starts itself again with it)
+    env = {**os.environ, **trainer_environment(args.allocator)}
     done = subprocess.run(
-        [sys.executable, "-c", AF_CHILD, *cmd], capture_output=True, text=True, cwd=REPO_ROOT
-    )
+        [sys.executable, "-c", AF_CHILD, *cmd], capture_output=True, text=True, cwd=REPO_ROOT,
+        env=env,
+    )  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"areal-fast sft failed:\n{done.stderr[-3000:]}")
     result = _last_json(done.stdout)
@@ -138,6 +147,7 @@ def run_areal(args, out: Path) -> dict:
     result["tokens"] = [r["tokens"] for r in records]
     result["seconds"] = [r["step_seconds"] for r in records]
     result["model"] = str(run_dir / "checkpoint")
+    result["allocator"] = json.loads((run_dir / "summary.json").read_text())["allocator"]
     return result
 
 
@@ -147,7 +157,7 @@ def run_trl(args, out: Path, model: str, tokens_per_step: int) -> dict:
         threads=args.threads, seed=args.seed, rows_file=str(args.rows_path), rows=args.rows,
         model=model, out=str(out), steps=args.steps, tokens_per_step=tokens_per_step,
         tokens_per_mb=args.tokens_per_mb,
-        lr=args.lr, grad_clip=args.grad_clip,
+        lr=args.lr, grad_clip=args.grad_clip, gradient_checkpointing=args.checkpointing == "on",
     )  # fmt: skip
     done = subprocess.run(
         [sys.executable, "-c", TRL_CHILD, json.dumps(payload)], capture_output=True, text=True
@@ -184,6 +194,7 @@ def summarize(name: str, run: dict, warmup: int) -> dict:
         "tokens_per_step": sum(tokens) / max(len(tokens), 1),
         "train_tokens_per_s": sum(tokens) / max(sum(seconds), 1e-9),
         "peak_rss_mb": run["peak_rss_kib"] / 1024,
+        "allocator": run.get("allocator", "system"),
     }
 
 
@@ -204,6 +215,19 @@ def main(argv=None) -> int:
     parser.add_argument("--grad-clip", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=positive_int, default=2)
+    parser.add_argument(
+        "--checkpointing",
+        choices=("on", "off"),
+        default="on",
+        help="activation checkpointing in both (on: TRL SFTConfig's default, "
+        "gradient_checkpointing=True; areal_fast: actor.gradient_checkpointing)",
+    )
+    parser.add_argument(
+        "--allocator",
+        choices=("auto", "mimalloc", "system"),
+        default="auto",
+        help="areal_fast's launcher.allocator (TRL runs on the C library's malloc)",
+    )
     parser.add_argument("--eval", action="store_true", help="held-out accuracy of both models")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)

@@ -82,3 +82,30 @@ def loaded_allocator(pid: int | str = "self") -> str:
             return "mimalloc" if "libmimalloc" in maps.read() else "system"
     except OSError:
         return "system"
+
+
+_EXEC_MARK = "AREAL_FAST_ALLOCATOR_EXEC"  # set in a process this module started again
+
+
+def exec_under(allocator: str, argv: list[str]) -> None:
+    """Start this command again in this process (same pid, :func:`os.execve`) as
+    ``python -m areal_fast.cli *argv`` with :func:`trainer_environment` of ``allocator``,
+    when that asks for mimalloc and it is not loaded yet; otherwise return at once.
+
+    For a command whose own process trains (``areal-fast sft``): ``LD_PRELOAD`` takes effect
+    only when a process starts. Call it before the command has done anything it would redo.
+    Started once at most: a process this function started never starts itself again, even
+    where the library failed to load.
+
+    Raises
+    ------
+    ValueError
+        As :func:`trainer_environment`.
+    """
+    env = trainer_environment(allocator)
+    if not env or loaded_allocator() == "mimalloc" or os.environ.get(_EXEC_MARK):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    command = [sys.executable, "-m", "areal_fast.cli", *argv]
+    os.execve(sys.executable, command, {**os.environ, **env, _EXEC_MARK: "1"})

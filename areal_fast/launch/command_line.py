@@ -152,13 +152,18 @@ def _compare(args) -> int:
         return 2
 
 
-def _sft(args) -> int:
+def _sft(args, argv: list[str] | None) -> int:
     """``areal-fast sft``: 0 when the run finished (its console summary names the run
-    directory)."""
+    directory). ``argv``: the command line, when it is this process's own: the command then
+    starts itself again under ``launcher.allocator`` first (:func:`~.allocator.exec_under`)."""
+    from areal_fast.launch.allocator import exec_under
     from areal_fast.launch.sft import run_sft
     from areal_fast.launch.sft_config import load_sft_config
 
-    run_sft(load_sft_config(args.config, args.overrides), show_progress=not args.no_progress)
+    cfg = load_sft_config(args.config, args.overrides)
+    if argv is not None:
+        exec_under(cfg.launcher.allocator, argv)
+    run_sft(cfg, show_progress=not args.no_progress)
     return 0
 
 
@@ -167,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     Set ``AREAL_FAST_DEBUG=1`` to get the full traceback of such an error instead.
     """
+    own_command_line = argv is None  # the process's own: sft may start itself again
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser(with_keys=any(a in ("-h", "--help") for a in argv))
     args, extra = parser.parse_known_args(argv)  # options may come between key=value items
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         if args.command == "sft":
-            return _sft(args)
+            return _sft(args, argv if own_command_line else None)
         cfg = load_config(args.config, args.overrides)
         if args.command == "eval":
             from areal_fast.launch.evaluation import accuracy_line, run_evaluation

@@ -22,6 +22,7 @@ from pathlib import Path
 from areal_fast.controller.checkpoint_manager import CheckpointManager
 from areal_fast.data.sft_data import load_sft_examples, step_rows
 from areal_fast.launch import console
+from areal_fast.launch.allocator import loaded_allocator
 from areal_fast.launch.config import ExperimentConfig, LoggingConfig
 from areal_fast.launch.experiment import seed_everything
 from areal_fast.launch.factories import TorchTrainerFactory
@@ -247,6 +248,7 @@ def _summary(cfg: SftConfig, inputs: SftInputs, records: list[dict], final) -> d
         "loss_last": records[-1]["loss"] if records else None,
         "model_path": cfg.model.path,
         "final_model": str(final) if final is not None else None,
+        "allocator": loaded_allocator(),
         **inputs.evals.summary(),
     }
 

@@ -15,6 +15,7 @@ from areal_fast._checks import at_least, positive_finite
 from areal_fast.controller.config import CheckpointConfig
 from areal_fast.data.config import DataConfig
 from areal_fast.data.sft_data import SftDataConfig
+from areal_fast.launch.allocator import trainer_environment
 from areal_fast.launch.config import (
     ExperimentConfig,
     LoggingConfig,
@@ -35,6 +36,9 @@ class SftActorConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (docs/lora.md)
     max_tokens_per_mb: int = 4096  # token budget of one micro-batch; longer rows are refused
     pack_method: str = "kk"  # "kk" (Karmarkar–Karp) | "ffd" (first-fit decreasing)
+    # keep only each decoder layer's input for the backward pass and run the layer's forward
+    # again there: far less activation memory for about one more decoder forward (docs/sft.md)
+    gradient_checkpointing: bool = False
 
     def __post_init__(self):
         at_least("max_tokens_per_mb", self.max_tokens_per_mb, 1)
@@ -53,6 +57,7 @@ class SftActorConfig:
             pack_method=self.pack_method,
             keep_groups=False,
             use_decoupled_loss=False,
+            gradient_checkpointing=self.gradient_checkpointing,
         )
 
 
@@ -99,6 +104,19 @@ class SftSchedulerConfig:
 
 
 @dataclass
+class SftLauncherConfig:
+    """The process of an ``areal-fast sft`` run (its rank 0) and its spawned ranks."""
+
+    # malloc of the run's processes: "auto" (mimalloc where the cmeel-mimalloc package is
+    # installed, on Linux: the command starts itself again with it preloaded), "mimalloc" (an
+    # error without it), "system" (the C library's); as train's launcher.allocator
+    allocator: str = "auto"
+
+    def __post_init__(self):
+        trainer_environment(self.allocator)  # an unknown name, or mimalloc not installed
+
+
+@dataclass
 class SftConfig:
     """Everything one ``areal-fast sft`` run needs."""
 
@@ -122,6 +140,7 @@ class SftConfig:
     actor: SftActorConfig = field(default_factory=SftActorConfig)
     eval: SftEvalConfig = field(default_factory=SftEvalConfig)
     scheduler: SftSchedulerConfig = field(default_factory=SftSchedulerConfig)
+    launcher: SftLauncherConfig = field(default_factory=SftLauncherConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, W&B sinks
     tags: List[str] = field(default_factory=list)  # free labels, kept in the run's config.yaml

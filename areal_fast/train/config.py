@@ -114,6 +114,10 @@ class ActorConfig:
     lora: LoraConfig = field(default_factory=LoraConfig)  # LoRA adapters (docs/lora.md)
     # on-policy distillation from a teacher (docs/distillation.md)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    # keep only each decoder layer's input for the backward pass and run the layer's forward
+    # again there: a micro-batch's activations shrink to one [T, H] tensor per layer, for
+    # about one more forward pass of the decoder (docs/sft.md, "Memory")
+    gradient_checkpointing: bool = False
 
     def __post_init__(self):
         if self.adv_mode not in ADVANTAGE_MODES:

@@ -24,6 +24,7 @@ from areal_fast.rl.decoupled import (
 from areal_fast.rl.distill import distill_advantages
 from areal_fast.rl.fused_loss import fused_linear_grpo_loss
 from areal_fast.rl.objectives import grpo_loss
+from areal_fast.train.activation_checkpointing import checkpoint_decoder_layers
 from areal_fast.train.config import LR_SCHEDULES, PROX_LOGP_METHODS, ActorConfig, OptimizerConfig  # noqa: F401
 from areal_fast.train.lora import (
     adapter_weights,
@@ -317,6 +318,8 @@ class TorchTrainEngine:
             raise ValueError(f"fused_loss = {fused_loss!r} must be a bool")
         if actor.lora.enabled:  # in place (FSDPTrainEngine did it before sharding)
             apply_lora(model, actor.lora)
+        if actor.gradient_checkpointing:
+            checkpoint_decoder_layers(model)
         if packed_attention:
             name = register_packed_attention()
             for m in (model, ref_model, teacher_model):

@@ -4,8 +4,12 @@ environment is left as it was, and the refusals."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from multiprocessing import resource_tracker
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +17,8 @@ from areal_fast.launch import allocator
 from areal_fast.launch.allocator import loaded_allocator, mimalloc_library, trainer_environment
 from areal_fast.launch.config import ConfigError, load_config
 from areal_fast.wire.handles import spawn_worker
+
+REPO = Path(__file__).resolve().parents[2]
 
 needs_mimalloc = pytest.mark.skipif(
     mimalloc_library() is None, reason="cmeel-mimalloc is not installed (Linux only)"
@@ -75,3 +81,29 @@ def test_a_spawned_worker_runs_with_the_chosen_allocator(choice, monkeypatch):
     assert loaded_allocator() == "system"  # this process is untouched
     # nor is multiprocessing's resource tracker, which the first spawn starts
     assert loaded_allocator(resource_tracker._resource_tracker._pid) == "system"
+
+
+@needs_mimalloc
+@pytest.mark.parametrize("choice", ["auto", "system"])
+def test_the_sft_command_starts_itself_again_on_mimalloc(choice, tiny_model_dir, tmp_path):
+    """``areal-fast sft`` trains in its own process: with ``auto`` it execs itself with
+    mimalloc preloaded (once), and its ``summary.json`` says which allocator trained."""
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{a}+1?", "completion": "ok"}) + "\n"
+                            for a in range(4)))  # fmt: skip
+    args = [
+        "sft", "--config", str(REPO / "examples" / "sft_arith.yaml"), "--no-progress",
+        f"model.path={tiny_model_dir}", f"data.path={rows}", f"fileroot={tmp_path}",
+        "trial_name=t", "eval.before=false", "eval.after=false", "batch_size=2",
+        "total_steps=1", "threads=1", "checkpoint.final_model=false",
+        f"launcher.allocator={choice}",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY")}
+    done = subprocess.run(
+        [sys.executable, "-m", "areal_fast.cli", *args],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = json.loads((tmp_path / "sft-arith" / "t" / "summary.json").read_text())
+    assert summary["allocator"] == ("mimalloc" if choice == "auto" else "system")
+    assert done.stderr.count("finished 1 supervised steps") == 1  # it ran once

@@ -47,6 +47,7 @@ SCENARIOS = {
         use_decoupled_loss=True,
         prox_logp_method="loglinear",
         keep_groups=True,
+        gradient_checkpointing=True,  # the layers' forward runs again in the backward
     ),
     # two minibatches: compared with a single process whose minibatch i is the union of the
     # ranks' i-th minibatches; KL against a sharded reference model; a decaying LR; beside
