@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 ALLOCATORS = ("auto", "mimalloc", "system")
@@ -88,9 +89,10 @@ _EXEC_MARK = "AREAL_FAST_ALLOCATOR_EXEC"  # set in a process this module started
 
 
 def exec_under(allocator: str, argv: list[str]) -> None:
-    """Start this command again in this process (same pid, :func:`os.execve`) as
-    ``python -m areal_fast.cli *argv`` with :func:`trainer_environment` of ``allocator``,
-    when that asks for mimalloc and it is not loaded yet; otherwise return at once.
+    """Start this command again in this process (same pid, :func:`os.execve`): the
+    interpreter runs :func:`areal_fast.cli.main` on ``argv``, from this same package, with
+    :func:`trainer_environment` of ``allocator``, when that asks for mimalloc and it is not
+    loaded yet; otherwise return at once.
 
     For a command whose own process trains (``areal-fast sft``): ``LD_PRELOAD`` takes effect
     only when a process starts. Call it before the command has done anything it would redo.
@@ -107,5 +109,10 @@ def exec_under(allocator: str, argv: list[str]) -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    command = [sys.executable, "-m", "areal_fast.cli", *argv]
-    os.execve(sys.executable, command, {**os.environ, **env, _EXEC_MARK: "1"})
+    # the package this process runs, first on the path (not the working directory, which
+    # `python -m` would put there: a source checkout would shadow an installed wheel)
+    root = str(Path(__file__).resolve().parents[2])
+    code = f"import sys; sys.path[0] = {root!r}; from areal_fast.cli import main; sys.exit(main())"
+    os.execve(
+        sys.executable, [sys.executable, "-c", code, *argv], {**os.environ, **env, _EXEC_MARK: "1"}
+    )

@@ -99,9 +99,9 @@ def test_the_sft_command_starts_itself_again_on_mimalloc(choice, tiny_model_dir,
         f"launcher.allocator={choice}",
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MIMALLOC_PURGE_DELAY")}
+    script = Path(sys.executable).parent / "areal-fast"  # the installed command, run elsewhere
     done = subprocess.run(
-        [sys.executable, "-m", "areal_fast.cli", *args],
-        capture_output=True, text=True, timeout=300, env=env,
+        [str(script), *args], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads((tmp_path / "sft-arith" / "t" / "summary.json").read_text())
