@@ -37,7 +37,7 @@ from pathlib import Path
 
 from _harness import REPO_ROOT, base_metadata, eprint, markdown_table, positive_int, write_json
 
-from areal_fast.launch.allocator import trainer_environment
+from areal_fast.launch.allocator import ALLOCATORS, trainer_environment
 
 ROWS_FILE = REPO_ROOT / "examples" / "data" / "sft_arith" / "train.jsonl"
 SFT_CONFIG = REPO_ROOT / "examples" / "sft_arith.yaml"
@@ -97,7 +97,9 @@ trainer.train()
 trainer.save_model(args["out"] + "/model")
 tokenizer.save_pretrained(args["out"] + "/model")
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"tokens": tokens, "seconds": seconds, "peak_rss_kib": peak}))
+from areal_fast.launch.allocator import loaded_allocator
+print(json.dumps({"tokens": tokens, "seconds": seconds, "peak_rss_kib": peak,
+                  "allocator": loaded_allocator()}))
 """
 
 # the areal_fast child: runs the CLI in-process and prints its peak RSS as one JSON line
@@ -194,7 +196,7 @@ def summarize(name: str, run: dict, warmup: int) -> dict:
         "tokens_per_step": sum(tokens) / max(len(tokens), 1),
         "train_tokens_per_s": sum(tokens) / max(sum(seconds), 1e-9),
         "peak_rss_mb": run["peak_rss_kib"] / 1024,
-        "allocator": run.get("allocator", "system"),
+        "allocator": run["allocator"],
     }
 
 
@@ -224,7 +226,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument(
         "--allocator",
-        choices=("auto", "mimalloc", "system"),
+        choices=ALLOCATORS,
         default="auto",
         help="areal_fast's launcher.allocator (TRL runs on the C library's malloc)",
     )
