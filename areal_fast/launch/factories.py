@@ -24,7 +24,8 @@ class HFEngineFactory:
     model : ModelConfig
         Which model to load (``path``, ``dtype``, ``attn_implementation``, ``device``).
     rollout : RolloutConfig
-        ``max_batch_size``: sequences the engine generates together.
+        ``max_batch_size``: sequences the engine generates together; ``hf_batching``:
+        continuous or static batches.
     """
 
     model: ModelConfig
@@ -37,7 +38,7 @@ class HFEngineFactory:
         m = self.model
         tokenizer = load_tokenizer(m.path)
         model = load_causal_lm(m.path, m.dtype, m.attn_implementation, m.device)
-        engine = HFEngine(model, tokenizer, self.rollout.max_batch_size)
+        engine = HFEngine(model, tokenizer, self.rollout.max_batch_size, self.rollout.hf_batching)
 
         def decode(token_ids: list[int]) -> str:
             return tokenizer.decode(token_ids, skip_special_tokens=True)

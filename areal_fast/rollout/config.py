@@ -63,6 +63,9 @@ class VLLMConfig:
         return replace(self, dtype=model_dtype) if self.dtype == "auto" else self
 
 
+HF_BATCHING = ("continuous", "static")  # rollout.hf_batching
+
+
 @dataclass
 class RolloutConfig:
     """Sampling during training (the inference engines) and how far it may run ahead.
@@ -86,10 +89,14 @@ class RolloutConfig:
     # token's staleness ≤ η; slow groups are long ones, so it shortens trained completions)
     drop_stale: bool = True
     num_workers: int = 1  # rollout worker processes (one engine each)
-    # inference engine of every rollout worker: hf (embedded transformers, static batches),
-    # vllm (vLLM's AsyncLLM in the worker), vllm_server (a `vllm serve` per worker, started
-    # by it or at server_url), sglang_server (an SGLang server per worker at server_url)
+    # inference engine of every rollout worker: hf (embedded transformers), vllm (vLLM's
+    # AsyncLLM in the worker), vllm_server (a `vllm serve` per worker, started by it or at
+    # server_url), sglang_server (an SGLang server per worker at server_url)
     engine: str = "hf"
+    # how the hf engine batches: continuous (requests join and leave the running batch at
+    # every decoding step, per-slot KV cache) or static (model.generate over left-padded
+    # batches that run until their longest sequence ends; docs/engines.md)
+    hf_batching: str = "continuous"
     # on a weight update: abort (running samples come back partial and are resubmitted,
     # their KV recomputed) or keep (vllm*, sglang_server: frozen in the engine, decoding
     # continues under the new weights; tokens before the seam keep old-weight KV)
@@ -116,6 +123,10 @@ class RolloutConfig:
         at_least("num_workers", self.num_workers, 1)
         if self.engine not in ENGINES:
             raise ValueError(f"engine = {self.engine!r}: expected one of {', '.join(ENGINES)}")
+        if self.hf_batching not in HF_BATCHING:
+            raise ValueError(
+                f"hf_batching = {self.hf_batching!r}: expected one of {', '.join(HF_BATCHING)}"
+            )
         if self.pause_mode not in PAUSE_MODES:
             raise ValueError(
                 f"pause_mode = {self.pause_mode!r}: expected one of {', '.join(PAUSE_MODES)}"

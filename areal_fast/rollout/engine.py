@@ -123,6 +123,9 @@ class GenOutput:
         "stop" (end-of-sequence token, included in output_ids), "length" (budget used up)
         or "abort" (interrupted by :meth:`AsyncInferenceEngine.pause`; resubmit
         input_ids + output_ids with the remaining budget to continue).
+    first_token_time : float or None
+        ``time.monotonic()`` when the engine sampled the first new token (engines that
+        record it: the embedded engine's continuous batches); None otherwise.
     """
 
     rid: int
@@ -130,6 +133,7 @@ class GenOutput:
     logprobs: list[float]
     versions: list[int]
     stop_reason: str
+    first_token_time: Optional[float] = None
 
 
 def check_requests(requests: list[GenRequest]) -> None:

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
-from transformers import StoppingCriteria
 
 from areal_fast.rl.batch import Trajectory
+from areal_fast.rollout.config import HF_BATCHING
+from areal_fast.rollout.decode_batch import DecodeBatch, Sequence
 from areal_fast.rollout.engine import (
     GenOutput,
     GenRequest,
@@ -19,58 +20,36 @@ from areal_fast.rollout.engine import (
     sample_seed,
 )
 from areal_fast.rollout.lora_merge import AdapterMerger
-from areal_fast.rollout.sampling import SeededSampler
+from areal_fast.rollout.static_batch import generate_rows
 from areal_fast.sync.adapter import is_adapter_update
 
-
-@dataclass
-class _RowResult:
-    """Tokens generated for one row of a batch, cut at its budget or end-of-sequence."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str  # "stop", "length" or "abort"
-
-
-class _StopRows(StoppingCriteria):
-    """Finish each row at its own budget, and every row once ``abort`` is set.
-
-    Parameters
-    ----------
-    start_len : int
-        Width of the padded input.
-    budgets : torch.Tensor
-        New-token budget of each row, shape [rows], int64, on the generation device.
-    abort : threading.Event or None
-        When set, every row is reported finished at the next step.
-    """
-
-    def __init__(self, start_len: int, budgets: torch.Tensor, abort: Optional[threading.Event]):
-        self.start_len = start_len
-        self.budgets = budgets
-        self.abort = abort
-
-    def __call__(self, input_ids: torch.LongTensor, scores, **kwargs) -> torch.BoolTensor:
-        if self.abort is not None and self.abort.is_set():
-            return torch.ones(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-        return self.budgets <= input_ids.shape[1] - self.start_len
+# prompt tokens prefilled in one step at most (at least one sequence is always admitted)
+MAX_PREFILL_TOKENS = 8192
 
 
 class HFEngine:
-    """An inference engine running ``model.generate``, with a batch and a request-level API.
+    """The embedded inference engine over a transformers causal LM, batch and request-level APIs.
 
     The batch API (:meth:`generate`, an
     :class:`~areal_fast.rollout.engine.InferenceEngine`) generates in the caller's thread.
     The request-level API (:meth:`start`, :meth:`submit`, :meth:`get_outputs`,
     :meth:`pause`, :meth:`resume`, :meth:`close`, an
     :class:`~areal_fast.rollout.engine.AsyncInferenceEngine`) runs requests in an engine
-    thread: it takes up to ``max_batch_size`` queued requests that share (temperature,
-    top_p), oldest first, left-pads them and runs one ``model.generate``, which
-    :meth:`pause` cuts short at the next token. Both APIs use the same batch generation.
+    thread. Both APIs batch the same way, chosen by ``batching``:
 
-    Prompts are left-padded into batches of at most ``max_batch_size`` sequences. Sampling
-    uses temperature and top-p only: top-k, repetition penalties and every other logits
-    processor that a model's ``generation_config.json`` may set are switched off. The
+    - ``"continuous"`` (default): up to ``max_batch_size`` sequences decode together
+      (:class:`~areal_fast.rollout.decode_batch.DecodeBatch`, one forward pass a step over a
+      per-slot KV cache); a queued request joins at the next step, a finished one leaves at
+      once and its slot takes the next, and requests with any sampling settings share a
+      batch. Identical prompts (a GRPO group) are prefilled once. :meth:`pause` aborts the
+      running requests at the next step.
+    - ``"static"``: up to ``max_batch_size`` queued requests that share (temperature, top_p),
+      oldest first, are left-padded into one ``model.generate``, which runs until its longest
+      row ends (:func:`~areal_fast.rollout.static_batch.generate_rows`); :meth:`pause` cuts it
+      short at the next token.
+
+    Sampling uses temperature and top-p only: top-k, repetition penalties and every other
+    logits processor that a model's ``generation_config.json`` may set are switched off. The
     behaviour log-prob of each generated token is ``log_softmax(logits / temperature)`` of the
     raw logits, i.e. the tempered full distribution that the trainer recomputes, so the PPO
     ratio is exactly 1 on-policy; with top_p < 1 the tokens are drawn from the nucleus of that
@@ -90,16 +69,20 @@ class HFEngine:
         Supplies ``pad_token_id`` and ``eos_token_id``.
     max_batch_size : int
         Sequences generated together.
+    batching : str
+        "continuous" or "static" (see above).
 
     Raises
     ------
     ValueError
-        If ``max_batch_size`` < 1.
+        If ``max_batch_size`` < 1 or ``batching`` is unknown.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64):
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, batching: str = "continuous"):
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size = {max_batch_size} must be >= 1")
+        if batching not in HF_BATCHING:
+            raise ValueError(f"batching = {batching!r}: expected one of {', '.join(HF_BATCHING)}")
         from transformers import GenerationConfig
 
         self.model = model.eval()
@@ -113,6 +96,7 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         self.max_batch_size = max_batch_size
+        self.batching = batching
         self._version = 0
         # Held while the model generates or changes weights (both APIs, any thread).
         self._model_lock = threading.Lock()
@@ -184,16 +168,22 @@ class HFEngine:
             for gid, p in enumerate(prompts)
             for i in range(params.n)
         ]
+        if self.batching == "continuous":
+            return self._generate_continuous(expanded, params)
         out: list[Trajectory] = []
         for start in range(0, len(expanded), self.max_batch_size):
             chunk = expanded[start : start + self.max_batch_size]
-            version, rows = self._generate_rows(
-                [p for _, p, _ in chunk],
-                [params.max_new_tokens] * len(chunk),
-                params.temperature,
-                params.top_p,
-                seeds=None if seeds is None else [s for _, _, s in chunk],
-            )
+            with self._model_lock:
+                self._check_complete()
+                version = self._version
+                rows = generate_rows(
+                    self.model, self.pad_id, self.eos_id,
+                    [p for _, p, _ in chunk],
+                    [params.max_new_tokens] * len(chunk),
+                    params.temperature,
+                    params.top_p,
+                    seeds=None if seeds is None else [s for _, _, s in chunk],
+                )  # fmt: skip
             out.extend(
                 Trajectory(
                     prompt_ids=list(p),
@@ -207,82 +197,31 @@ class HFEngine:
             )
         return out
 
-    @torch.inference_mode()
-    def _generate_rows(
-        self,
-        inputs: list[list[int]],
-        budgets: list[int],
-        temperature: float,
-        top_p: float,
-        seeds: Optional[list[int]] = None,
-        offsets: Optional[list[int]] = None,
-        abort: Optional[threading.Event] = None,
-    ) -> tuple[int, list[_RowResult]]:
-        """One left-padded ``model.generate`` over rows with their own budgets.
-
-        Returns the policy version that generated the tokens and, per row, its tokens cut
-        at its budget or after its first end-of-sequence token.
-        """
-        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-
-        width = max(len(p) for p in inputs)
-        input_ids = torch.full((len(inputs), width), self.pad_id, dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, prompt in enumerate(inputs):
-            input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
-            attention_mask[row, width - len(prompt) :] = 1
-        sample = temperature > 0
-        seeded = sample and seeds is not None
-        random = sample and not seeded
-        config = GenerationConfig(
-            do_sample=random,
-            temperature=temperature if random else None,
-            top_p=top_p if random else None,
-            top_k=0 if random else None,
-            max_new_tokens=max(budgets),
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_id,
-            return_dict_in_generate=True,
-            output_logits=True,
+    def _generate_continuous(self, expanded, params: SamplingParams) -> list[Trajectory]:
+        """The batch API on a :class:`DecodeBatch` of its own, holding the model throughout."""
+        waiting = deque(
+            Sequence(i, list(p), params.max_new_tokens, params.temperature, params.top_p, seed)
+            for i, (_, p, seed) in enumerate(expanded)
         )
-        processors = LogitsProcessorList()
-        if seeded:
-            processors.append(
-                SeededSampler(seeds, offsets or [0] * len(inputs), width, temperature, top_p)
-            )
+        done: list[Sequence] = [None] * len(expanded)
         with self._model_lock:
             self._check_complete()
-            device = self.device
-            budget_t = torch.tensor(budgets, dtype=torch.long, device=device)
-            version = self._version
-            result = self.model.generate(
-                input_ids=input_ids.to(device),
-                attention_mask=attention_mask.to(device),
-                generation_config=config,
-                logits_processor=processors,
-                stopping_criteria=StoppingCriteriaList([_StopRows(width, budget_t, abort)]),
+            batch = DecodeBatch(self.model, self.max_batch_size, self.eos_id)
+            while waiting or batch.running or batch.pending:
+                batch.add(_admit(waiting, batch.free))
+                for seq in batch.step(self._version):
+                    done[seq.key] = seq
+        return [
+            Trajectory(
+                prompt_ids=list(p),
+                completion_ids=seq.tokens,
+                logprobs=seq.logprobs,
+                versions=seq.versions,
+                stop_reason=seq.stop_reason,
+                group_id=gid,
             )
-        new_ids = result.sequences[:, width:]
-        scale = temperature if sample else 1.0
-        logprobs = torch.stack(  # on the generation device, then one copy to the host
-            [
-                torch.log_softmax(s.float() / scale, dim=-1).gather(1, new_ids[:, i : i + 1])[:, 0]
-                for i, s in enumerate(result.logits)
-            ],
-            dim=1,
-        ).cpu()
-        new_tokens = new_ids.cpu()
-        return version, [
-            self._cut(new_tokens[row], logprobs[row], budgets[row]) for row in range(len(inputs))
+            for (gid, p, _), seq in zip(expanded, done)
         ]
-
-    def _cut(self, tokens: torch.Tensor, logprobs: torch.Tensor, budget: int) -> _RowResult:
-        tokens = tokens[:budget].tolist()
-        if self.eos_id is not None and self.eos_id in tokens:
-            length, reason = tokens.index(self.eos_id) + 1, "stop"
-        else:
-            length, reason = len(tokens), "length" if len(tokens) == budget else "abort"
-        return _RowResult(tokens[:length], logprobs[:length].tolist(), reason)
 
     # ------------------------------------------------------------ request-level API
 
@@ -457,37 +396,76 @@ class HFEngine:
         return (0.0, 1.0) if request.temperature == 0 else (request.temperature, request.top_p)
 
     def _serve(self) -> None:
-        """Engine-thread loop: run batches while not paused; store any exception."""
+        """Engine-thread loop (static or continuous batches); stores any exception."""
         try:
-            while True:
-                with self._cond:
-                    self._cond.wait_for(lambda: self._closing or (not self._paused and self._queue))
-                    if self._closing:
-                        return
-                    batch = self._take_batch()
-                    self._busy = True
-                outputs = self._run_requests(batch)
-                with self._cond:
-                    self._outputs.extend(outputs)
-                    self._busy = False
-                    self._cond.notify_all()
+            if self.batching == "continuous":
+                self._serve_continuous()
+            else:
+                self._serve_static()
         except BaseException as exc:  # surfaced by get_outputs / pause / submit
             with self._cond:
                 self._error = exc
                 self._busy = False
                 self._cond.notify_all()
 
+    def _serve_static(self) -> None:
+        """Run one ``model.generate`` batch of queued requests at a time while not paused."""
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closing or (not self._paused and self._queue))
+                if self._closing:
+                    return
+                batch = self._take_batch()
+                self._busy = True
+            outputs = self._run_requests(batch)
+            with self._cond:
+                self._outputs.extend(outputs)
+                self._busy = False
+                self._cond.notify_all()
+
+    def _serve_continuous(self) -> None:
+        """Step a :class:`DecodeBatch` while it holds sequences, admitting queued requests
+        into free slots before every step; on pause, abort the running ones."""
+        batch = DecodeBatch(self.model, self.max_batch_size, self.eos_id)
+        while True:
+            with self._cond:
+                if self._abort.is_set() and (batch.running or batch.pending):
+                    self._outputs.extend(map(_output, batch.abort()))
+                self._busy = False
+                self._cond.notify_all()
+                self._cond.wait_for(
+                    lambda: (
+                        self._closing
+                        or (not self._paused and (self._queue or batch.running or batch.pending))
+                    )
+                )
+                if self._closing:
+                    return
+                batch.add([_sequence(r) for r in _admit(self._queue, batch.free)])
+                self._busy = True
+            with self._model_lock:
+                self._check_complete()
+                ended = batch.step(self._version, time.monotonic())
+            if ended:
+                with self._cond:
+                    self._outputs.extend(map(_output, ended))
+                    self._cond.notify_all()
+
     def _run_requests(self, batch: list[GenRequest]) -> list[GenOutput]:
         first = batch[0]
-        version, rows = self._generate_rows(
-            [r.input_ids for r in batch],
-            [r.max_new_tokens for r in batch],
-            first.temperature,
-            first.top_p,
-            seeds=[r.seed for r in batch],
-            offsets=[r.offset for r in batch],
-            abort=self._abort,
-        )
+        with self._model_lock:
+            self._check_complete()
+            version = self._version
+            rows = generate_rows(
+                self.model, self.pad_id, self.eos_id,
+                [r.input_ids for r in batch],
+                [r.max_new_tokens for r in batch],
+                first.temperature,
+                first.top_p,
+                seeds=[r.seed for r in batch],
+                offsets=[r.offset for r in batch],
+                abort=self._abort,
+            )  # fmt: skip
         return [
             GenOutput(
                 rid=r.rid,
@@ -662,3 +640,37 @@ class HFEngine:
         if self.device.type == "cuda":  # the copies are done before the source may change
             torch.cuda.synchronize(self.device)
         self._incomplete, self._version = None, int(version)
+
+
+def _admit(waiting: deque, free: int) -> list:
+    """Pop queued items (requests or sequences) for ``free`` slots, oldest first, while their
+    distinct prompts stay within :data:`MAX_PREFILL_TOKENS` (at least one is admitted)."""
+    taken, prompts, tokens = [], set(), 0
+    while waiting and len(taken) < free:
+        ids = waiting[0].input_ids
+        key = tuple(ids)
+        cost = 0 if key in prompts else len(ids)
+        if taken and tokens + cost > MAX_PREFILL_TOKENS:
+            break
+        prompts.add(key)
+        tokens += cost
+        taken.append(waiting.popleft())
+    return taken
+
+
+def _sequence(request: GenRequest) -> Sequence:
+    return Sequence(
+        request.rid, list(request.input_ids), request.max_new_tokens,
+        request.temperature, request.top_p, request.seed, request.offset,
+    )  # fmt: skip
+
+
+def _output(seq: Sequence) -> GenOutput:
+    return GenOutput(
+        rid=seq.key,
+        output_ids=seq.tokens,
+        logprobs=seq.logprobs,
+        versions=seq.versions,
+        stop_reason=seq.stop_reason,
+        first_token_time=seq.first_token_time,
+    )

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from areal_fast.rollout.engine import GenRequest, SamplingParams, sample_seed, seeded_uniform
+from areal_fast.rollout.config import HF_BATCHING
 from areal_fast.rollout.hf_engine import HFEngine
 from areal_fast.rollout.sampling import SeededSampler
 
@@ -134,16 +135,20 @@ def tokenizer(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.fixture
-def make_engine(tiny_model_dir, tokenizer):
-    """Factory of fresh engines over the tiny model; every engine is closed afterwards."""
+@pytest.fixture(params=HF_BATCHING)
+def make_engine(request, tiny_model_dir, tokenizer):
+    """Factory of fresh engines over the tiny model, once per batching mode (a test that is
+    about one mode says so with indirect parametrisation); every engine is closed afterwards."""
     from transformers import AutoModelForCausalLM
 
     engines = []
 
     def make(max_batch_size: int = 8) -> HFEngine:
         engine = HFEngine(
-            AutoModelForCausalLM.from_pretrained(tiny_model_dir), tokenizer, max_batch_size
+            AutoModelForCausalLM.from_pretrained(tiny_model_dir),
+            tokenizer,
+            max_batch_size,
+            request.param,
         )
         engines.append(engine)
         return engine
@@ -317,6 +322,7 @@ def test_pause_aborts_a_long_running_generate(make_engine, tokenizer):
     assert all(math.isfinite(x) and x <= 0 for x in out.logprobs)
 
 
+@pytest.mark.parametrize("make_engine", ["static"], indirect=True)
 def test_per_request_budgets_in_one_batch(make_engine, tokenizer):
     engine = make_engine()
     prompts = [tokenizer.encode(t) for t in ("a", "bb + cc", "The answer is")]
@@ -354,6 +360,7 @@ def test_per_request_budgets_in_one_batch(make_engine, tokenizer):
         assert len(out.logprobs) == len(out.versions) == len(out.output_ids)
 
 
+@pytest.mark.parametrize("make_engine", ["static"], indirect=True)
 def test_batches_group_requests_by_sampling_settings(make_engine, tokenizer):
     engine = make_engine(max_batch_size=2)
     seen = []
