@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from areal_fast.rollout.engine import GenRequest, SamplingParams, sample_seed, seeded_uniform
 from areal_fast.rollout.config import HF_BATCHING
+from areal_fast.rollout.engine import GenRequest, SamplingParams, sample_seed, seeded_uniform
 from areal_fast.rollout.hf_engine import HFEngine
 from areal_fast.rollout.sampling import SeededSampler
 
