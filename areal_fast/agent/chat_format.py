@@ -117,6 +117,7 @@ class ChatFormat:
         self.native_tool_calls = "tool_calls" in template
         self.turn_closing = self._turn_closing()
         self.stop_ids = self._stop_ids()
+        self.max_token_chars = self._max_token_chars()
 
     # ---- rendering ----------------------------------------------------------------------
     def render(
@@ -188,6 +189,33 @@ class ChatFormat:
         if closing and closing[0] in set(getattr(self.tokenizer, "all_special_ids", [])):
             ids.add(closing[0])
         return ids
+
+    def _max_token_chars(self) -> int:
+        """Characters of the longest token string (a byte-level token's string has one
+        character per byte, at least as many as its text), so a text of ``c`` characters
+        tokenises to at least ``c / max_token_chars`` tokens."""
+        tokens = self.tokenizer.convert_ids_to_tokens(list(range(len(self.tokenizer))))
+        return max([1] + [len(t) for t in tokens if isinstance(t, str)])
+
+    def text_chars(self, messages: list[dict]) -> int:
+        """Characters of the messages' text (contents and tool-call arguments), all of which
+        a rendered prompt holds; with :attr:`max_token_chars` a cheap lower bound on its
+        length in tokens, checked before anything is rendered.
+
+        Parameters
+        ----------
+        messages : list[dict]
+            Normalised messages.
+
+        Returns
+        -------
+        int
+        """
+        return sum(
+            len(m["content"])
+            + sum(len(c["function"]["arguments"]) for c in m.get("tool_calls") or ())
+            for m in messages
+        )
 
     def encode_text(self, text: str) -> list[int]:
         """Token ids of template text (special tokens in it are parsed, none are added)."""

@@ -147,10 +147,18 @@ class ChatBackend:
         Raises
         ------
         BadRequest
-            ``max_tokens`` above the cap, a prompt longer than ``max_prompt_tokens``, or the
-            session has ended (a late call of a dropped session is not recorded).
+            ``max_tokens`` above the cap, a prompt longer than ``max_prompt_tokens`` (one
+            whose messages hold more characters than that many tokens can is refused before
+            anything is rendered), or the session has ended (a late call of a dropped session
+            is not recorded).
+
+        Notes
+        -----
+        Rendering and tokenising run on a worker thread (``asyncio.to_thread``), so the event
+        loop that serves every session of the worker is never blocked by a long prompt; the
+        fast tokenizer releases the GIL while it encodes, and several threads may encode at
+        once (plain ``encode`` without truncation or padding only reads its state).
         """
-        input_ids, parent = self._prompt(session, request, defaults)
         max_tokens = request.max_tokens or defaults.max_tokens
         if max_tokens > defaults.max_tokens_cap:
             raise BadRequest(
@@ -158,6 +166,8 @@ class ChatBackend:
                 f"{defaults.max_tokens_cap} (agent.max_tokens_cap, which defaults "
                 f"to rollout.max_new_tokens)"
             )
+        self._check_size(request, defaults)
+        input_ids, parent = await asyncio.to_thread(self._prompt, session, request, defaults)
         number, session.next_call = session.next_call, session.next_call + 1
         base = sample_seed(defaults.seed, number)
         if request.seed is not None:  # mixed in, so the sessions of a group still differ
@@ -184,9 +194,20 @@ class ChatBackend:
             sum(len(r.output_ids) for r in results),
         )
 
+    def _check_size(self, request: ChatRequest, defaults: SessionDefaults) -> None:
+        """BadRequest if the messages hold more text than ``max_prompt_tokens`` tokens can."""
+        chars = self.chat_format.text_chars(request.messages)
+        per_token = self.chat_format.max_token_chars
+        if chars > defaults.max_prompt_tokens * per_token:
+            raise BadRequest(
+                f"messages hold {chars} characters, more than agent.max_prompt_tokens = "
+                f"{defaults.max_prompt_tokens} tokens of at most {per_token} characters can"
+            )
+
     def _prompt(
         self, session: Session, request: ChatRequest, defaults: SessionDefaults
     ) -> tuple[list[int], Optional[ModelCall]]:
+        """(prompt ids, the call it continues); runs on a worker thread."""
         _check_running(session)
         parent, env = self._continued(session, request)
         input_ids = (

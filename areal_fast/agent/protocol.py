@@ -2,16 +2,18 @@
 
 :func:`parse_chat_request` validates a request body (the JSON object of ``POST
 /v1/chat/completions``, or the keyword arguments of ``client.chat.completions.create``) into a
-:class:`ChatRequest`; :func:`chat_completion` builds the response object. Field names and
-meanings follow the OpenAI API reference (``messages``, ``tools``, ``tool_choice``, ``n``,
-``temperature``, ``top_p``, ``max_tokens`` / ``max_completion_tokens``, ``logprobs``,
-``seed``; response ``choices[i].message.tool_calls``, ``finish_reason``,
+:class:`ChatRequest`; :func:`chat_completion` builds the response object and
+:func:`chat_completion_chunks` the same response as ``chat.completion.chunk`` objects for
+``stream: true``. Field names and meanings follow the OpenAI API reference (``messages``,
+``tools``, ``tool_choice``, ``parallel_tool_calls``, ``n``, ``temperature``, ``top_p``,
+``max_tokens`` / ``max_completion_tokens``, ``logprobs``, ``seed``, ``stream``,
+``stream_options``; response ``choices[i].message.tool_calls``, ``finish_reason``,
 ``logprobs.content``, ``usage``).
 
 Not served, refused with a :class:`BadRequest` naming the key (silently ignoring them would
-change what the agent gets): ``stream``, ``stop``, ``top_logprobs`` > 0, ``tool_choice``
-"required" or a named function, ``response_format`` other than text, ``logit_bias``,
-``presence_penalty`` / ``frequency_penalty`` other than 0.
+change what the agent gets): ``stop``, ``top_logprobs`` > 0, ``tool_choice`` "required" or a
+named function, ``parallel_tool_calls`` false, ``response_format`` other than text,
+``logit_bias``, ``presence_penalty`` / ``frequency_penalty`` other than 0.
 """
 
 from __future__ import annotations
@@ -28,13 +30,12 @@ _IGNORED = {
     "user",
     "metadata",
     "store",
-    "parallel_tool_calls",
     "service_tier",
     "extra_body",
-    "stream_options",
+    "prompt_cache_key",
+    "safety_identifier",
 }
 _REFUSED = {
-    "stream": False,
     "stop": None,
     "logit_bias": None,
     "presence_penalty": 0,
@@ -76,6 +77,10 @@ class ChatRequest:
         Sampling seed; None: derived from the session and the call number.
     model : str
         Echoed back.
+    stream : bool
+        Answer as server-sent events (the whole response once sampled, in chunks).
+    include_usage : bool
+        ``stream_options.include_usage``: a last chunk with ``usage`` and no choices.
     """
 
     messages: list[dict]
@@ -88,6 +93,8 @@ class ChatRequest:
     logprobs: bool = False
     seed: Optional[int] = None
     model: str = ""
+    stream: bool = False
+    include_usage: bool = False
 
 
 # every top-level key a request may carry (served, ignored or refused with a message)
@@ -95,7 +102,8 @@ REQUEST_KEYS = (
     frozenset(ChatRequest.__dataclass_fields__)
     | _IGNORED
     | set(_REFUSED)
-    | {"max_completion_tokens", "top_logprobs", "response_format"}
+    | {"max_completion_tokens", "top_logprobs", "response_format", "stream_options"}
+    | {"parallel_tool_calls"}
 )
 
 
@@ -142,12 +150,46 @@ def _refuse_unsupported(body: dict) -> None:
     fmt = body.get("response_format")
     if fmt not in (None, {"type": "text"}):
         raise BadRequest(f"response_format = {fmt!r} is not supported")
-    choice = "auto" if body.get("tool_choice") is None else body["tool_choice"]
-    if choice not in ("auto", "none"):
-        raise BadRequest(f"tool_choice = {choice!r} is not supported (use 'auto' or 'none')")
+    check_tool_options(body)
     unknown = sorted(set(body) - REQUEST_KEYS)
     if unknown:
         raise BadRequest(f"unknown request key {unknown[0]!r}")
+
+
+def check_tool_options(body: dict) -> None:
+    """Refuse the tool options the endpoint cannot honour (shared with the Responses API).
+
+    Raises
+    ------
+    BadRequest
+        ``tool_choice`` other than "auto" / "none" (sampling is not constrained to a tool),
+        or ``parallel_tool_calls`` false (a reply may hold several calls, and cutting some
+        off would leave tokens the agent never saw in the trained sequence).
+    """
+    choice = "auto" if body.get("tool_choice") is None else body["tool_choice"]
+    if choice not in ("auto", "none"):
+        raise BadRequest(f"tool_choice = {choice!r} is not supported (use 'auto' or 'none')")
+    if body.get("parallel_tool_calls") not in (None, True):
+        raise BadRequest(
+            f"parallel_tool_calls = {body['parallel_tool_calls']!r} is not supported "
+            "(a reply may hold several tool calls; omit it or pass true)"
+        )
+
+
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage) of a request."""
+    stream = False if body.get("stream") is None else body["stream"]
+    if not isinstance(stream, bool):
+        raise BadRequest(f"stream = {stream!r} must be true or false")
+    options = body.get("stream_options")
+    if options is None:
+        return stream, False
+    if not isinstance(options, dict) or set(options) - {"include_usage", "include_obfuscation"}:
+        raise BadRequest(f"stream_options = {options!r} must be {{'include_usage': bool}}")
+    usage = bool(options.get("include_usage"))
+    if not stream:
+        raise BadRequest("stream_options is only allowed with stream = true")
+    return stream, usage
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -190,6 +232,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     logprobs = False if body.get("logprobs") is None else body["logprobs"]  # null: not given
     if not isinstance(logprobs, bool):
         raise BadRequest(f"logprobs = {logprobs!r} must be true or false")
+    stream, include_usage = _stream_options(body)
     return ChatRequest(
         messages=normalized,
         tools=_tools(body),
@@ -201,6 +244,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         logprobs=logprobs,
         seed=seed,
         model=str(body.get("model") or ""),
+        stream=stream,
+        include_usage=include_usage,
     )
 
 
@@ -229,8 +274,50 @@ def chat_completion(
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": 0},
+            "completion_tokens_details": {"reasoning_tokens": 0},
         },
     }
+
+
+def chat_completion_chunks(response: dict, include_usage: bool) -> list[dict]:
+    """A ``chat.completion`` as the ``chat.completion.chunk`` objects of ``stream: true``.
+
+    Per choice one chunk with the whole message (role, content, ``tool_calls`` with their
+    ``index``, log-probs) and one with its ``finish_reason``; then, with ``include_usage``,
+    one with no choices and the ``usage``. Every chunk carries ``usage: null`` otherwise, as
+    the OpenAI API sends them.
+
+    Parameters
+    ----------
+    response : dict
+        Built by :func:`chat_completion`.
+    include_usage : bool
+        ``stream_options.include_usage``.
+
+    Returns
+    -------
+    list[dict]
+        The chunks in order (each sent as one ``data:`` event, then ``data: [DONE]``).
+    """
+    head = {k: response[k] for k in ("id", "created", "model", "system_fingerprint")}
+    head["object"] = "chat.completion.chunk"
+    chunks = []
+    for c in response["choices"]:
+        message = c["message"]
+        delta = {"role": "assistant", "content": message["content"]}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [
+                {"index": j, **call} for j, call in enumerate(message["tool_calls"])
+            ]
+        first = {"index": c["index"], "delta": delta, "finish_reason": None}
+        first["logprobs"] = c["logprobs"]
+        last = {"index": c["index"], "delta": {}, "finish_reason": c["finish_reason"]}
+        chunks += [{**head, "choices": [first], "usage": None}]
+        chunks += [{**head, "choices": [{**last, "logprobs": None}], "usage": None}]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": response["usage"]})
+    return chunks
 
 
 def choice(

@@ -23,9 +23,22 @@ from areal_fast.agent.bridge import EngineBridge
 from areal_fast.agent.chat_format import ChatFormat
 from areal_fast.agent.client import ChatBackend, SessionDefaults
 from areal_fast.agent.runner import AgentConfig, AgentRunner, GroupSessions, load_agent
-from areal_fast.agent.store import TrajectoryConfig, TrajectoryWriter
+from areal_fast.agent.session import DROP_REASONS
+from areal_fast.agent.store import TrajectoryConfig, TrajectoryStats, TrajectoryWriter
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.engine import GenOutput, GenRequest
+
+# the running totals of :meth:`AgentWorkload.finish`, all in every report (docs/agents.md)
+TOTALS_KEYS = (
+    "agent/sessions",
+    "agent/sessions_dropped",
+    *(f"agent/dropped_{reason}" for reason in DROP_REASONS),
+    "agent/dropped_trained",
+    "agent/model_calls",
+    "agent/tool_calls",
+    "agent/unlinked_calls",
+    "agent/finish_seconds",
+)
 
 
 @dataclass
@@ -94,7 +107,8 @@ class AgentWorkload:
             self.writer = TrajectoryWriter(
                 Path(spec.trajectory.directory), spec.trajectory, name=name
             )
-        self.totals: Counter = Counter()
+        # every key present from the first record on, 0 until something happens
+        self.totals: Counter = Counter({key: 0 for key in TOTALS_KEYS})
 
     def start(self) -> None:
         """Start the runner's loop (and the endpoint in "http" mode)."""
@@ -179,8 +193,8 @@ class AgentWorkload:
         self.totals["agent/finish_seconds"] += time.perf_counter() - start
         stats = {k: float(v) for k, v in self.totals.items()}
         stats["agent/resumed_calls"] = float(self.bridge.resumed if self.bridge else 0)
-        if self.writer is not None:
-            stats.update(self.writer.stats.as_dict())
+        # without a store its counters stay 0, so every record has the same keys
+        stats.update((self.writer.stats if self.writer else TrajectoryStats()).as_dict())
         return trajectories, stats
 
     def cancel_all(self) -> int:

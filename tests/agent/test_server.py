@@ -331,7 +331,9 @@ def test_bad_requests_get_400_naming_the_key(fmt):
             out["array"] = await post(server, token, [1, 2])
             out["empty"] = await post(server, token, {"messages": []})
             out["temp"] = await post(server, token, {"messages": MESSAGES, "temperature": 5})
-            out["stream"] = await post(server, token, {"messages": MESSAGES, "stream": True})
+            out["parallel"] = await post(
+                server, token, {"messages": MESSAGES, "parallel_tool_calls": False}
+            )
             out["role"] = await post(server, token, {"messages": [{"role": "robot"}]})
             out["cap"] = await post(server, token, {"messages": MESSAGES, "max_tokens": 10**6})
             out["unknown"] = await post(server, token, {"messages": MESSAGES, "foo": 1})
@@ -342,7 +344,7 @@ def test_bad_requests_get_400_naming_the_key(fmt):
             return out, session
 
     out, session = asyncio.run(main())
-    for key in ("json", "nan", "array", "empty", "temp", "stream", "role", "cap", "unknown"):
+    for key in ("json", "nan", "array", "empty", "temp", "parallel", "role", "cap", "unknown"):
         assert out[key][0] == 400, (key, out[key])
         assert_error(out[key][1], "invalid_request_error")
     err = lambda key: out[key][1]["error"]  # noqa: E731
@@ -350,7 +352,8 @@ def test_bad_requests_get_400_naming_the_key(fmt):
     assert "object" in err("array")["message"]
     assert "messages" in err("empty")["message"] and err("empty")["param"] == "messages"
     assert "temperature" in err("temp")["message"] and err("temp")["param"] == "temperature"
-    assert "stream" in err("stream")["message"] and err("stream")["param"] == "stream"
+    assert err("parallel")["message"].startswith("parallel_tool_calls = False is not supported")
+    assert err("parallel")["param"] == "parallel_tool_calls"
     assert err("role")["param"] == "messages[0].role"
     assert err("cap")["param"] == "max_tokens"
     assert err("unknown")["param"] == "foo"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,17 @@ def config_agent(config: Path) -> str:
     }[config.name]
 
 
+def documented_step_keys() -> list[str]:
+    """The agent/* and trajectory/* keys docs/agents.md says every step record carries."""
+    from areal_fast.agent.session import DROP_REASONS
+
+    text = (ROOT / "docs" / "agents.md").read_text()
+    section = text[text.index("## Metrics") :].split("\n## ")[0]
+    keys = re.findall(r"`((?:agent|trajectory)/[a-z_<>]+)`", section)
+    expanded = [k.replace("<reason>", r) for k in keys for r in DROP_REASONS] + keys
+    return sorted({k for k in expanded if "<" not in k})
+
+
 def _sessions(run: Path) -> list[Session]:
     return [Session.from_dict(r) for r in read_trajectories(run / "trajectories")]
 
@@ -55,6 +67,11 @@ def test_multiturn_agent_trains_and_stores_sessions(tiny_model_dir, tmp_path):
     run = tmp_path / "agent-multiturn" / "trial0"
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
+    keys = documented_step_keys()
+    assert len(keys) == 21 and "agent/sessions_dropped" in keys
+    for record in records:  # every documented key, also those of nothing that happened
+        assert [k for k in keys if k not in record] == []
+    assert records[-1]["agent/sessions_dropped"] == records[-1]["agent/dropped_timeout"] == 0
     last = records[-1]
     assert last["agent/sessions"] >= 12 and last["agent/model_calls"] >= last["agent/sessions"]
     assert last["trajectory/errors"] == 0
