@@ -27,6 +27,9 @@ from areal_fast.rollout.engine import seeded_uniform
 from areal_fast.rollout.kv_slots import KVSlots, SlotPlan, register_slot_attention
 from areal_fast.rollout.sampling import SeededSampler
 
+# shared leading tokens from which a prefix is reused rather than computed again
+PREFIX_MIN = 16
+
 
 @dataclass
 class Sequence:
@@ -51,6 +54,9 @@ class Sequence:
         "" while running, then "stop" (end-of-sequence), "length" or "abort".
     first_token_time : float or None
         ``time.monotonic()`` when its first token was sampled.
+    slot, past : int
+        Its slot (-1 before :meth:`DecodeBatch.add`) and how many of ``input_ids`` that slot
+        holds already (their keys and values are not computed again).
     """
 
     key: Any
@@ -66,10 +72,21 @@ class Sequence:
     stop_reason: str = ""
     first_token_time: Optional[float] = None
     slot: int = -1
+    past: int = 0
 
 
 class DecodeBatch:
     """Up to ``slots`` sequences decoded together, joining and leaving at every step.
+
+    Prefixes are computed once (:data:`PREFIX_MIN` tokens or more in common):
+
+    - sequences added for the same step that share a prefix with an earlier one of them (the
+      samples of a GRPO group, resubmitted partial samples of one prompt) copy its keys and
+      values for that prefix and prefill only the rest;
+    - a sequence that ends leaves its keys and values in its slot until the slot is needed;
+      a new sequence continuing those tokens (an agent's next call, which repeats the whole
+      conversation) takes that slot and prefills only the new tokens. Such slots are
+      forgotten when the weights change (the version passed to :meth:`step`).
 
     Parameters
     ----------
@@ -86,7 +103,7 @@ class DecodeBatch:
     Raises
     ------
     ValueError
-        If ``slots`` < 1 or the model config lacks the sizes of its attention.
+        If ``slots`` < 1.
     """
 
     def __init__(self, model, slots: int, eos_id: Optional[int]):
@@ -96,9 +113,12 @@ class DecodeBatch:
         self.model = model
         self.slots = slots
         self.eos_id = eos_id
-        self.running: list[Sequence] = []  # prefilled, in slot order of arrival
+        self.running: list[Sequence] = []  # prefilled, in order of arrival
         self.pending: list[Sequence] = []  # added, prefilled at the next step
         self._free = list(range(slots))
+        # free slots whose cache still holds these tokens' keys and values, oldest first
+        self._kept: dict[int, list[int]] = {}
+        self._kv_version: Optional[int] = None
         self._cache: Optional[KVSlots] = None
 
     @property
@@ -112,7 +132,8 @@ class DecodeBatch:
         return 0 if self._cache is None else self._cache.nbytes
 
     def add(self, sequences: list[Sequence]) -> None:
-        """Give each sequence a free slot; they are prefilled at the next :meth:`step`.
+        """Give each sequence a free slot (one whose cached tokens it continues, if any);
+        they are prefilled at the next :meth:`step`.
 
         Raises
         ------
@@ -121,10 +142,24 @@ class DecodeBatch:
         """
         if len(sequences) > len(self._free):
             raise RuntimeError(f"DecodeBatch: {len(sequences)} sequences, {self.free} free slots")
-        self._free.sort()
         for seq in sequences:
-            seq.slot = self._free.pop(0)
+            seq.slot, seq.past = self._take_slot(seq.input_ids)
             self.pending.append(seq)
+
+    def _take_slot(self, ids: list[int]) -> tuple[int, int]:
+        """A free slot for a sequence of ``ids`` and how many of them it holds already."""
+        best, held = None, 0
+        for slot, tokens in self._kept.items():
+            n = _common_prefix(tokens, ids, len(ids) - 1)
+            if n > held:
+                best, held = slot, n
+        if best is None or held < PREFIX_MIN:
+            plain = [s for s in self._free if s not in self._kept]
+            best = min(plain) if plain else next(iter(self._kept))  # else the oldest kept
+            held = 0
+        self._free.remove(best)
+        self._kept.pop(best, None)
+        return best, held
 
     def abort(self) -> list[Sequence]:
         """End every sequence (stop_reason "abort"), free all slots and the cache."""
@@ -133,6 +168,7 @@ class DecodeBatch:
             seq.stop_reason = "abort"
         self.running, self.pending = [], []
         self._free = list(range(self.slots))
+        self._kept.clear()
         self._cache = None
         return ended
 
@@ -143,23 +179,29 @@ class DecodeBatch:
         Parameters
         ----------
         version : int
-            Policy version of the weights (tagged on every token sampled).
+            Policy version of the weights (tagged on every token sampled; kept prefixes of
+            another version are not reused).
         now : float
             Time recorded as ``first_token_time`` of sequences sampling their first token.
         """
         if not self.running and not self.pending:
             return []
-        leaders, followers = _share_prompts(self.pending)
-        rows = leaders + self.running
-        self._reserve(rows)
-        ids, plan, keep = self._plan(leaders, self.running)
+        if version != self._kv_version:  # cached keys and values of other weights
+            self._kept.clear()
+            for seq in self.pending:
+                seq.past = 0
+            self._kv_version = version
+        self._reserve(self.pending + self.running)
+        copies, same = _share_prefixes(self.pending)
+        prefill = [seq for seq in self.pending if id(seq) not in same]
+        ids, plan, keep = self._plan(prefill, self.running)
+        plan.copies = copies
         logits = self._forward(ids, plan, keep)
-        for seq, leader in followers:
-            self._cache.copy_slot(leader.slot, seq.slot, len(seq.input_ids))
+        rows = prefill + self.running
         index = {id(seq): i for i, seq in enumerate(rows)}
-        samplers = [index[id(leader)] for _, leader in followers]
-        batch = rows + [seq for seq, _ in followers]
-        tokens, logprobs = sample_rows(logits[list(range(len(rows))) + samplers], batch)
+        batch = rows + [seq for seq in self.pending if id(seq) in same]
+        order = list(range(len(rows))) + [index[id(same[id(seq)])] for seq in batch[len(rows) :]]
+        tokens, logprobs = sample_rows(logits[order], batch)
         self.running += self.pending
         self.pending = []
         return self._advance(batch, tokens, logprobs, version, now)
@@ -196,10 +238,10 @@ class DecodeBatch:
                 continue
             ended.append(seq)
             self._free.append(seq.slot)
+            # its cache holds every token but the last sampled one
+            self._kept[seq.slot] = seq.input_ids + seq.tokens[:-1]
         if ended:
             self.running = [seq for seq in self.running if not seq.stop_reason]
-        if not self.running:
-            self._cache = None  # idle: give the memory back
         return ended
 
     def _reserve(self, rows: list[Sequence]) -> None:
@@ -216,19 +258,19 @@ class DecodeBatch:
             )  # fmt: skip
         self._cache.reserve(longest + 1)
 
-    def _plan(self, leaders: list[Sequence], running: list[Sequence]):
+    def _plan(self, prefill: list[Sequence], running: list[Sequence]):
         """Packed input ids [1, T], the :class:`SlotPlan`, and the packed index of every row's
-        last token (prefill leaders first, then the decode tokens)."""
-        ids, slots, positions, prefill, keep = [], [], [], [], []
-        for seq in leaders:
+        last token (prefill sequences first, then the decode tokens)."""
+        ids, slots, positions, chunks, keep = [], [], [], [], []
+        for seq in prefill:
             start, n = len(ids), len(seq.input_ids)
-            ids += seq.input_ids
-            slots += [seq.slot] * n
-            positions += range(n)
-            prefill.append((start, start + n))
-            keep.append(start + n - 1)
+            ids += seq.input_ids[seq.past :]
+            slots += [seq.slot] * (n - seq.past)
+            positions += range(seq.past, n)
+            chunks.append((start, len(ids), seq.slot, seq.past))
+            keep.append(len(ids) - 1)
         device = self._cache.device
-        plan = SlotPlan(self._cache, None, None, prefill)
+        plan = SlotPlan(self._cache, None, None, chunks)
         if running:
             lengths = [len(s.input_ids) + len(s.tokens) for s in running]
             first = len(ids)
@@ -244,8 +286,8 @@ class DecodeBatch:
                 per_slot[seq.slot] = n
             mask = torch.arange(max(lengths)).unsqueeze(0) < torch.tensor(per_slot).unsqueeze(1)
             plan.decode_mask = mask[:, None, None, :].to(device)
-        plan.token_slots = torch.tensor(slots, device=device)
-        plan.token_positions = torch.tensor(positions, device=device)
+        plan.token_slots = torch.tensor(slots, dtype=torch.long, device=device)
+        plan.token_positions = torch.tensor(positions, dtype=torch.long, device=device)
         return (
             torch.tensor(ids, device=device)[None],
             plan,
@@ -253,19 +295,42 @@ class DecodeBatch:
         )
 
 
-def _share_prompts(pending: list[Sequence]):
-    """Split newly added sequences into leaders (prefilled) and (follower, leader) pairs whose
-    token ids equal their leader's."""
-    first: dict[tuple, Sequence] = {}
-    leaders, followers = [], []
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _share_prefixes(pending: list[Sequence]):
+    """Prefixes that sequences added for one step share with an earlier one of them.
+
+    A sequence with nothing cached (``past == 0``) that shares :data:`PREFIX_MIN` or more
+    leading tokens with an earlier such sequence copies that one's keys and values for the
+    prefix (``past`` is set to its length). Returns the copies ``(src slot, dst slot, tokens)``
+    and, for sequences whose ids equal their source's (nothing left to prefill), the source
+    whose logits they sample from, by ``id``.
+    """
+    copies, same, sources = [], {}, []
     for seq in pending:
-        key = tuple(seq.input_ids)
-        if key in first:
-            followers.append((seq, first[key]))
+        if seq.past:
+            continue
+        best, held = None, 0
+        for src in sources:
+            n = _common_prefix(src.input_ids, seq.input_ids, len(seq.input_ids))
+            if n > held:
+                best, held = src, n
+        if best is None or held < PREFIX_MIN:
+            sources.append(seq)
+            continue
+        copies.append((best.slot, seq.slot, held))
+        if held == len(seq.input_ids) == len(best.input_ids):
+            same[id(seq)] = best
         else:
-            first[key] = seq
-            leaders.append(seq)
-    return leaders, followers
+            seq.past = min(held, len(seq.input_ids) - 1)
+    return copies, same
 
 
 def _round_up(n: int, multiple: int) -> int:

@@ -9,7 +9,8 @@ transformers builds no mask) receives that row's queries, keys and values after 
 embedding, and a :class:`SlotPlan` as the keyword ``slot_plan``. It
 
 1. writes every new key and value into the sequence's slot of :class:`KVSlots`;
-2. runs causal attention over each prefill sequence's own tokens (its slot starts empty);
+2. copies shared prefixes between slots (:attr:`SlotPlan.copies`), then runs causal
+   attention over each prefill sequence's new tokens, after the ones its slot holds already;
 3. runs one batched attention for the decode tokens, one row per slot up to the highest
    decoding slot (views of the cache, no copy): each query against its slot's cached keys
    ``[0, length)``, with a boolean mask hiding the rest of the slot.
@@ -22,7 +23,7 @@ elements, bounded by ``max_batch_size`` sequences of the longest length seen.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -109,8 +110,9 @@ class SlotPlan:
     cache : KVSlots
     token_slots, token_positions : torch.Tensor
         Slot and position (cache index) of every packed token, shape [T], int64.
-    prefill : list of (start, end)
-        Packed ranges of the prefill sequences (each starts at position 0 of its slot).
+    prefill : list of (start, end, slot, past)
+        Packed ranges of the prefill sequences: tokens ``past …`` of the sequence in
+        ``slot``, whose first ``past`` tokens are cached already (or copied there first).
     decode_index : torch.Tensor or None
         Packed index of every decode token, shape [n], int64 (None: no decode token).
     decode_slots : torch.Tensor or None
@@ -120,6 +122,10 @@ class SlotPlan:
         highest decoding slot + 1): True at the cached positions ``[0, length)`` of a
         decoding slot, its own position included, and at position 0 of any other slot (its
         row is computed and dropped); ``width`` is the longest length.
+    copies : list of (src, dst, tokens)
+        Per layer, after the new keys and values are written and before any attention: the
+        first ``tokens`` cached positions of slot ``src`` are copied to slot ``dst`` (a
+        prefix that a sequence shares with another one prefilled in the same step).
     """
 
     cache: KVSlots
@@ -129,6 +135,7 @@ class SlotPlan:
     decode_index: Optional[torch.Tensor] = None
     decode_slots: Optional[torch.Tensor] = None
     decode_mask: Optional[torch.Tensor] = None
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 def slot_attention_forward(
@@ -173,15 +180,25 @@ def slot_attention_forward(
     v_cache[plan.token_slots, :, plan.token_positions] = new_v
     out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))  # [T, H, D]
     gqa = query.shape[1] != key.shape[1]
-    for start, end in plan.prefill:
-        o = F.scaled_dot_product_attention(
-            query[:, :, start:end],
-            key[:, :, start:end],
-            value[:, :, start:end],
-            is_causal=True,
-            scale=scaling,
-            enable_gqa=gqa,
-        )
+    for src, dst, n in plan.copies:  # shared prefixes, this layer's part
+        k_cache[dst, :, :n] = k_cache[src, :, :n]
+        v_cache[dst, :, :n] = v_cache[src, :, :n]
+    for start, end, slot, past in plan.prefill:
+        if past:  # the new tokens after ``past`` cached ones: causal, offset by ``past``
+            width = past + end - start
+            o = F.scaled_dot_product_attention(
+                query[:, :, start:end],
+                k_cache[slot : slot + 1, :, :width],
+                v_cache[slot : slot + 1, :, :width],
+                attn_mask=_offset_causal(end - start, past, query.device),
+                scale=scaling,
+                enable_gqa=gqa,
+            )
+        else:
+            o = F.scaled_dot_product_attention(
+                query[:, :, start:end], key[:, :, start:end], value[:, :, start:end],
+                is_causal=True, scale=scaling, enable_gqa=gqa,
+            )  # fmt: skip
         out[start:end] = o[0].transpose(0, 1)
     if plan.decode_index is not None:  # one row per slot below the highest decoding one
         rows, width = plan.decode_mask.shape[0], plan.decode_mask.shape[-1]
@@ -197,6 +214,12 @@ def slot_attention_forward(
         )
         out[plan.decode_index] = o[plan.decode_slots, :, 0]
     return out.unsqueeze(0), None
+
+
+def _offset_causal(queries: int, past: int, device) -> torch.Tensor:
+    """Mask [queries, past + queries], bool: query i sees keys 0 … past + i."""
+    keys = torch.arange(past + queries, device=device)
+    return keys.unsqueeze(0) <= (past + torch.arange(queries, device=device)).unsqueeze(1)
 
 
 def register_slot_attention() -> str:

@@ -49,7 +49,9 @@ def test_step_logits_equal_the_full_forward_in_float64(tiny_model_dir):
         batch.step(0)
         steps += 1
     assert steps == 3 + 6  # sequence 2 started right after sequence 0 ended
-    assert batch.cache_bytes == 0  # idle: the cache is released
+    assert batch.cache_bytes > 0  # ended sequences' slots keep their tokens until needed
+    batch.abort()
+    assert batch.cache_bytes == 0
     for seq in seqs:
         assert seq.stop_reason == "length" and len(seq.tokens) == seq.budget
         ids = torch.tensor([seq.input_ids + seq.tokens])
@@ -59,6 +61,57 @@ def test_step_logits_equal_the_full_forward_in_float64(tiny_model_dir):
         assert torch.allclose(torch.tensor(seq.logprobs, dtype=torch.float64), expected[:, 0],
                               rtol=0, atol=1e-10)  # fmt: skip
     assert model.config._attn_implementation != "areal_slots"  # restored after each step
+
+
+def _assert_matches_full_forward(model, seq, atol=1e-10):
+    ids = torch.tensor([seq.input_ids + seq.tokens])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(seq.input_ids) - 1 : -1]
+    expected = torch.log_softmax(logits / (seq.temperature or 1.0), -1)
+    expected = expected.gather(1, torch.tensor(seq.tokens)[:, None])[:, 0]
+    got = torch.tensor(seq.logprobs, dtype=torch.float64)
+    assert torch.allclose(got, expected, rtol=0, atol=atol), (seq.key, got - expected)
+
+
+def test_shared_prefixes_and_kept_slots_equal_the_full_forward(tiny_model_dir):
+    """Prefixes computed once (shared within a step, or kept in a finished sequence's slot
+    and continued by a later one) give the log-probs of a plain forward (float64)."""
+    from areal_fast.rollout.decode_batch import PREFIX_MIN
+
+    model = _model(tiny_model_dir, torch.float64)
+    gen = torch.Generator().manual_seed(int(time.time_ns() % 2**31))
+    vocab = model.config.vocab_size
+    base = _random_prompts(vocab, [PREFIX_MIN + 5], gen)[0]
+    tails = _random_prompts(vocab, [4, 7, 1], gen)
+    prompts = [base, base + tails[0], base + tails[1], base[: PREFIX_MIN + 2], base + tails[2]]
+    seqs = [Sequence(i, p, 5, 1.0, 1.0, seed=i) for i, p in enumerate(prompts)]
+    batch = DecodeBatch(model, 6, eos_id=None)
+    batch.add(seqs)
+    assert all(s.past == 0 for s in seqs)
+    batch.step(0)
+    assert [s.past for s in seqs] == [0, PREFIX_MIN + 5, PREFIX_MIN + 5, PREFIX_MIN + 1,
+                                      PREFIX_MIN + 5]  # fmt: skip
+    while batch.running:
+        batch.step(0)
+    # an agent's next call: the whole first exchange plus new tokens
+    first = seqs[2]
+    follow = Sequence(9, first.input_ids + first.tokens + tails[0], 5, 0.7, 1.0, seed=9)
+    batch.add([follow])
+    assert follow.slot == first.slot and follow.past == len(first.input_ids) + 4
+    batch.step(0)
+    while batch.running:
+        batch.step(0)
+    for seq in seqs + [follow]:
+        _assert_matches_full_forward(model, seq)
+    # new weights: nothing kept is reused
+    again = Sequence(10, follow.input_ids + follow.tokens, 3, 1.0, 1.0, seed=10)
+    batch.add([again])
+    assert again.past > 0
+    batch.step(1)
+    assert again.past == 0
+    while batch.running:
+        batch.step(1)
+    _assert_matches_full_forward(model, again)
 
 
 def test_kv_slots_grow_and_copy_keep_the_cached_tokens():
@@ -229,7 +282,7 @@ def _run_all(engine, requests):
 
 def test_cache_memory_is_bounded_by_max_batch_size_sequences(tiny_model_dir, tokenizer):
     """max_batch_size requests of the maximum length: the cache holds at most that many
-    sequences of that length (capacity rounded to 64 tokens), and is freed when idle."""
+    sequences of that length (capacity rounded to 64 tokens), and is freed by an abort."""
     model = _model(tiny_model_dir)
     cfg = model.config
     slots, prompt_len, budget = 3, 40, 30
@@ -248,6 +301,7 @@ def test_cache_memory_is_bounded_by_max_batch_size_sequences(tiny_model_dir, tok
         peak = max(peak, batch.cache_bytes)
     longest = -(-(prompt_len + budget) // 64) * 64
     assert 0 < peak <= slots * longest * per_token
+    batch.abort()  # what a pause does
     assert batch.cache_bytes == 0
 
 
