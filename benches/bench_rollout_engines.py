@@ -1,4 +1,5 @@
-"""Rollout engines side by side: the embedded HF engine, vLLM's ``AsyncLLM`` and ``vllm serve``.
+"""Rollout engines side by side: the embedded HF engine (continuous and static batches), vLLM's
+``AsyncLLM`` and ``vllm serve``.
 
 Two workloads, the demo model (SmolLM2-135M-Instruct, float32) on this machine:
 
@@ -13,15 +14,19 @@ request is submitted at t = 0 through the request-level API (``submit``) and col
 ``get_outputs``; one 4-token warm-up request runs before t = 0. Per engine:
 
 - generated tokens / s and the time until the whole batch is done;
-- time to first token (TTFT) from t = 0, measured where each engine allows it:
-  ``hf``, the end of the prefill forward of the ``model.generate`` batch the request ran in (a
-  forward hook: the first token is computed then, though the caller receives it only when
+- time to first token (TTFT) from t = 0, measured where each engine allows it: ``hf``
+  (continuous batches, ``rollout.hf_batching: continuous``), the time the engine sampled the
+  request's first token (``GenOutput.first_token_time``); ``hf_static`` (``hf_batching:
+  static``), the end of the prefill forward of the ``model.generate`` batch the request ran in
+  (a forward hook: the first token is computed then, though the caller receives it only when
   the whole batch ends); ``vllm``, the first streamed ``RequestOutput`` holding a token (the
   engine reads vLLM's stream; the bench only times it); ``vllm_server``, whose replies are not
   streamed, only the mean: the time the request entered the server plus the server's own
   mean TTFT (its ``vllm:time_to_first_token_seconds`` sum / count at ``/metrics``);
 - the time until the first request came back to the caller, and how long requests waited
-  before entering the engine (``hf``: until their ``generate`` batch started).
+  before entering the engine (``hf_static``: until their ``generate`` batch started).
+
+Ratios ("vs base") are against the first engine of ``--engines`` that ran.
 
 ``--workload agent``: the multi-turn agent example (``examples/agent_multiturn.yaml``) through
 ``areal-fast train`` once per engine, same seed and settings (``--agent-steps`` steps of
@@ -52,7 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _harness import REPO_ROOT, base_metadata, eprint, fmt, markdown_table, write_json  # noqa: E402
 
-ENGINES = ("hf", "vllm", "vllm_server")
+ENGINES = ("hf_static", "hf", "vllm", "vllm_server")
 GSM8K_DEFAULT = REPO_ROOT.parent / "shared" / "data" / "gsm8k"
 if not GSM8K_DEFAULT.is_dir():  # a worktree one level deeper
     GSM8K_DEFAULT = REPO_ROOT.parents[1] / "shared" / "data" / "gsm8k"
@@ -122,7 +127,7 @@ class _Clock:
             table.setdefault(rid, self.now())
 
 
-def _instrument_hf(engine, clock: _Clock) -> None:
+def _instrument_hf_static(engine, clock: _Clock) -> None:
     """Time each batch's start (entered) and the end of its prefill forward (first token)."""
     pending: list[list[int]] = []
     run = engine._run_requests
@@ -193,13 +198,16 @@ def make_engine(name: str, threads: int, max_running: int, batched_tokens=None):
 
     path = str(demo_model_dir())
     vllm = VLLMConfig(dtype="float32", max_model_len=1024, kv_cache_gib=2, startup_timeout=900)
-    if name == "hf":
+    if name in ("hf", "hf_static"):
         import torch
 
         from areal_fast.rollout.hf_engine import HFEngine
 
         torch.set_num_threads(threads)
-        engine = HFEngine(load_causal_lm(path, "float32"), load_tokenizer(path), max_running)
+        batching = "static" if name == "hf_static" else "continuous"
+        engine = HFEngine(
+            load_causal_lm(path, "float32"), load_tokenizer(path), max_running, batching
+        )
     elif name == "vllm":
         from areal_fast.rollout.vllm_async import AsyncVLLMEngine
 
@@ -243,16 +251,16 @@ def run_batch(
         engine.submit([warm])
         while not engine.get_outputs(timeout=60.0):
             pass
-        if name == "hf":
-            _instrument_hf(engine, clock)
-        else:
+        if name == "hf_static":
+            _instrument_hf_static(engine, clock)
+        elif name != "hf":
             _instrument_loop(engine, clock)
         if name == "vllm":
             _instrument_vllm_stream(engine, clock)
         server0 = _server_ttft(engine.server_url) if name == "vllm_server" else None
         done: dict[int, float] = {}
         outputs = {}
-        clock.t0 = time.perf_counter()
+        clock.t0, t0_monotonic = time.perf_counter(), time.monotonic()
         engine.submit(list(requests))
         deadline = clock.t0 + timeout
         while len(outputs) < len(requests):
@@ -261,6 +269,8 @@ def run_batch(
             for out in engine.get_outputs(timeout=1.0):
                 done[out.rid] = clock.now()
                 outputs[out.rid] = out
+                if out.first_token_time is not None:  # hf: the engine's own record
+                    clock.first_token[out.rid] = out.first_token_time - t0_monotonic
         wall = max(done.values())
         server1 = _server_ttft(engine.server_url) if name == "vllm_server" else None
     finally:
@@ -289,7 +299,7 @@ def run_batch(
         "ttft_p95_s": None,
         "ttft_how": None,
     }
-    if name in ("hf", "vllm"):
+    if name in ("hf", "hf_static", "vllm"):
         ttft = [clock.first_token[r] for r in rids if r in clock.first_token]
         if len(ttft) != len(rids):
             raise RuntimeError(f"{name}: first-token time of {len(rids) - len(ttft)} requests lost")
@@ -297,9 +307,10 @@ def run_batch(
             ttft_mean_s=statistics.fmean(ttft),
             ttft_p50_s=_quantile(ttft, 0.50),
             ttft_p95_s=_quantile(ttft, 0.95),
-            ttft_how="end of the batch's prefill forward"
-            if name == "hf"
-            else "first streamed output with a token",
+            ttft_how={
+                "hf": "the engine's time of the first sampled token",
+                "hf_static": "end of the batch's prefill forward",
+            }.get(name, "first streamed output with a token"),
         )
     elif server0 is not None and server1[1] > server0[1]:
         n = server1[1] - server0[1]
@@ -329,14 +340,15 @@ def batch_workload(args) -> dict:
         except Exception as exc:  # reported in the table, the other engines still run
             eprint(f"{name}: {type(exc).__name__}: {exc}")
             cases.append({"engine": name, "error": f"{type(exc).__name__}: {exc}"})
-    base = next((c for c in cases if c["engine"] == "hf" and "error" not in c), None)
+    base = next((c for c in cases if "error" not in c), None)
     if base is not None:
         for c in cases:
             if "error" not in c:
-                c["tokens_per_s_vs_hf"] = c["tokens_per_s"] / base["tokens_per_s"]
-                c["wall_vs_hf"] = c["wall_s"] / base["wall_s"]
-                if c["ttft_mean_s"] is not None:
-                    c["ttft_mean_vs_hf"] = c["ttft_mean_s"] / base["ttft_mean_s"]
+                c["base"] = base["engine"]
+                c["tokens_per_s_vs_base"] = c["tokens_per_s"] / base["tokens_per_s"]
+                c["wall_vs_base"] = c["wall_s"] / base["wall_s"]
+                if c["ttft_mean_s"] is not None and base["ttft_mean_s"]:
+                    c["ttft_mean_vs_base"] = c["ttft_mean_s"] / base["ttft_mean_s"]
     return {
         "workload": {
             "prompts": args.prompts,
@@ -367,9 +379,9 @@ def batch_table(result: dict) -> str:
             [
                 c["engine"],
                 fmt(c["tokens_per_s"], ".1f"),
-                fmt(c.get("tokens_per_s_vs_hf"), ".2f", "×"),
+                fmt(c.get("tokens_per_s_vs_base"), ".2f", "×"),
                 fmt(c["wall_s"], ".1f"),
-                fmt(c.get("wall_vs_hf"), ".2f", "×"),
+                fmt(c.get("wall_vs_base"), ".2f", "×"),
                 fmt(c["ttft_mean_s"], ".2f"),
                 fmt(c["ttft_p50_s"], ".2f"),
                 fmt(c["ttft_p95_s"], ".2f"),
@@ -382,9 +394,9 @@ def batch_table(result: dict) -> str:
         [
             "engine",
             "gen tok/s",
-            "vs hf",
+            "vs base",
             "batch done, s",
-            "vs hf",
+            "vs base",
             "TTFT mean, s",
             "TTFT p50, s",
             "TTFT p95, s",
@@ -414,13 +426,20 @@ def agent_overrides(args) -> list[str]:
     ]
 
 
+def engine_overrides(engine: str) -> list[str]:
+    """The ``rollout.*`` keys that pick ``engine`` (hf_static: the hf engine, static batches)."""
+    if engine == "hf_static":
+        return ["rollout.engine=hf", "rollout.hf_batching=static"]
+    return [f"rollout.engine={engine}"]
+
+
 def run_agent(engine: str, args, root: Path) -> dict:
     trial = f"agent_{engine}"
     cmd = [
         sys.executable, "-m", "areal_fast.cli", "train",
         "--config", str(REPO_ROOT / "examples" / "agent_multiturn.yaml"),
         "--no-progress", f"fileroot={root}", f"trial_name={trial}", "overwrite=true",
-        *agent_overrides(args), f"rollout.engine={engine}",
+        *agent_overrides(args), *engine_overrides(engine),
     ]  # fmt: skip
     eprint(" ".join(cmd))
     start = time.perf_counter()
@@ -457,10 +476,11 @@ def agent_workload(args) -> dict:
     root = Path(args.run_root or tempfile.mkdtemp(prefix="areal_fast_bench_agent_"))
     cases = [run_agent(e, args, root) for e in args.agent_engines]
     eprint(json.dumps(cases))
-    base = next((c for c in cases if c["engine"] == "hf" and "error" not in c), None)
+    base = next((c for c in cases if "error" not in c), None)
     for c in cases:
         if base is not None and "error" not in c:
-            c["sessions_per_min_vs_hf"] = c["sessions_per_min"] / base["sessions_per_min"]
+            c["base"] = base["engine"]
+            c["sessions_per_min_vs_base"] = c["sessions_per_min"] / base["sessions_per_min"]
     return {
         "config": "examples/agent_multiturn.yaml",
         "overrides": agent_overrides(args),
@@ -481,7 +501,7 @@ def agent_table(result: dict) -> str:
                 c["sessions_finished"],
                 fmt(c["train_wall_s"], ".0f"),
                 fmt(c["sessions_per_min"], ".1f"),
-                fmt(c.get("sessions_per_min_vs_hf"), ".2f", "×"),
+                fmt(c.get("sessions_per_min_vs_base"), ".2f", "×"),
                 fmt(c["model_calls"] / max(c["sessions_finished"], 1), ".2f"),
             ]
         )
@@ -492,7 +512,7 @@ def agent_table(result: dict) -> str:
             "sessions finished",
             "train wall, s",
             "sessions / min",
-            "vs hf",
+            "vs base",
             "model calls / session",
         ],
         rows,
@@ -500,7 +520,7 @@ def agent_table(result: dict) -> str:
 
 
 # ---------------------------------------------------------------------------
-# pytest-benchmark (4 prompts × 2 samples on hf and vllm; skipped without vLLM)
+# pytest-benchmark (4 prompts × 2 samples on each engine; vllm skipped without vLLM)
 # ---------------------------------------------------------------------------
 
 try:
@@ -510,9 +530,10 @@ except ImportError:  # script mode without pytest installed
 
 if pytest is not None:
 
-    @pytest.mark.parametrize("engine", ["hf", "vllm"])
+    @pytest.mark.parametrize("engine", ["hf_static", "hf", "vllm"])
     def test_tiny_batch(benchmark, engine):
-        pytest.importorskip("vllm")
+        if engine == "vllm":
+            pytest.importorskip("vllm")
         if not GSM8K_DEFAULT.is_dir():
             pytest.skip(f"GSM8K data not found at {GSM8K_DEFAULT}")
         from areal_fast.models.loading import demo_model_dir, load_tokenizer
@@ -554,7 +575,9 @@ def main(argv=None) -> int:
         "chunked prefill off, see areal_fast.rollout.vllm_async.cpu_scheduling)",
     )
     parser.add_argument("--gsm8k", default=str(GSM8K_DEFAULT), help="folder with test.jsonl")
-    parser.add_argument("--agent-engines", nargs="+", choices=ENGINES, default=["hf", "vllm"])
+    parser.add_argument(
+        "--agent-engines", nargs="+", choices=ENGINES, default=["hf_static", "hf", "vllm"]
+    )
     parser.add_argument("--agent-steps", type=int, default=2)
     parser.add_argument("--agent-batch", type=int, default=4, help="prompts per step")
     parser.add_argument("--agent-timeout", type=float, default=900.0, help="seconds per run")
