@@ -295,6 +295,21 @@ class DecodeBatch:
         )
 
 
+def check_model(model) -> None:
+    """Raise ``ValueError`` (one line naming ``rollout.hf_batching``) when the slot attention
+    cannot run ``model``: logit soft-capping or sliding-window layers, which it does not
+    implement."""
+    config = model.config.get_text_config()
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
+    if softcap or sliding:
+        what = "attention logit soft-capping" if softcap else "sliding-window attention layers"
+        raise ValueError(
+            f"rollout.hf_batching = 'continuous' does not implement the {what} of "
+            f"{type(model).__name__}; use rollout.hf_batching=static"
+        )
+
+
 def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
     """Length of the common prefix of ``a`` and ``b``, at most ``limit``."""
     n = min(len(a), len(b), limit)

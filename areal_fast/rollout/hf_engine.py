@@ -11,7 +11,7 @@ import torch
 
 from areal_fast.rl.batch import Trajectory
 from areal_fast.rollout.config import HF_BATCHING
-from areal_fast.rollout.decode_batch import DecodeBatch, Sequence
+from areal_fast.rollout.decode_batch import DecodeBatch, Sequence, check_model
 from areal_fast.rollout.engine import (
     GenOutput,
     GenRequest,
@@ -75,7 +75,8 @@ class HFEngine:
     Raises
     ------
     ValueError
-        If ``max_batch_size`` < 1 or ``batching`` is unknown.
+        If ``max_batch_size`` < 1 or ``batching`` is unknown, or continuous batching cannot
+        run the model (soft-capping, sliding-window layers).
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 64, batching: str = "continuous"):
@@ -83,6 +84,8 @@ class HFEngine:
             raise ValueError(f"max_batch_size = {max_batch_size} must be >= 1")
         if batching not in HF_BATCHING:
             raise ValueError(f"batching = {batching!r}: expected one of {', '.join(HF_BATCHING)}")
+        if batching == "continuous":
+            check_model(model)
         from transformers import GenerationConfig
 
         self.model = model.eval()

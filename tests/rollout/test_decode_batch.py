@@ -322,3 +322,11 @@ def test_batch_api_and_engine_thread_take_turns(tiny_model_dir, tokenizer):
     finally:
         engine.close()
     assert len(outs) == 6 and len(box["out"]) == 2
+
+
+def test_models_the_slot_attention_cannot_run_are_refused(tiny_model_dir, tokenizer):
+    model = _model(tiny_model_dir)
+    model.config.layer_types = ["sliding_attention"] * model.config.num_hidden_layers
+    with pytest.raises(ValueError, match="hf_batching=static"):
+        HFEngine(model, tokenizer, 2)
+    HFEngine(model, tokenizer, 2, "static")  # the static engine runs it
