@@ -36,6 +36,7 @@ ALLOWED = {
     ("areal-fast", "compare"),  # two run directories, nothing written
     ("python", "benches/compare_runs.py"),
     ("python", "examples/data/sft_arith/make.py"),
+    ("python", "examples/agents/make_search_corpus.py"),
     ("python", "benches/eval_agent.py"),
     ("python", "benches/bench_async.py"),
     ("python", "benches/bench_logprobs.py"),

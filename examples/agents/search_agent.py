@@ -11,7 +11,7 @@ The BM25 index (the ``bm25s`` library, ``pip install areal-fast[search]``) is bu
 per process and corpus file, at the agent's construction, and shared by every session.
 
     python examples/agents/make_search_corpus.py examples/agents/search_data
-    areal-fast train --config examples/agents/search_agent.yaml
+    areal-fast train --config examples/agent_search.yaml
 """
 
 from __future__ import annotations

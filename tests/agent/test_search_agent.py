@@ -1,5 +1,5 @@
 """The search agent example: its corpus generator, its BM25 retrieval, its reward, and a
-2-step training job on the tiny model (examples/agents/search_agent.yaml)."""
+2-step training job on the tiny model (examples/agent_search.yaml)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ pytest.importorskip("bm25s")
 
 ROOT = Path(__file__).resolve().parents[2]
 AGENTS = ROOT / "examples" / "agents"
-CONFIG = AGENTS / "search_agent.yaml"
+CONFIG = ROOT / "examples" / "agent_search.yaml"
 
 
 def _module(name: str):
