@@ -83,14 +83,17 @@ def test_shared_prefixes_and_kept_slots_equal_the_full_forward(tiny_model_dir):
     vocab = model.config.vocab_size
     base = _random_prompts(vocab, [PREFIX_MIN + 5], gen)[0]
     tails = _random_prompts(vocab, [4, 7, 1], gen)
+    # 5 repeats 1, which itself copied its prefix from 0: it samples from 1's logits
     prompts = [base, base + tails[0], base + tails[1], base[: PREFIX_MIN + 2], base + tails[2]]
+    prompts.append(list(prompts[1]))
     seqs = [Sequence(i, p, 5, 1.0, 1.0, seed=i) for i, p in enumerate(prompts)]
-    batch = DecodeBatch(model, 6, eos_id=None)
+    batch = DecodeBatch(model, 7, eos_id=None)
     batch.add(seqs)
     assert all(s.past == 0 for s in seqs)
     batch.step(0)
-    assert [s.past for s in seqs] == [0, PREFIX_MIN + 5, PREFIX_MIN + 5, PREFIX_MIN + 1,
-                                      PREFIX_MIN + 5]  # fmt: skip
+    whole = PREFIX_MIN + 5
+    assert [s.past for s in seqs] == [0, whole, whole, PREFIX_MIN + 1, whole, 0]
+    assert seqs[5].tokens != seqs[1].tokens  # same logits, its own seed
     while batch.running:
         batch.step(0)
     # an agent's next call: the whole first exchange plus new tokens
@@ -112,6 +115,24 @@ def test_shared_prefixes_and_kept_slots_equal_the_full_forward(tiny_model_dir):
     while batch.running:
         batch.step(1)
     _assert_matches_full_forward(model, again)
+
+
+def test_steps_padded_to_sixteen_rows_equal_the_full_forward(tiny_model_dir):
+    """Steps of 6 to 15 tokens run padded (scratch slot, repeated output rows): the
+    sequences' log-probs are a plain forward's (float64)."""
+    from areal_fast.rollout.decode_batch import PAD_ROWS
+
+    model = _model(tiny_model_dir, torch.float64)
+    gen = torch.Generator().manual_seed(int(time.time_ns() % 2**31))
+    rows = PAD_ROWS[0] + 1
+    prompts = _random_prompts(model.config.vocab_size, [1] * rows, gen)
+    seqs = [Sequence(i, p, 4, 1.0, 1.0, seed=i) for i, p in enumerate(prompts)]
+    batch = DecodeBatch(model, rows, eos_id=None)
+    batch.add(seqs)
+    while batch.running or batch.pending:
+        batch.step(0)
+    for seq in seqs:
+        _assert_matches_full_forward(model, seq)
 
 
 def test_kv_slots_grow_and_copy_keep_the_cached_tokens():
@@ -282,7 +303,8 @@ def _run_all(engine, requests):
 
 def test_cache_memory_is_bounded_by_max_batch_size_sequences(tiny_model_dir, tokenizer):
     """max_batch_size requests of the maximum length: the cache holds at most that many
-    sequences of that length (capacity rounded to 64 tokens), and is freed by an abort."""
+    sequences of that length (capacity rounded to 64 tokens) plus one scratch slot, and is
+    freed by an abort."""
     model = _model(tiny_model_dir)
     cfg = model.config
     slots, prompt_len, budget = 3, 40, 30
@@ -300,7 +322,7 @@ def test_cache_memory_is_bounded_by_max_batch_size_sequences(tiny_model_dir, tok
         batch.step(0)
         peak = max(peak, batch.cache_bytes)
     longest = -(-(prompt_len + budget) // 64) * 64
-    assert 0 < peak <= slots * longest * per_token
+    assert 0 < peak <= (slots + 1) * longest * per_token
     batch.abort()  # what a pause does
     assert batch.cache_bytes == 0
 
