@@ -39,7 +39,7 @@ async def _post(http, url, token, raw: bytes):
 def test_a_huge_request_does_not_stall_the_other_sessions(fmt, chars):
     """5 MB of messages are refused by the size bound before any rendering; 400 kB pass it
     and are refused by max_prompt_tokens after tokenising on a worker thread. Meanwhile
-    another session's small requests are answered within 100 ms each."""
+    another session's small requests are answered within 100 ms (90th percentile)."""
     gen = Scripted(fmt, "Hi.")
 
     async def main():
@@ -63,7 +63,10 @@ def test_a_huge_request_does_not_stall_the_other_sessions(fmt, chars):
         f"{chars} chars refused in {big_seconds * 1e3:.0f} ms; {len(latencies)} small "
         f"requests meanwhile, slowest {max(latencies) * 1e3:.1f} ms"
     )
-    assert status == 400 and max(latencies) < 0.1
+    # the 90th percentile: one slow request when the machine is busy (CI runs two lanes side by
+    # side) is not a stall; a loop blocked by the big request delays every request meanwhile
+    p90 = sorted(latencies)[int(0.9 * (len(latencies) - 1))]
+    assert status == 400 and p90 < 0.1
     message = body["error"]["message"]
     if chars > 8192 * fmt.max_token_chars:  # the cheap bound, nothing rendered
         assert message == (
