@@ -286,10 +286,14 @@ class DecodeBatch:
             plan.decode_index = torch.arange(first, len(ids), device=device)
             plan.decode_slots = torch.tensor([s.slot for s in running], device=device)
             rows = 1 + max(s.slot for s in running)
-            per_slot = [1] * rows  # slots not decoding: position 0 only (their row is dropped)
-            for seq, n in zip(running, lengths):
-                per_slot[seq.slot] = n
-            mask = torch.arange(max(lengths)).unsqueeze(0) < torch.tensor(per_slot).unsqueeze(1)
+            plan.decode_gather = rows > 2 * len(running)  # few sequences over many slots
+            if plan.decode_gather:
+                per_row = lengths
+            else:  # slots not decoding: position 0 only (their row is dropped)
+                per_row = [1] * rows
+                for seq, n in zip(running, lengths):
+                    per_row[seq.slot] = n
+            mask = torch.arange(max(lengths)).unsqueeze(0) < torch.tensor(per_row).unsqueeze(1)
             plan.decode_mask = mask[:, None, None, :].to(device)
         low, high = PAD_ROWS
         if device.type == "cpu" and low <= len(ids) < high:  # dummy tokens, scratch slot

@@ -118,10 +118,14 @@ class SlotPlan:
     decode_slots : torch.Tensor or None
         Their slots, shape [n], int64.
     decode_mask : torch.Tensor or None
-        Shape [rows, 1, 1, width], bool, one row per slot ``0 … rows − 1`` (``rows`` = the
-        highest decoding slot + 1): True at the cached positions ``[0, length)`` of a
-        decoding slot, its own position included, and at position 0 of any other slot (its
-        row is computed and dropped); ``width`` is the longest length.
+        Shape [rows, 1, 1, width], bool: True at the cached positions ``[0, length)`` of a
+        decoding sequence, its own position included; ``width`` is the longest length. With
+        ``decode_gather`` False, one row per slot ``0 … rows − 1`` (``rows`` = the highest
+        decoding slot + 1; a slot not decoding is True at position 0 only and its row is
+        dropped), and the attention reads views of the cache; with it True, one row per
+        decode token, and the attention reads a copy of their slots (few sequences spread
+        over many slots).
+    decode_gather : bool
     copies : list of (src, dst, tokens)
         Per layer, after the new keys and values are written and before any attention: the
         first ``tokens`` cached positions of slot ``src`` are copied to slot ``dst`` (a
@@ -135,6 +139,7 @@ class SlotPlan:
     decode_index: Optional[torch.Tensor] = None
     decode_slots: Optional[torch.Tensor] = None
     decode_mask: Optional[torch.Tensor] = None
+    decode_gather: bool = False
     copies: list[tuple[int, int, int]] = field(default_factory=list)
 
 
@@ -200,20 +205,28 @@ def slot_attention_forward(
                 is_causal=True, scale=scaling, enable_gqa=gqa,
             )  # fmt: skip
         out[start:end] = o[0].transpose(0, 1)
-    if plan.decode_index is not None:  # one row per slot below the highest decoding one
-        rows, width = plan.decode_mask.shape[0], plan.decode_mask.shape[-1]
-        q = query.new_zeros((rows, query.shape[1], 1, query.shape[3]))
-        q[plan.decode_slots, :, 0] = query[0][:, plan.decode_index].transpose(0, 1)
-        o = F.scaled_dot_product_attention(
-            q,
-            k_cache[:rows, :, :width],  # views: no copy of the cache
-            v_cache[:rows, :, :width],
-            attn_mask=plan.decode_mask,
-            scale=scaling,
-            enable_gqa=gqa,
-        )
-        out[plan.decode_index] = o[plan.decode_slots, :, 0]
+    if plan.decode_index is not None:
+        out[plan.decode_index] = _decode_attention(query, k_cache, v_cache, plan, scaling, gqa)
     return out.unsqueeze(0), None
+
+
+def _decode_attention(query, k_cache, v_cache, plan: SlotPlan, scaling, gqa) -> torch.Tensor:
+    """Attention of the decode tokens over their slots; [n, H, D]."""
+    width = plan.decode_mask.shape[-1]
+    q = query[0][:, plan.decode_index].transpose(0, 1)  # [n, H, D]
+    if plan.decode_gather:
+        keys = k_cache[plan.decode_slots, :, :width]  # copies of n slots
+        values = v_cache[plan.decode_slots, :, :width]
+    else:  # one row per slot up to the highest decoding one: views, no copy
+        rows = plan.decode_mask.shape[0]
+        keys, values = k_cache[:rows, :, :width], v_cache[:rows, :, :width]
+        q_rows = query.new_zeros((rows, query.shape[1], query.shape[3]))
+        q_rows[plan.decode_slots] = q
+        q = q_rows
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=plan.decode_mask, scale=scaling, enable_gqa=gqa
+    )[:, :, 0]
+    return o if plan.decode_gather else o[plan.decode_slots]
 
 
 def _offset_causal(queries: int, past: int, device) -> torch.Tensor:

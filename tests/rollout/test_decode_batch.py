@@ -135,6 +135,28 @@ def test_steps_padded_to_sixteen_rows_equal_the_full_forward(tiny_model_dir):
         _assert_matches_full_forward(model, seq)
 
 
+def test_few_sequences_over_many_slots_equal_the_full_forward(tiny_model_dir):
+    """Two sequences left in slots 0 and 5 of 8 decode through copies of their slots
+    (``decode_gather``), and their log-probs are a plain forward's (float64)."""
+    model = _model(tiny_model_dir, torch.float64)
+    gen = torch.Generator().manual_seed(int(time.time_ns() % 2**31))
+    prompts = _random_prompts(model.config.vocab_size, [3, 4, 2, 5, 3, 9, 2, 4], gen)
+    budgets = [6, 1, 1, 1, 1, 7, 1, 1]
+    seqs = [Sequence(i, p, budgets[i], 1.0, 1.0, seed=i) for i, p in enumerate(prompts)]
+    batch = DecodeBatch(model, 8, eos_id=None)
+    batch.add(seqs)
+    batch.step(0)
+    assert sorted(s.slot for s in batch.running) == [0, 5]
+    plans = []
+    forward = batch._forward
+    batch._forward = lambda ids, plan, keep: plans.append(plan) or forward(ids, plan, keep)
+    while batch.running:
+        batch.step(0)
+    assert plans[0].decode_gather and plans[0].decode_mask.shape[0] == 2
+    for seq in seqs:
+        _assert_matches_full_forward(model, seq)
+
+
 def test_kv_slots_grow_and_copy_keep_the_cached_tokens():
     cache = KVSlots(2, 3, 2, 4, torch.float64, torch.device("cpu"), capacity=4)
     for buf in cache.keys + cache.values:
