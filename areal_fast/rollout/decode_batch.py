@@ -18,6 +18,7 @@ behaviour log-prob is ``log_softmax(logits / temperature)`` at the chosen token.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -58,7 +59,7 @@ class Sequence:
     stop_reason : str
         "" while running, then "stop" (end-of-sequence), "length" or "abort".
     first_token_time : float or None
-        ``time.monotonic()`` when its first token was sampled.
+        ``time.monotonic()`` once its first token was sampled (the end of that step).
     slot, past : int
         Its slot (-1 before :meth:`DecodeBatch.add`) and how many of ``input_ids`` that slot
         holds already (their keys and values are not computed again).
@@ -178,7 +179,7 @@ class DecodeBatch:
         return ended
 
     @torch.inference_mode()
-    def step(self, version: int, now: float = 0.0) -> list[Sequence]:
+    def step(self, version: int) -> list[Sequence]:
         """One forward pass; returns the sequences that ended in it.
 
         Parameters
@@ -186,8 +187,6 @@ class DecodeBatch:
         version : int
             Policy version of the weights (tagged on every token sampled; kept prefixes of
             another version are not reused).
-        now : float
-            Time recorded as ``first_token_time`` of sequences sampling their first token.
         """
         if not self.running and not self.pending:
             return []
@@ -209,7 +208,7 @@ class DecodeBatch:
         tokens, logprobs = sample_rows(logits[order], batch)
         self.running += self.pending
         self.pending = []
-        return self._advance(batch, tokens, logprobs, version, now)
+        return self._advance(batch, tokens, logprobs, version, time.monotonic())
 
     def _forward(self, ids, plan: SlotPlan, keep) -> torch.Tensor:
         """Logits [rows, V] of the kept packed positions; the model attends through the slot

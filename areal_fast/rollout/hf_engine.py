@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
 from typing import Iterable, Optional
 
@@ -448,7 +447,7 @@ class HFEngine:
                 self._busy = True
             with self._model_lock:
                 self._check_complete()
-                ended = batch.step(self._version, time.monotonic())
+                ended = batch.step(self._version)
             if ended:
                 with self._cond:
                     self._outputs.extend(map(_output, ended))
