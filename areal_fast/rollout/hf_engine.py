@@ -427,11 +427,12 @@ class HFEngine:
 
     def _serve_continuous(self) -> None:
         """Step a :class:`DecodeBatch` while it holds sequences, admitting queued requests
-        into free slots before every step; on pause, abort the running ones."""
+        into free slots before every step; on pause, abort the running ones and forget the
+        kept prefixes (the weights may change before the resume)."""
         batch = DecodeBatch(self.model, self.max_batch_size, self.eos_id)
         while True:
             with self._cond:
-                if self._abort.is_set() and (batch.running or batch.pending):
+                if self._abort.is_set():  # a pause: running sequences and kept prefixes end
                     self._outputs.extend(map(_output, batch.abort()))
                 self._busy = False
                 self._cond.notify_all()
