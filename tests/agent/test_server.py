@@ -647,5 +647,7 @@ def test_real_engine_through_the_sdk(tiny_model_dir):
     assert [c.output_ids for c in again.calls] == [c.output_ids for c in session.calls], (
         session_seed
     )
-    assert [c.logprobs for c in again.calls] == [c.logprobs for c in session.calls]
+    # a continuous batch's numerics follow its other rows at float32 rounding
+    for c_again, c in zip(again.calls, session.calls):
+        assert c_again.logprobs == pytest.approx(c.logprobs, abs=1e-5)
     assert a.usage.completion_tokens == sum(len(c.output_ids) for c in session.calls[:2])
