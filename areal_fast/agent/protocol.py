@@ -49,7 +49,19 @@ _REFUSED = {
 
 
 class BadRequest(ValueError):
-    """A request the endpoint cannot serve; its message names the offending key."""
+    """A request the endpoint cannot serve; its message names the offending key.
+
+    The message is cut to :data:`MESSAGE_LIMIT` characters: it may quote a value from the
+    request, which can be megabytes long, and it goes back to the client and into logs.
+    """
+
+    def __init__(self, message: str):
+        if len(message) > MESSAGE_LIMIT:
+            message = message[: MESSAGE_LIMIT - 40] + f" … ({len(message)} characters in all)"
+        super().__init__(message)
+
+
+MESSAGE_LIMIT = 500  # characters of a BadRequest message at most
 
 
 @dataclass

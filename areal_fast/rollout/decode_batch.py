@@ -318,7 +318,13 @@ def check_model(model) -> None:
     implement."""
     config = model.config.get_text_config()
     softcap = getattr(config, "attn_logit_softcapping", None)
-    sliding = "sliding_attention" in (getattr(config, "layer_types", None) or [])
+    types = getattr(config, "layer_types", None)
+    if types:  # per-layer attention kinds (Qwen2/3, Gemma, ...)
+        sliding = "sliding_attention" in types
+    else:  # one window for every layer when set (Mistral's default 4096)
+        sliding = bool(getattr(config, "sliding_window", None)) and getattr(
+            config, "use_sliding_window", True
+        )
     if softcap or sliding:
         what = "attention logit soft-capping" if softcap else "sliding-window attention layers"
         raise ValueError(

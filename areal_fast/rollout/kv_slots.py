@@ -11,9 +11,10 @@ embedding, and a :class:`SlotPlan` as the keyword ``slot_plan``. It
 1. writes every new key and value into the sequence's slot of :class:`KVSlots`;
 2. copies shared prefixes between slots (:attr:`SlotPlan.copies`), then runs causal
    attention over each prefill sequence's new tokens, after the ones its slot holds already;
-3. runs one batched attention for the decode tokens, one row per slot up to the highest
-   decoding slot (views of the cache, no copy): each query against its slot's cached keys
-   ``[0, length)``, with a boolean mask hiding the rest of the slot.
+3. runs one batched attention for the decode tokens: each query against its slot's cached
+   keys ``[0, length)``, with a boolean mask hiding the rest of the slot; one row per slot up
+   to the highest decoding one (views of the cache, no copy), or, when few sequences are
+   spread over many slots, one row per sequence over a copy of its slot.
 
 The cache is dense per slot: per layer, keys and values of shape
 ``[slots, kv_heads, capacity, head_dim]``; ``capacity`` (tokens) grows by doubling when a

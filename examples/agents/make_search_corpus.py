@@ -219,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         written = write_task(args.out_dir, args.seed, args.test_size, **counts)
     except ValueError as exc:
         parser.error(str(exc))
+    except OSError as exc:  # an output folder that cannot be made or written
+        parser.error(f"out_dir {str(args.out_dir)!r}: {exc.strerror or exc}")
     print(", ".join(f"{name}.jsonl: {n} rows" for name, n in written.items()))
 
 

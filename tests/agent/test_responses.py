@@ -235,3 +235,17 @@ def test_post_helper_still_reaches_chat(fmt):
     status, payload = asyncio.run(main())
     assert status == 200 and payload["choices"][0]["message"]["content"] == "Ok."
     assert payload["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+def test_a_refusal_quotes_at_most_a_bounded_part_of_the_request():
+    """A megabyte value in a refused key comes back cut, naming the key and its length."""
+    from areal_fast.agent.protocol import MESSAGE_LIMIT, BadRequest
+    from areal_fast.agent.responses import parse_responses_request
+
+    huge = "r" * 1_000_000
+    with pytest.raises(BadRequest) as refused:
+        parse_responses_request({"input": "hi", "previous_response_id": huge})
+    message = str(refused.value)
+    assert message.startswith("previous_response_id = 'rrr") and len(message) <= MESSAGE_LIMIT
+    assert message.endswith(" characters in all)")
+    assert str(BadRequest("short")) == "short"

@@ -374,3 +374,15 @@ def test_models_the_slot_attention_cannot_run_are_refused(tiny_model_dir, tokeni
     with pytest.raises(ValueError, match="hf_batching=static"):
         HFEngine(model, tokenizer, 2)
     HFEngine(model, tokenizer, 2, "static")  # the static engine runs it
+
+
+def test_a_mistral_window_is_refused_at_start(tokenizer):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)  # fmt: skip
+    assert config.sliding_window  # its default
+    with pytest.raises(ValueError, match="sliding-window"):
+        HFEngine(MistralForCausalLM(config), tokenizer, 2)
+    config.sliding_window = None
+    HFEngine(MistralForCausalLM(config), tokenizer, 2)
