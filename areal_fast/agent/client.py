@@ -162,7 +162,7 @@ class ChatBackend:
         max_tokens = request.max_tokens or defaults.max_tokens
         if max_tokens > defaults.max_tokens_cap:
             raise BadRequest(
-                f"max_tokens = {max_tokens} is above the cap of "
+                f"max_tokens (Responses: max_output_tokens) = {max_tokens} is above the cap of "
                 f"{defaults.max_tokens_cap} (agent.max_tokens_cap, which defaults "
                 f"to rollout.max_new_tokens)"
             )

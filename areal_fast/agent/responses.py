@@ -92,12 +92,12 @@ def _tools(tools: Any) -> list[dict] | None:
     return out or None
 
 
-def _text(content: Any, where: str) -> str:
-    """The text of a message item's content (a string or text parts)."""
+def _text(content: Any, where: str, field: str = "content") -> str:
+    """The text of an item's ``field`` (a string or text parts)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise BadRequest(f"{where}.content must be a string or a list of text parts")
+        raise BadRequest(f"{where}.{field} must be a string or a list of text parts")
     parts = []
     for j, part in enumerate(content):
         if (
@@ -106,7 +106,7 @@ def _text(content: Any, where: str) -> str:
             or not isinstance(part.get("text"), str)
         ):
             raise BadRequest(
-                f'{where}.content[{j}] must be a text part {{"type": "input_text", "text": ...}}'
+                f'{where}.{field}[{j}] must be a text part {{"type": "input_text", "text": ...}}'
             )
         parts.append(part["text"])
     return "".join(parts)
@@ -163,7 +163,7 @@ def input_messages(body: dict) -> list[dict]:
             output = item.get("output")
             if not isinstance(item.get("call_id"), str):
                 raise BadRequest(f"{where}.call_id must be a string")
-            text = _text(output, where) if not isinstance(output, str) else output
+            text = output if isinstance(output, str) else _text(output, where, "output")
             messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": text})
         else:
             raise BadRequest(

@@ -249,3 +249,12 @@ def test_a_refusal_quotes_at_most_a_bounded_part_of_the_request():
     assert message.startswith("previous_response_id = 'rrr") and len(message) <= MESSAGE_LIMIT
     assert message.endswith(" characters in all)")
     assert str(BadRequest("short")) == "short"
+
+
+def test_a_bad_tool_output_names_its_field():
+    from areal_fast.agent.protocol import BadRequest
+    from areal_fast.agent.responses import parse_responses_request
+
+    item = {"type": "function_call_output", "call_id": "c1", "output": 5}
+    with pytest.raises(BadRequest, match=r"^input\[0\]\.output must be a string"):
+        parse_responses_request({"input": [item]})
