@@ -25,16 +25,11 @@ from typing import Any, Optional
 from areal_fast.agent.chat_format import normalize_message
 
 MAX_CHOICES = 64
-_IGNORED = {
-    "model",
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "extra_body",
-    "prompt_cache_key",
-    "safety_identifier",
-}
+# request metadata both OpenAI routes accept and the endpoint does not use
+IGNORED_METADATA = frozenset(
+    {"model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier"}
+)
+_IGNORED = IGNORED_METADATA | {"extra_body"}
 _REFUSED = {
     "stop": None,
     "logit_bias": None,

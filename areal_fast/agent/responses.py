@@ -35,22 +35,14 @@ from typing import Any
 
 from areal_fast.agent.chat_format import normalize_message
 from areal_fast.agent.protocol import (
+    IGNORED_METADATA,
     BadRequest,
     ChatRequest,
     check_tool_options,
     parse_chat_request,
 )
 
-_IGNORED = {
-    "model",
-    "user",
-    "metadata",
-    "store",
-    "service_tier",
-    "prompt_cache_key",
-    "safety_identifier",
-    "stream_options",
-}
+_IGNORED = IGNORED_METADATA | {"stream_options"}
 _REFUSED = {  # key -> the values that mean "not used"
     "previous_response_id": (None,),
     "conversation": (None,),
