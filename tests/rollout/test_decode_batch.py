@@ -7,6 +7,7 @@ import time
 
 import pytest
 import torch
+from test_hf_engine import _collect, _hook_forward  # noqa: E402 - beside this file
 
 from areal_fast.rollout.decode_batch import DecodeBatch, Sequence, sample_rows
 from areal_fast.rollout.engine import GenRequest, SamplingParams, sample_seed
@@ -221,28 +222,9 @@ def test_sample_rows_logprob_is_the_tempered_log_softmax():
         assert abs(logprobs[row] - float(expected)) < 1e-6
 
 
-def _collect(engine, count, timeout=30.0) -> dict:
-    out, deadline = {}, time.monotonic() + timeout
-    while len(out) < count:
-        left = deadline - time.monotonic()
-        assert left > 0, f"only {len(out)} of {count} outputs arrived"
-        out.update((o.rid, o) for o in engine.get_outputs(left))
-    return out
-
-
-def _slow_forward(model, seconds: float):
-    original = model.forward
-
-    def forward(*args, **kwargs):
-        time.sleep(seconds)
-        return original(*args, **kwargs)
-
-    model.forward = forward
-
-
 def test_request_submitted_mid_batch_starts_before_the_batch_ends(tiny_model_dir, tokenizer):
     engine = HFEngine(_model(tiny_model_dir), tokenizer, 4)
-    _slow_forward(engine.model, 0.01)
+    _hook_forward(engine.model, lambda n: time.sleep(0.01))
     prompt = tokenizer.encode("Once upon a time")
     seeds = [sample_seed(s, 0) for s in range(3)]
     engine.start()
@@ -250,7 +232,7 @@ def test_request_submitted_mid_batch_starts_before_the_batch_ends(tiny_model_dir
         engine.submit([GenRequest(i, prompt, 60, 0.0, 1.0, seeds[i]) for i in range(2)])
         time.sleep(0.1)  # the two are decoding
         engine.submit([GenRequest(9, tokenizer.encode("Hi"), 3, 0.0)])
-        outs = _collect(engine, 3)
+        outs = _collect(engine, 3, timeout=30.0)
     finally:
         engine.close()
     late = outs[9]
@@ -273,7 +255,7 @@ def test_pause_update_resume_mid_batch_keeps_versions_and_counts(tiny_model_dir,
             engine, [GenRequest(i, p, budget, 1.0, 1.0, seeds[i]) for i, p in enumerate(prompts)]
         )  # fmt: skip
     }
-    _slow_forward(engine.model, 0.005)
+    _hook_forward(engine.model, lambda n: time.sleep(0.005))
     engine.start()
     got = {i: ([], [], []) for i in range(len(prompts))}
     pending = [GenRequest(i, p, budget, 1.0, 1.0, seeds[i]) for i, p in enumerate(prompts)]
@@ -318,7 +300,7 @@ def _run_all(engine, requests):
     engine.start()
     try:
         engine.submit(requests)
-        return list(_collect(engine, len(requests)).values())
+        return list(_collect(engine, len(requests), timeout=30.0).values())
     finally:
         engine.close()
 
@@ -361,7 +343,7 @@ def test_batch_api_and_engine_thread_take_turns(tiny_model_dir, tokenizer):
             target=lambda: box.update(out=engine.generate([prompt], SamplingParams(n=2)))
         )
         thread.start()
-        outs = _collect(engine, 6)
+        outs = _collect(engine, 6, timeout=30.0)
         thread.join(30)
     finally:
         engine.close()
