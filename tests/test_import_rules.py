@@ -181,7 +181,9 @@ def _pkgs(*names: str) -> list[str]:
 
 DRIVER = ("controller", "launch", "cli")  # the driver process and what starts it
 PROCESSES = ("workers", "wire")  # the worker processes' own code, and what crosses to them
-HELPERS = _pkgs("_checks", "_native", "_nodes", "_replies", "_user_code")  # shared leaves
+HELPERS = _pkgs(
+    "_checks", "_native", "_nodes", "_replies", "_signals", "_user_code"
+)  # shared leaves
 
 RULES = [
     *forbid(f"{PACKAGE}.kernels",

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from areal_fast._signals import signals_held
 from areal_fast.controller.acceptance import Acceptance
 from areal_fast.controller.checkpoint_manager import CheckpointManager, PendingSaves
 from areal_fast.controller.config import RecoveryConfig, RunPlan, Timeouts
@@ -187,13 +188,14 @@ class AsyncController:
         while self.version < self.plan.total_steps and not (
             self._out_of_time() and not self.ledger.training
         ):
-            self._request_rollouts()  # as many as the staleness bound allows
-            self._send_batches()  # to the trainer, while a batch is ready
-            # finished groups; finished steps (→ publish weights, record, checkpoint)
-            self.handle(
-                self.wait(1.0, f"at policy version {self.version} (step {self.version + 1})")
-            )
-            self.recovery.check_deadlines(self.version, self.last_step)
+            with signals_held():  # a Ctrl-C or SIGTERM stops the run between two rounds
+                self._request_rollouts()  # as many as the staleness bound allows
+                self._send_batches()  # to the trainer, while a batch is ready
+                # finished groups; finished steps (→ publish weights, record, checkpoint)
+                self.handle(
+                    self.wait(1.0, f"at policy version {self.version} (step {self.version + 1})")
+                )
+                self.recovery.check_deadlines(self.version, self.last_step)
         self.drain.wind_down(self.version, self.weights.acked, self.evals, self.saves)
         return self.ledger.counts
 

@@ -114,7 +114,10 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
     try:
         saves.finish_answered()  # a commit the signal cut short
         saves.commit_written()  # an answer the signal kept from being handled
-    except (KeyboardInterrupt, ValueError, OSError):
+    except KeyboardInterrupt:
+        return False
+    except (ValueError, OSError) as exc:
+        say(f"could not commit the checkpoint in progress: {exc}")
         return False
     if not saves.saving:
         return True
@@ -128,6 +131,7 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
         while saves.saving:
             left = deadline - time.monotonic()
             if left <= 0:
+                say(f"gave up on checkpoint {versions} after {timeout:g} s: {_waiting_for(saves)}")
                 return False
             for handle, message in wait_messages(
                 [*trainer_ranks, *rollout], min(left, 1.0), "while finishing a checkpoint"
@@ -142,9 +146,21 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
                 ):
                     controller.handle([(handle, message)])
             saves.commit_written()
-    except (KeyboardInterrupt, WorkerError, ValueError, OSError):
+    except KeyboardInterrupt:
+        return False
+    except (WorkerError, ValueError, OSError) as exc:
+        say(f"gave up on checkpoint {versions}: {exc}")
         return False
     return True
+
+
+def _waiting_for(saves) -> str:
+    """What the checkpoints in progress still wait for, in a few words."""
+    unanswered = [v for path, (v, _) in saves.saving.items() if path not in saves.answered]
+    if unanswered:
+        return "the trainer has not saved it"
+    missing = sum(len(saves.held.missing.get(p, ())) for p in saves.saving) if saves.held else 0
+    return f"{missing} rollout groups it keeps have not finished"
 
 
 def describe_stop(
