@@ -451,22 +451,54 @@ def warn_failed_exits(cluster: Cluster) -> None:
             log.warning("worker %r %s while shutting down after the run", handle.name, how)
 
 
-def _exit_on_sigterm(signum: int, frame) -> None:
-    """SIGTERM handler of a local worker: exit through Python (see :func:`worker_main`)."""
-    raise SystemExit(128 + signum)
+# seconds a local worker outlives a SIGTERM when its launcher does not stop it first: above
+# the launcher's wait for a checkpoint in progress (launch.interrupt, 60 s) and its stop;
+# AREAL_FAST_WORKER_TERM_GRACE in the launcher's environment sets another
+WORKER_TERM_GRACE = 150.0
+
+
+_grace_over = threading.Event()  # set in a worker when its SIGTERM grace has run out
+
+
+def _defer_sigterm(signum: int, frame) -> None:
+    """SIGTERM handler of a local worker: wait for the launcher to stop it.
+
+    A SIGTERM to the whole job (Slurm's ``scancel``, a requeue or preemption, ``timeout``
+    on a process group) reaches the workers as well as the launcher, which first finishes
+    the checkpoint in progress, for which it needs the trainer alive, and then stops every
+    worker. A worker not stopped within :data:`WORKER_TERM_GRACE` seconds (a SIGTERM sent
+    to it alone) exits through Python then; further SIGTERMs change nothing.
+    """
+    if _grace_over.is_set():
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, _after_grace)
+    grace = float(os.environ.get("AREAL_FAST_WORKER_TERM_GRACE", WORKER_TERM_GRACE))
+    timer = threading.Timer(grace, _end_grace)
+    timer.daemon = True
+    timer.start()
+
+
+def _after_grace(signum: int, frame) -> None:
+    """SIGTERM handler after the first: exit once the grace has run out, else nothing."""
+    if _grace_over.is_set():
+        raise SystemExit(128 + signum)
+
+
+def _end_grace() -> None:
+    """The grace ran out (a timer thread): a SIGTERM to itself, handled in the main thread."""
+    _grace_over.set()
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def worker_main(target, conn, name: str, spec, authkey: bytes) -> None:
-    """Run a local worker's ``target(conn, name, spec, authkey)`` with SIGTERM turned into
-    a clean exit.
+    """Run a local worker's ``target(conn, name, spec, authkey)`` with SIGTERM deferred
+    (:func:`_defer_sigterm`).
 
-    A SIGTERM sent to the whole process group (``timeout``, a batch scheduler) reaches the
-    workers too. Killed by its default action, a worker leaves what multiprocessing made in
-    it, such as the semaphore of tqdm's lock that a progress bar creates, for the resource
-    tracker to report as leaked when the launcher exits; exiting through Python runs the
-    finalizers that remove them.
+    When it does exit on a SIGTERM, it exits through Python: killed by the default action, a
+    worker leaves what multiprocessing made in it, such as the semaphore of tqdm's lock
+    that a progress bar creates, for the resource tracker to report as leaked.
     """
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, _defer_sigterm)
     target(conn, name, spec, authkey)
 
 
@@ -477,7 +509,7 @@ class LocalCluster(Cluster):
     the launcher acts on it (it stops the workers), so the workers print no tracebacks. The
     launcher ignores SIGINT while it starts a process (an ignored signal is the one
     disposition that a new interpreter keeps); a Ctrl-C in that moment is lost. A SIGTERM
-    ends a worker through Python (:func:`worker_main`).
+    leaves the stopping to the launcher too (:func:`worker_main`).
 
     With ``shared_cores`` it makes the core table of the workers before starting them
     and deletes it when they stop.

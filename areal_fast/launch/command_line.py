@@ -5,6 +5,8 @@ areal-fast sft   --config FILE [key=value ...]   supervised fine-tuning (prompt/
 areal-fast eval  --config FILE model.path=...    greedy held-out accuracy of a model
 areal-fast config [--markdown]                   every config key, its default and meaning
 areal-fast compare RUN_A RUN_B [--json]          the first place where two run directories differ
+areal-fast submit --config FILE [key=value ...]  the train run as a Slurm batch job (slurm.*)
+areal-fast submit --status RUN_DIR               its Slurm state and last metrics line
 """
 
 from __future__ import annotations
@@ -37,6 +39,13 @@ _COMPARE_ABOUT = (
     "eval_*.jsonl problem by problem, and the final weights tensor by tensor; prints one line "
     "per kind, 'identical' or the first difference. Exit code 0: identical; 1: a difference; "
     "2: bad input."
+)
+_SUBMIT_ABOUT = (
+    "Submit the same run as areal-fast train as a Slurm batch job: the config (slurm.* keys "
+    "included) is checked, the batch script is written to the run directory's slurm/ folder "
+    "and submitted with sbatch; prints the job id and its log. scancel stops the run as "
+    "Ctrl-C does; a requeued job resumes from the newest complete checkpoint. --status "
+    "RUN_DIR prints the job's Slurm state and the run's last metrics line."
 )
 _KEYS_HELP = (
     "config keys, by section (dotted, as key=value after the options;\n"
@@ -111,7 +120,23 @@ def _parser(with_keys: bool = False) -> argparse.ArgumentParser:
         "--markdown", action="store_true", help="print the markdown reference (docs/config.md)"
     )
     _add_compare(sub)
+    _add_submit(sub, epilog)
     return parser
+
+
+def _add_submit(sub, epilog) -> None:
+    """The ``submit`` subcommand's parser."""
+    submit = sub.add_parser(
+        "submit",
+        help="run the train config as a Slurm batch job (or --status RUN_DIR)",
+        description=textwrap.fill(_SUBMIT_ABOUT, 90),
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    what = submit.add_mutually_exclusive_group(required=True)
+    what.add_argument("--config", metavar="FILE", help="YAML experiment config, as for train")
+    what.add_argument("--status", metavar="RUN_DIR", help="show the run's job and last step")
+    submit.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
 
 def _add_compare(sub) -> None:
@@ -152,6 +177,34 @@ def _compare(args) -> int:
         return 2
 
 
+def _submit(args, overrides: list[str], parser) -> int:
+    """``areal-fast submit``: 0 submitted (or status shown), 2 bad input or refused by
+    Slurm (one line, nothing submitted)."""
+    from areal_fast.launch.config import ConfigError
+    from areal_fast.launch.slurm.status import status_lines
+    from areal_fast.launch.slurm.submit import SubmitError, submit
+
+    bad = [item for item in overrides if "=" not in item or item.startswith("-")]
+    if bad or (args.status and overrides):
+        parser.error(f"unrecognized arguments: {' '.join(bad or overrides)}")
+    try:
+        if args.status:
+            print("\n".join(status_lines(args.status)))
+            return 0
+        job = submit(args.config, overrides)
+    except (ConfigError, SubmitError) as exc:
+        if os.environ.get("AREAL_FAST_DEBUG"):
+            raise
+        print(f"areal-fast: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    print(f"submitted Slurm job {job.job_id}: {job.script}")
+    print(f"log: {job.log}")
+    print(
+        f"status: areal-fast submit --status {job.script.parent.parent}; stop: scancel {job.job_id}"
+    )
+    return 0
+
+
 def _sft(args, argv: list[str] | None) -> int:
     """``areal-fast sft``: 0 when the run finished (its console summary names the run
     directory). ``argv``: the command line, when it is this process's own: the command then
@@ -190,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
         if extra:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return _compare(args)
+    if args.command == "submit":
+        return _submit(args, [*args.overrides, *extra], parser)
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -27,6 +27,7 @@ from areal_fast.controller.config import CheckpointConfig, RecoveryConfig, Timeo
 from areal_fast.data.config import DataConfig
 from areal_fast.data.user_reward import RewardConfig
 from areal_fast.launch.allocator import trainer_environment
+from areal_fast.launch.slurm.config import SlurmConfig
 from areal_fast.models.config import ModelConfig
 from areal_fast.rl.config import LossConfig
 from areal_fast.rollout.config import RolloutConfig
@@ -51,6 +52,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "SchedulerConfig",
+    "SlurmConfig",
     "Timeouts",
     "TrajectoryConfig",
     "WandbConfig",
@@ -267,6 +269,7 @@ class ExperimentConfig:
     recovery: RecoveryConfig = field(default_factory=RecoveryConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # TensorBoard, W&B sinks
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)  # `areal-fast submit`'s batch job
     tags: List[str] = field(default_factory=list)  # free labels, kept in the run's config.yaml
 
     def __post_init__(self):

@@ -36,7 +36,7 @@ def check_run_dir(cfg: ExperimentConfig) -> None:
         _check_same_inputs(cfg, run_dir / "config.yaml")
         _check_steps_left(cfg, run_dir)
         return
-    if not run_dir.exists():
+    if not run_dir.exists() or _submitted_only(run_dir):
         return
     if not cfg.overwrite:
         if (run_dir / "INTERRUPTED").is_file():
@@ -118,10 +118,10 @@ def prepare_run_dir(cfg: ExperimentConfig) -> Path:
             (run_dir / name).unlink(missing_ok=True)
         (run_dir / "config.resumed.yaml").write_text(to_yaml(cfg))  # the original stays
         return run_dir
-    if run_dir.exists():
+    if run_dir.exists() and not _submitted_only(run_dir):
         shutil.rmtree(run_dir)
     try:
-        run_dir.mkdir(parents=True)
+        run_dir.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(
             f"fileroot: cannot create run directory {run_dir} ({exc.strerror})"
@@ -166,3 +166,9 @@ def write_eval_records(path: Path, records: list[dict]) -> int:
         for record in records:
             fh.write(json.dumps(record) + "\n")
     return sum(bool(r["correct"]) for r in records)
+
+
+def _submitted_only(run_dir: Path) -> bool:
+    """Whether ``run_dir`` holds only what ``areal-fast submit`` wrote (its ``slurm/``
+    folder): a run not started yet, which the job starts in place."""
+    return run_dir.is_dir() and {p.name for p in run_dir.iterdir()} == {"slurm"}

@@ -127,8 +127,8 @@ class ProcessHandle(WorkerHandle):
             except (OSError, ValueError):
                 pass
             self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.terminate()
+        if self.process.is_alive():  # a local worker defers SIGTERM: it is killed
+            self.process.kill()
             self.process.join(timeout)
         self.conn.close()
 
