@@ -189,3 +189,30 @@ def test_an_unknown_partition_is_refused_in_one_line(slurm, tiny_model_dir, tmp_
     assert "partition" in lines[0].lower(), lines
     assert slurm.job_ids() == before
     assert not (tmp_path / "grpo-arith").exists() or not any((tmp_path / "grpo-arith").iterdir())
+
+
+def test_the_ray_path_runs_the_job_on_the_allocation(slurm, tiny_model_dir, tmp_path):
+    """``slurm.launcher=ray`` (the default with several nodes) on this one node: the script
+    starts a Ray head, waits for the allocation's nodes and runs the Ray launcher there."""
+    args = _job_args(
+        tiny_model_dir,
+        tmp_path,
+        "ray",
+        "total_steps=3",
+        "rollout.reproducible=false",
+        "slurm.launcher=ray",
+        "slurm.cpus_per_task=2",
+        "scheduler.cpus_per_rollout_worker=0.5",
+        "scheduler.cpus_per_trainer_rank=0.5",
+    )
+    job_id = _job_id(_submit(slurm, args, tmp_path))
+    run_dir = tmp_path / "grpo-arith" / "ray"
+    _wait_gone(slurm, job_id, run_dir)
+    log = _log(run_dir, job_id)
+    assert "areal-fast: 1 Ray nodes are up" in log, log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["scheduler"] == "ray" and summary["steps"] == 3, log
+    assert slurm.job_field(job_id, "ExitCode") == "0:0", log
+    # Ray's processes ended with the job
+    left = subprocess.run(["pgrep", "-f", "ray/core/src/ray/raylet"], capture_output=True)
+    assert left.stdout == b"", left.stdout

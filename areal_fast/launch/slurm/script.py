@@ -7,8 +7,9 @@ it directly and the run stops as on Ctrl-C; the job's exit code is the launcher'
 A first start trains from step 0; every later start of the job (a requeue) or a start in a
 run directory that already holds a run passes ``resume=true``.
 
-With one node the launcher starts the workers as local processes. With several it starts a
-Ray cluster over the allocation first (head on this node, the others joined with ``srun``;
+With ``slurm.launcher = local`` (the default on one node) the launcher starts the workers as
+local processes. With ``ray`` (the default on several nodes) the script starts a Ray cluster
+over the allocation first (head on this node, the others joined with ``srun``;
 :mod:`areal_fast.launch.slurm.ray_nodes` waits for them) and runs the Ray launcher there.
 
 Every value in the script comes from a checked :class:`~.config.SlurmConfig` field and is
@@ -95,23 +96,39 @@ def _environment_lines(slurm: SlurmConfig) -> list[str]:
 
 
 def _launch_lines(slurm: SlurmConfig) -> list[str]:
-    """One node: ``exec`` the local launcher. Several: a Ray cluster, then the Ray launcher."""
-    if slurm.nodes == 1:
+    """Local processes: ``exec`` the launcher. Ray: a Ray cluster, then the Ray launcher."""
+    if not slurm.on_ray:
         return ['exec "$python" -m areal_fast.cli "${args[@]}" ${resume[@]+"${resume[@]}"}']
     gpus = slurm.gpus_per_node
+    ray = '"$python" -m ray.scripts.scripts start'
+    sizes = (
+        f'--num-cpus="$cpus" --num-gpus={gpus} --temp-dir="$ray_dir" --disable-usage-stats --block'
+    )
     return [
-        "# a Ray cluster over the allocation: head here, srun joins the other nodes",
+        "# a Ray cluster over the allocation: its head on this node, srun joins the others;",
+        "# Ray's token authentication, the token made here and passed in the environment only",
+        "export RAY_AUTH_MODE=token",
+        'RAY_AUTH_TOKEN=$("$python" -c "import secrets; print(secrets.token_hex(32))")',
+        "export RAY_AUTH_TOKEN",
         "head_ip=$(hostname --ip-address | cut -d' ' -f1)",
         "cpus=${SLURM_CPUS_ON_NODE:-1}",
+        'ray_dir="/tmp/ray-areal-fast-${SLURM_JOB_ID:-$$}"',
         'port=$("$python" -m areal_fast.launch.slurm.ray_nodes --free-port)',
-        f'"$python" -m ray.scripts.scripts start --head --node-ip-address="$head_ip" '
-        f'--port="$port" --num-cpus="$cpus" --num-gpus={gpus} --disable-usage-stats',
-        f'srun --nodes=$((SLURM_JOB_NUM_NODES - 1)) --ntasks-per-node=1 --exclude="$(hostname)" '
-        f'--overlap "$python" -m ray.scripts.scripts start --address="$head_ip:$port" '
-        f'--num-cpus="$cpus" --num-gpus={gpus} --block --disable-usage-stats &',
+        f'{ray} --head --node-ip-address="$head_ip" --port="$port" {sizes} &',
+        'if [ "${SLURM_JOB_NUM_NODES:-1}" -gt 1 ]; then',
+        '  srun --nodes=$((SLURM_JOB_NUM_NODES - 1)) --ntasks-per-node=1 --exclude="$(hostname)" '
+        f'--overlap {ray} --address="$head_ip:$port" {sizes} &',
+        "fi",
+        "# Ray's daemons leave the job's process tree: this job's are ended by their folder",
+        """trap 'pkill -TERM -f -- "$ray_dir" || true' EXIT""",
         '"$python" -m areal_fast.launch.slurm.ray_nodes --address "$head_ip:$port" '
-        '--wait "$SLURM_JOB_NUM_NODES"',
-        'export RAY_ADDRESS="$head_ip:$port"',
-        'exec "$python" -m areal_fast.launch.ray "${args[@]}" scheduler.ray_address=auto '
-        '${resume[@]+"${resume[@]}"}',
+        '--wait "${SLURM_JOB_NUM_NODES:-1}"',
+        "# the launcher as a child, so that the trap runs: it gets the job's SIGTERM from here",
+        '"$python" -m areal_fast.launch.ray "${args[@]}" "scheduler.ray_address=$head_ip:$port" '
+        '${resume[@]+"${resume[@]}"} &',
+        "launcher=$!",
+        """trap 'kill -TERM "$launcher" 2> /dev/null || true' TERM INT""",
+        "code=0",
+        'while kill -0 "$launcher" 2> /dev/null; do wait "$launcher" || code=$?; done',
+        'exit "$code"',
     ]
