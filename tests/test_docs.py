@@ -156,7 +156,7 @@ def _check_command(path: str, line: int, tokens: list[str]) -> None:
             return
         if tokens[2] == "pip":
             program, first = "pip", tokens[3] if len(tokens) > 3 else None
-    if program == "areal-fast" and first in ("train", "eval", "sft"):
+    if program == "areal-fast" and first in ("train", "eval", "sft", "submit"):
         _check_config(where, tokens[2:], sft=first == "sft")
         return
     if (program, first) in SKIPPED or (program, None) in SKIPPED:
@@ -416,6 +416,8 @@ def test_module_index_check_catches_a_new_module(tmp_path):
 # are tested elsewhere, in the file named (docs/modules.md gives the counts).
 TESTED_ELSEWHERE = {
     "areal_fast/_nodes.py": "tests/launch/test_ray_nodes.py",
+    "areal_fast/launch/slurm/config.py": "tests/launch/slurm/test_submit.py",
+    "areal_fast/launch/slurm/ray_nodes.py": "tests/launch/slurm/test_slurm_job.py",
     "areal_fast/agent/bridge.py": "tests/agent/test_session.py",
     "areal_fast/agent/chat_format.py": "tests/agent/test_session.py",
     "areal_fast/agent/client.py": "tests/agent/test_session.py",

@@ -1,4 +1,4 @@
-"""The one-node Slurm cluster of tests/slurm (:mod:`slurm_cluster`), started once per session.
+"""The one-node Slurm cluster of tests/launch/slurm (:mod:`slurm_cluster`), started once per session.
 
 Where it cannot start (Slurm not installed, not root) its tests are skipped with the reason;
 with ``AREAL_FAST_REQUIRE_SLURM=1`` (CI) they fail instead.

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 STEPS = 30  # a tiny step takes ~0.1 s: a signal after step 3 comes while it trains
 JOB_TIMEOUT = 300.0  # seconds a tiny job may take from submission to its end
 

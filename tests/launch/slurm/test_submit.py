@@ -1,11 +1,9 @@
-"""``areal-fast submit`` without a cluster: the ``slurm.*`` checks, the batch script it writes
-(quoting, both launch paths valid bash), what it leaves on disk when sbatch takes or refuses
-the job (a stand-in ``sbatch`` script), and the one-line errors for a misspelt key and a
-missing sbatch, with nothing written."""
+"""``areal-fast submit`` without a cluster (a stand-in ``sbatch``): the ``slurm.*`` checks and
+the one-line errors for a misspelt key, a missing sbatch or Slurm's refusal, with nothing left
+written; the files it writes and the run directory the job then starts in."""
 
 from __future__ import annotations
 
-import os
 import shlex
 import stat
 import subprocess
@@ -17,10 +15,8 @@ import pytest
 from areal_fast.cli import main
 from areal_fast.launch.config import load_config
 from areal_fast.launch.run_dir import check_run_dir, prepare_run_dir
-from areal_fast.launch.slurm.config import SlurmConfig
-from areal_fast.launch.slurm.script import render_script
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CONFIG = str(REPO / "examples" / "arith.yaml")
 
 
@@ -69,52 +65,6 @@ def test_bad_slurm_values_are_refused_naming_the_key(tmp_path, item, message):
     with pytest.raises(ValueError) as info:
         load_config(CONFIG, [f"fileroot={tmp_path}", item])
     assert message in str(info.value)
-
-
-def test_the_script_quotes_every_value_and_is_valid_bash(tmp_path):
-    hostile = "$(touch /tmp/pwned); `id` 'q' \"d\""
-    slurm = SlurmConfig(
-        partition="gpu",
-        account="proj-1",
-        time="1-02:00:00",
-        gpus_per_node=2,
-        venv=str(tmp_path / "my venv"),
-        modules=["cuda/12.4"],
-        env={"HF_HOME": hostile},
-        extra_sbatch=["--constraint=h100"],
-    )
-    text = render_script(slurm, tmp_path / "run", tmp_path, "t1")
-    assert "#SBATCH --partition=gpu\n#SBATCH --account=proj-1\n#SBATCH --time=1-02:00:00" in text
-    assert "#SBATCH --gpus-per-node=2" in text and "#SBATCH --signal=B:TERM@180" in text
-    assert "#SBATCH --constraint=h100" in text and "#SBATCH --requeue" in text
-    assert f"export HF_HOME={shlex.quote(hostile)}" in text
-    assert f"source {shlex.quote(str(tmp_path / 'my venv' / 'bin' / 'activate'))}" in text
-    for nodes in (1, 3):
-        script = tmp_path / f"job{nodes}.sbatch"
-        slurm.nodes = nodes
-        script.write_text(render_script(slurm, tmp_path / "run", tmp_path, "t1"))
-        check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
-        assert check.returncode == 0, check.stderr
-    assert "areal_fast.launch.ray" in script.read_text()  # several nodes: the Ray launcher
-
-
-def test_the_script_runs_the_launcher_and_resumes_a_started_run(tmp_path):
-    """The one-node script, run by bash with a stand-in python: the first start trains, a
-    start after config.yaml exists passes resume=true; the values reach it as arguments."""
-    python = tmp_path / "python"
-    python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
-    python.chmod(0o755)
-    run_dir = tmp_path / "run"
-    (run_dir / "slurm").mkdir(parents=True)
-    script = tmp_path / "job.sbatch"
-    script.write_text(render_script(SlurmConfig(python=str(python)), run_dir, tmp_path, "t"))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    first = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
-    expected = ["-m", "areal_fast.cli", "train", "--config", f"{run_dir}/slurm/config.yaml"]
-    assert first.stdout.splitlines()[1:] == [*expected, "--no-progress"], first
-    (run_dir / "config.yaml").write_text("{}")
-    again = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
-    assert again.stdout.splitlines()[1:] == [*expected, "--no-progress", "resume=true"], again
 
 
 def test_submit_writes_the_script_and_config_then_sbatch_takes_it(tmp_path, capsys):
@@ -166,11 +116,6 @@ def test_sbatch_refusal_is_one_line_and_leaves_nothing(tmp_path, capsys):
         "Invalid partition name specified"
     )
     assert not (tmp_path / "grpo-arith").exists()
-
-
-def test_status_needs_a_submitted_run(tmp_path, capsys):
-    assert main(["submit", "--status", str(tmp_path)]) == 2
-    assert "holds no job submitted by areal-fast submit" in capsys.readouterr().err
 
 
 def test_cli_help_lists_submit():

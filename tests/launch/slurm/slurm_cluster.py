@@ -1,4 +1,4 @@
-"""A one-node Slurm cluster for tests/slurm: munged, slurmctld and slurmd started on this
+"""A one-node Slurm cluster for tests/launch/slurm: munged, slurmctld and slurmd started on this
 machine from ``slurm.conf.in`` (beside this file) in a scratch folder, stopped afterwards.
 
 Needs Debian's ``slurmctld slurmd slurm-client munge`` packages and root (slurmd runs jobs
