@@ -469,8 +469,6 @@ def _defer_sigterm(signum: int, frame) -> None:
     worker. A worker not stopped within :data:`WORKER_TERM_GRACE` seconds (a SIGTERM sent
     to it alone) exits through Python then; further SIGTERMs change nothing.
     """
-    if _grace_over.is_set():
-        raise SystemExit(128 + signum)
     signal.signal(signal.SIGTERM, _after_grace)
     grace = float(os.environ.get("AREAL_FAST_WORKER_TERM_GRACE", WORKER_TERM_GRACE))
     timer = threading.Timer(grace, _end_grace)

@@ -39,7 +39,7 @@ class SlurmConfig:
     # how the job places its workers: "local" processes on the one node, or "ray": a Ray
     # cluster over the allocation (head on the first node, `srun` joins the others) and the
     # Ray launcher; None: local with one node, ray with more (docs/scale-out.md, Slurm)
-    launcher: Optional[str] = None
+    placement: Optional[str] = None
     gpus_per_node: int = 0  # sbatch --gpus-per-node (0: none asked for)
     cpus_per_task: Optional[int] = None  # sbatch --cpus-per-task (one task per node)
     mem: Optional[str] = None  # sbatch --mem per node, e.g. "64G"; "0": all of it
@@ -64,12 +64,12 @@ class SlurmConfig:
         for name in ("partition", "account", "qos", "job_name", "mem"):
             _check_plain(name, getattr(self, name))
         at_least("nodes", self.nodes, 1)
-        if self.launcher not in (None, "local", "ray"):
-            raise ValueError(f"launcher = {self.launcher!r} is not 'local', 'ray' or null")
-        if self.launcher == "local" and self.nodes > 1:
+        if self.placement not in (None, "local", "ray"):
+            raise ValueError(f"placement = {self.placement!r} is not 'local', 'ray' or null")
+        if self.placement == "local" and self.nodes > 1:
             raise ValueError(
-                f"launcher = 'local' starts every worker on the first node, so nodes = "
-                f"{self.nodes} would leave {self.nodes - 1} idle; use launcher = ray"
+                f"placement = 'local' starts every worker on the first node, so nodes = "
+                f"{self.nodes} would leave {self.nodes - 1} idle; use placement = ray"
             )
         at_least("gpus_per_node", self.gpus_per_node, 0)
         if self.cpus_per_task is not None:
@@ -97,7 +97,7 @@ class SlurmConfig:
     @property
     def on_ray(self) -> bool:
         """Whether the job starts a Ray cluster and the Ray launcher."""
-        return self.launcher == "ray" or (self.launcher is None and self.nodes > 1)
+        return self.placement == "ray" or (self.placement is None and self.nodes > 1)
 
     def sbatch_options(self, trial_name: str) -> List[str]:
         """The ``--name=value`` options of the script's ``#SBATCH`` lines, in order (the

@@ -1,4 +1,4 @@
-"""Helpers the batch script runs when the job's workers go on Ray (``slurm.launcher = ray``,
+"""Helpers the batch script runs when the job's workers go on Ray (``slurm.placement = ray``,
 the default with several nodes): a free port for the Ray head, and a wait until every node of
 the allocation has joined the Ray cluster.
 

@@ -7,7 +7,7 @@ it directly and the run stops as on Ctrl-C; the job's exit code is the launcher'
 A first start trains from step 0; every later start of the job (a requeue) or a start in a
 run directory that already holds a run passes ``resume=true``.
 
-With ``slurm.launcher = local`` (the default on one node) the launcher starts the workers as
+With ``slurm.placement = local`` (the default on one node) the launcher starts the workers as
 local processes. With ``ray`` (the default on several nodes) the script starts a Ray cluster
 over the allocation first (head on this node, the others joined with ``srun``;
 :mod:`areal_fast.launch.slurm.ray_nodes` waits for them) and runs the Ray launcher there.

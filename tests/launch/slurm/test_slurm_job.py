@@ -12,16 +12,33 @@ uninterrupted one by ``areal-fast compare``.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import slurm_cluster  # beside this file
 
 REPO = Path(__file__).resolve().parents[3]
 STEPS = 30  # a tiny step takes ~0.1 s: a signal after step 3 comes while it trains
 JOB_TIMEOUT = 300.0  # seconds a tiny job may take from submission to its end
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    """The one-node cluster (:mod:`slurm_cluster`). Where it cannot start (Slurm not
+    installed, not root) the tests are skipped with the reason; with
+    ``AREAL_FAST_REQUIRE_SLURM=1`` (CI) they fail instead."""
+    try:
+        cluster = slurm_cluster.start(tmp_path_factory.mktemp("slurm"))
+    except slurm_cluster.Unavailable as exc:
+        if os.environ.get("AREAL_FAST_REQUIRE_SLURM"):
+            pytest.fail(f"AREAL_FAST_REQUIRE_SLURM=1 but {exc}")
+        pytest.skip(str(exc))
+    yield cluster
+    slurm_cluster.stop(cluster)
 
 
 def _job_args(model_dir, root: Path, trial: str, *extra) -> list[str]:
@@ -192,7 +209,7 @@ def test_an_unknown_partition_is_refused_in_one_line(slurm, tiny_model_dir, tmp_
 
 
 def test_the_ray_path_runs_the_job_on_the_allocation(slurm, tiny_model_dir, tmp_path):
-    """``slurm.launcher=ray`` (the default with several nodes) on this one node: the script
+    """``slurm.placement=ray`` (the default with several nodes) on this one node: the script
     starts a Ray head, waits for the allocation's nodes and runs the Ray launcher there."""
     args = _job_args(
         tiny_model_dir,
@@ -200,7 +217,7 @@ def test_the_ray_path_runs_the_job_on_the_allocation(slurm, tiny_model_dir, tmp_
         "ray",
         "total_steps=3",
         "rollout.reproducible=false",
-        "slurm.launcher=ray",
+        "slurm.placement=ray",
         "slurm.cpus_per_task=2",
         "scheduler.cpus_per_rollout_worker=0.5",
         "scheduler.cpus_per_trainer_rank=0.5",
