@@ -447,7 +447,6 @@ TESTED_ELSEWHERE = {
     "areal_fast/launch/inputs.py": "tests/launch/test_config.py",
     "areal_fast/launch/ray.py": "tests/launch/test_multi_node.py",
     "areal_fast/launch/reporter.py": "tests/launch/test_experiment.py",
-    "areal_fast/launch/run_dir.py": "tests/test_cli.py",
     "areal_fast/launch/sft_config.py": "tests/launch/test_sft.py",
     "areal_fast/launch/sft_evals.py": "tests/launch/test_sft.py",
     "areal_fast/launch/sft_ranks.py": "tests/launch/test_sft.py",

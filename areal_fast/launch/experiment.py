@@ -23,7 +23,7 @@ from areal_fast.launch.log_sinks import LogSinks
 from areal_fast.launch.reporter import Reporter
 from areal_fast.launch.restarts import Attempt, with_trainer_restarts
 from areal_fast.launch.run_context import RunContext
-from areal_fast.launch.run_dir import prepare_run_dir
+from areal_fast.launch.run_dir import prepare_run_dir, release_run_dir
 from areal_fast.launch.summary import Trained, summarise
 from areal_fast.launch.worker_specs import started_workers
 from areal_fast.rollout.engine import SamplingParams
@@ -73,9 +73,12 @@ def run_experiment(cfg: ExperimentConfig, show_progress: bool = True) -> dict:
             torch.set_num_threads(cfg.threads)
         seed_everything(cfg.seed)
         inputs = check_inputs(cfg)  # nothing is written or started before this passes
-        run.run_dir = prepare_run_dir(cfg)
-        # a trainer fault starts the job again from its last checkpoint
-        return with_trainer_restarts(run, lambda attempt: run_attempt(run, inputs, attempt))
+        run.run_dir = prepare_run_dir(cfg)  # claimed by this process until the run ends
+        try:
+            # a trainer fault starts the job again from its last checkpoint
+            return with_trainer_restarts(run, lambda attempt: run_attempt(run, inputs, attempt))
+        finally:
+            release_run_dir(run.run_dir)
 
 
 def run_attempt(run: RunContext, inputs: RunInputs, attempt: Attempt) -> dict:

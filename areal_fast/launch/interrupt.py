@@ -122,7 +122,9 @@ def finish_checkpoints(controller, trainer_ranks, timeout: float, say) -> bool:
     if not saves.saving:
         return True
     versions = ", ".join(f"step-{v}" for v, _ in sorted(saves.saving.values()))
-    say(f"finishing checkpoint {versions} (at most {timeout:g} s; Ctrl-C again to discard it)")
+    say(
+        f"finishing checkpoint {versions} (at most {timeout:g} s; a second Ctrl-C or SIGTERM discards it)"
+    )
     deadline = time.monotonic() + timeout
     # a reproducible run's checkpoint also waits for the rollouts it keeps: the rollout
     # workers (which ignore the signal) go on generating, and their messages are handled

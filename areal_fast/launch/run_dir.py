@@ -3,9 +3,12 @@ another model, problems or held-out set, or with no step left), its preparation,
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 from pathlib import Path
+from typing import IO
 
 from areal_fast.launch.config import ConfigError, ExperimentConfig, to_yaml
 
@@ -110,15 +113,26 @@ def _check_steps_left(cfg: ExperimentConfig, run_dir: Path) -> None:
 
 def prepare_run_dir(cfg: ExperimentConfig) -> Path:
     """Create the run directory (replacing an old run's when allowed) with ``config.yaml``;
-    with ``resume`` keep it, only removing the marks of the ended attempt."""
+    with ``resume`` keep it, only removing the marks of the ended attempt. The directory is
+    claimed for this process (:func:`claim_run_dir`) before anything in it changes.
+
+    Raises
+    ------
+    ConfigError
+        The directory cannot be used (:func:`check_run_dir`), cannot be created, or another
+        process runs in it.
+    """
     check_run_dir(cfg)
     run_dir = cfg.run_dir
+    if run_dir.is_dir():
+        claim_run_dir(run_dir)
     if cfg.resume:
         for name in ("FAILED", "INTERRUPTED", "summary.json"):
             (run_dir / name).unlink(missing_ok=True)
         (run_dir / "config.resumed.yaml").write_text(to_yaml(cfg))  # the original stays
         return run_dir
     if run_dir.exists() and not _submitted_only(run_dir):
+        release_run_dir(run_dir)
         shutil.rmtree(run_dir)
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -126,6 +140,7 @@ def prepare_run_dir(cfg: ExperimentConfig) -> Path:
         raise ConfigError(
             f"fileroot: cannot create run directory {run_dir} ({exc.strerror})"
         ) from exc
+    claim_run_dir(run_dir)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     return run_dir
 
@@ -171,4 +186,46 @@ def write_eval_records(path: Path, records: list[dict]) -> int:
 def _submitted_only(run_dir: Path) -> bool:
     """Whether ``run_dir`` holds only what ``areal-fast submit`` wrote (its ``slurm/``
     folder): a run not started yet, which the job starts in place."""
-    return run_dir.is_dir() and {p.name for p in run_dir.iterdir()} == {"slurm"}
+    return run_dir.is_dir() and {p.name for p in run_dir.iterdir()} - {LOCK_FILE} == {"slurm"}
+
+
+LOCK_FILE = ".lock"  # in the run directory: flock-ed by the process that runs in it
+_claimed: dict[Path, IO] = {}  # run directory -> its open, locked LOCK_FILE
+
+
+def claim_run_dir(run_dir: Path) -> None:
+    """Hold an exclusive lock on ``run_dir`` until :func:`release_run_dir` or this process
+    ends, so that no second run (a resumed one, a requeued Slurm job's twin) writes into it
+    at the same time; a directory this process holds already is held still.
+
+    Raises
+    ------
+    ConfigError
+        Another process holds it (its process id named).
+    """
+    key = Path(run_dir).resolve()
+    if key in _claimed:
+        return
+    handle = open(key / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise ConfigError(
+            f"run directory {run_dir} is in use by another areal-fast process (pid {holder}); "
+            f"wait for it to end or stop it"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    _claimed[key] = handle
+
+
+def release_run_dir(run_dir: Path) -> None:
+    """Let go of a directory :func:`claim_run_dir` holds (nothing if it holds none)."""
+    handle = _claimed.pop(Path(run_dir).resolve(), None)
+    if handle is not None:
+        handle.close()

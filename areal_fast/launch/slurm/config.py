@@ -15,9 +15,25 @@ from typing import Dict, List, Optional
 
 from areal_fast._checks import at_least
 
-# Slurm's --time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS
-_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
-_MEMORY = re.compile(r"^\d+[KMGT]?$")
+# Slurm's --time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or no limit
+_TIME = re.compile(r"^((\d+-)?\d+(:\d{1,2}){0,2}|UNLIMITED|unlimited|INFINITE|infinite)$")
+_MEMORY = re.compile(r"^\d+([KMGTkmgt][Bb]?)?$")
+# options the script sets itself or that have a key of their own: not in extra_sbatch
+_SCRIPT = "the script sets it"
+_OWN_OPTIONS = {
+    "--output": _SCRIPT, "-o": _SCRIPT, "--error": _SCRIPT, "-e": _SCRIPT,
+    "--open-mode": _SCRIPT, "--chdir": _SCRIPT, "-D": _SCRIPT,
+    "--ntasks": "one task per node", "-n": "one task per node",
+    "--ntasks-per-node": "one task per node", "--array": "one run per job", "-a": "one run per job",
+    "--signal": "set slurm.signal_lead", "--requeue": "set slurm.requeue",
+    "--no-requeue": "set slurm.requeue", "--nodes": "set slurm.nodes", "-N": "set slurm.nodes",
+    "--partition": "set slurm.partition", "-p": "set slurm.partition",
+    "--account": "set slurm.account", "-A": "set slurm.account", "--qos": "set slurm.qos",
+    "-q": "set slurm.qos", "--time": "set slurm.time", "-t": "set slurm.time",
+    "--mem": "set slurm.mem", "--gpus-per-node": "set slurm.gpus_per_node",
+    "--cpus-per-task": "set slurm.cpus_per_task", "-c": "set slurm.cpus_per_task",
+    "--job-name": "set slurm.job_name", "-J": "set slurm.job_name",
+}  # fmt: skip
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # a value of an #SBATCH line: no whitespace, quote, backslash or control character
 _PLAIN = re.compile(r"^[^\s'\"\\\x00-\x1f\x7f]+$")
@@ -61,6 +77,7 @@ class SlurmConfig:
     sbatch: str = "sbatch"  # the sbatch command (a name on PATH or a path)
 
     def __post_init__(self):
+        """Check every field (see the class docstring)."""
         for name in ("partition", "account", "qos", "job_name", "mem"):
             _check_plain(name, getattr(self, name))
         at_least("nodes", self.nodes, 1)
@@ -75,7 +92,7 @@ class SlurmConfig:
         if self.cpus_per_task is not None:
             at_least("cpus_per_task", self.cpus_per_task, 1)
         if self.mem is not None and not _MEMORY.match(self.mem):
-            raise ValueError(f"mem = {self.mem!r} is not a size such as 64G, 512M or 0")
+            raise ValueError(f"mem = {self.mem!r} is not a size such as 64G, 512MB or 0")
         if self.time is not None and not _TIME.match(self.time):
             raise ValueError(
                 f"time = {self.time!r} is not a Slurm time limit (MM, HH:MM:SS or D-HH:MM:SS)"
@@ -83,11 +100,7 @@ class SlurmConfig:
         if not 0 <= self.signal_lead <= 65535:
             raise ValueError(f"signal_lead = {self.signal_lead} must be 0 to 65535 seconds")
         for i, line in enumerate(self.extra_sbatch):
-            if not (line.startswith("-") and "\n" not in line and "\r" not in line):
-                raise ValueError(
-                    f"extra_sbatch[{i}] = {line!r} is not one sbatch option such as "
-                    f"--constraint=a100"
-                )
+            _check_extra(i, line)
         for name in self.env:
             if not _ENV_NAME.match(name):
                 raise ValueError(f"env: {name!r} is not an environment variable name")
@@ -123,3 +136,17 @@ def _check_plain(name: str, value: Optional[str]) -> None:
         raise ValueError(
             f"{name} = {value!r} must be one word without spaces, quotes or control characters"
         )
+
+
+def _check_extra(index: int, option: str) -> None:
+    """Raise ``ValueError`` unless ``option`` is one sbatch option the script leaves open."""
+    if not (option.startswith("-") and _PLAIN.match(option.replace('"', ""))):
+        raise ValueError(
+            f"extra_sbatch[{index}] = {option!r} is not one sbatch option such as "
+            f"--constraint=a100 (one option per entry, no spaces)"
+        )
+    name = option.split("=", 1)[0]
+    if not name.startswith("--"):
+        name = name[:2]  # a short option with its value attached: -pdebug
+    if name in _OWN_OPTIONS:
+        raise ValueError(f"extra_sbatch[{index}] = {option!r}: not here ({_OWN_OPTIONS[name]})")

@@ -44,7 +44,8 @@ def test_the_script_quotes_every_value_and_is_valid_bash(tmp_path):
 
 def test_the_script_runs_the_launcher_and_resumes_a_started_run(tmp_path):
     """The one-node script, run by bash with a stand-in python: the first start trains, a
-    start after config.yaml exists passes resume=true; the values reach it as arguments."""
+    start after config.yaml exists passes resume=true, a start after the run finished does
+    nothing; the values reach the launcher as arguments."""
     python = tmp_path / "python"
     python.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
     python.chmod(0o755)
@@ -59,3 +60,19 @@ def test_the_script_runs_the_launcher_and_resumes_a_started_run(tmp_path):
     (run_dir / "config.yaml").write_text("{}")
     again = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
     assert again.stdout.splitlines()[1:] == [*expected, "--no-progress", "resume=true"], again
+    # the run finished after the job's config was written (a requeue or a resubmission by
+    # hand after the end): nothing to do; a job submitted by hand is recorded as it starts
+    (run_dir / "slurm" / "config.yaml").write_text("{}")
+    os.utime(run_dir / "slurm" / "config.yaml", (1, 1))
+    (run_dir / "summary.json").write_text("{}")
+    env["SLURM_JOB_ID"] = "77"
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
+    assert done.returncode == 0 and done.stdout.splitlines()[1:] == [
+        "areal-fast: the run has finished (summary.json): nothing to do"
+    ], done
+    assert (run_dir / "slurm" / "jobs").read_text().split()[::2] == ["77", "started"]
+    # a new submission (resume=true with more steps) writes the config again: it runs
+    (run_dir / "slurm" / "config.yaml").write_text("{}")
+    more = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env)
+    assert more.stdout.splitlines()[1:] == [*expected, "--no-progress", "resume=true"], more
+    assert len((run_dir / "slurm" / "jobs").read_text().splitlines()) == 1  # recorded once

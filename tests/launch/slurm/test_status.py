@@ -20,9 +20,11 @@ def test_status_needs_a_submitted_run(tmp_path, capsys):
     assert "holds no job submitted by areal-fast submit" in capsys.readouterr().err
 
 
-def _stand_in(folder: Path, name: str, out: str) -> None:
+def _stand_in(folder: Path, name: str, out: str, code: int = 0, err: str = "") -> None:
     path = folder / name
-    path.write_text(f"#!/bin/sh\nprintf %s {shlex.quote(out)}\n")
+    path.write_text(
+        f"#!/bin/sh\nprintf %s {shlex.quote(out)}\nprintf %s {shlex.quote(err)} >&2\nexit {code}\n"
+    )
     path.chmod(0o755)
 
 
@@ -34,7 +36,7 @@ def _stand_in(folder: Path, name: str, out: str) -> None:
         (
             "",
             "JobId=31 JobState=CANCELLED Restarts=1 ExitCode=143:0",
-            "CANCELLED (exit 143, 1 requeues)",
+            "CANCELLED (exit 143: stopped on SIGTERM, 1 requeues)",
         ),
         ("", "JobId=31 JobState=FAILED ExitCode=0:9", "job 31: FAILED (exit 0, signal 9)"),
         ("", "", "job 31: not known to Slurm now"),
@@ -67,4 +69,37 @@ def test_status_shows_slurm_state_run_state_and_last_step(
         "run: INTERRUPTED: interrupted at step 3 (2 of 9 trained); ...",
         "last step: step 1: reward_mean 0.25, loss 0.5",
         f"log: {run / 'slurm' / 'slurm-31.out'}",
+    ]
+
+
+def test_status_says_why_slurm_cannot_tell_and_shows_a_failed_job_log(
+    tmp_path, monkeypatch, capsys
+):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    error = "squeue: error: Unable to contact slurm controller (connect failure)\n"
+    _stand_in(bin_dir, "squeue", "", code=1, err=error)
+    _stand_in(bin_dir, "scontrol", "", code=1, err="scontrol: error: connect failure\n")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    run = tmp_path / "run"
+    (run / "slurm").mkdir(parents=True)
+    (run / "slurm" / "jobs").write_text("5 2026-12-07T01:00:00+0000 submitted\n")
+    assert main(["submit", "--status", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [
+        "job 5: unknown: Slurm did not answer (squeue: error: Unable to contact slurm "
+        "controller (connect failure))",
+        "run: not started",
+    ]
+    # a job that failed before the run began: its log's last line says why
+    _stand_in(bin_dir, "squeue", "")
+    _stand_in(bin_dir, "scontrol", "JobId=5 JobState=FAILED ExitCode=1:0")
+    (run / "slurm" / "slurm-5.out").write_text("start\n/x/bin/activate: No such file\n")
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--status", "run"]) == 0  # a relative directory
+    assert capsys.readouterr().out.splitlines() == [
+        "job 5: FAILED (exit 1)",
+        "run: not started",
+        "log's last line: /x/bin/activate: No such file",
+        f"log: {run / 'slurm' / 'slurm-5.out'}",
     ]
