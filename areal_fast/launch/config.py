@@ -440,6 +440,7 @@ def load_config(
         value type, a value out of range; the one-line message names the full key, and
         ``file:line:column`` when the value comes from the YAML file.
     """
+    import yaml
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -470,6 +471,11 @@ def load_config(
                 merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except OmegaConfBaseException as exc:
             raise ConfigError(f"{_omegaconf_message(exc, root)} (in {item!r})") from exc
+        except yaml.YAMLError as exc:  # the value is parsed as YAML
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(
+                f"override {item!r}: its value is not valid YAML ({problem})"
+            ) from exc
     try:
         return OmegaConf.to_object(merged)
     except (OmegaConfBaseException, ValueError) as exc:  # ValueError: a __post_init__ check

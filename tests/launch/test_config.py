@@ -150,6 +150,13 @@ def test_yaml_errors_give_file_line_and_column(tmp_path):
         r"'total_steps': Value 'abc'",
     ):
         load_config(str(wrong_type))
+    # a value on the command line that is not YAML: one line naming the item
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["slurm.modules=[a{]"])
+    assert str(info.value) == (
+        "override 'slurm.modules=[a{]': its value is not valid YAML (did not find expected "
+        "',' or ']')"
+    )
 
 
 def test_section_titles_read_as_one_sentence():
