@@ -22,6 +22,7 @@ BENCHES = Path(__file__).resolve().parents[1] / "benches"
         ("bench_weight_sync.py", ["--step-seconds", "-1"], "--step-seconds: a number >= 0"),
         ("bench_logprobs.py", ["--table", "missing.json"], "--table missing.json: no such file"),
         ("bench_sft.py", ["--steps", "0"], "--steps: a whole number >= 1, got '0'"),
+        ("bench_slurm_submit.py", ["--model", "m", "--repeats", "0"], "--repeats: a whole"),
         ("bench_sft.py", ["--steps", "2", "--warmup", "2"], "--warmup 2 leaves no timed step"),
     ],
 )
