@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -119,6 +120,7 @@ def main() -> int:
         cluster = slurm_cluster.start(root / "slurm")
     except slurm_cluster.Unavailable as exc:
         parser.error(f"no Slurm cluster here: {exc}")
+    os.environ["SLURM_CONF"] = cluster.env["SLURM_CONF"]  # submitit's sbatch reads it here
     try:
         ours = _time_ours(cluster, args.model, root, args.repeats)
         theirs, executor = _time_submitit(cluster, args.model, root, args.repeats)
@@ -140,7 +142,7 @@ def main() -> int:
 
     result = {
         "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
         "submitit": submitit.__version__,
         "areal_fast_submit_seconds": ours,
         "submitit_submit_seconds": theirs,
