@@ -177,7 +177,7 @@ def _compare(args) -> int:
         return 2
 
 
-def _submit(args, overrides: list[str], parser) -> int:
+def _submit(args, overrides: list[str]) -> int:
     """``areal-fast submit``: 0 submitted (or status shown), 2 bad input or refused by
     Slurm (one line, nothing submitted)."""
     from areal_fast.launch.config import ConfigError
@@ -186,7 +186,9 @@ def _submit(args, overrides: list[str], parser) -> int:
 
     bad = [item for item in overrides if "=" not in item or item.startswith("-")]
     if bad or (args.status and overrides):
-        parser.error(f"unrecognized arguments: {' '.join(bad or overrides)}")
+        what = "--status takes no key=value items" if not bad else "unrecognized arguments"
+        print(f"areal-fast submit: error: {what}: {' '.join(bad or overrides)}", file=sys.stderr)
+        return 2
     try:
         if args.status:
             print("\n".join(status_lines(args.status)))
@@ -244,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         return _compare(args)
     if args.command == "submit":
-        return _submit(args, [*args.overrides, *extra], parser)
+        return _submit(args, [*args.overrides, *extra])
     unknown = [item for item in extra if "=" not in item or item.startswith("-")]
     if unknown:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")

@@ -103,3 +103,10 @@ def test_status_says_why_slurm_cannot_tell_and_shows_a_failed_job_log(
         "log's last line: /x/bin/activate: No such file",
         f"log: {run / 'slurm' / 'slurm-5.out'}",
     ]
+
+
+def test_status_takes_no_overrides(tmp_path, capsys):
+    assert main(["submit", "--status", str(tmp_path), "total_steps=3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "areal-fast submit: error: --status takes no key=value items: total_steps=3"
+    )
