@@ -92,7 +92,10 @@ def _python(slurm: SlurmConfig) -> str:
 
 def _environment_lines(slurm: SlurmConfig) -> list[str]:
     """``module load``, the venv's activation and the exports, each value quoted."""
-    lines = [f"module load {shlex.quote(name)}" for name in slurm.modules]
+    lines = []
+    if slurm.modules:  # a batch shell is no login shell: `module` may need the profile
+        lines.append("type module > /dev/null 2>&1 || { set +u; source /etc/profile; set -u; }")
+    lines += [f"module load {shlex.quote(name)}" for name in slurm.modules]
     if slurm.venv:
         activate = shlex.quote(str(Path(slurm.venv) / "bin" / "activate"))
         lines += ["set +u", f"source {activate}", "set -u"]
