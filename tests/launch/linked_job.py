@@ -15,6 +15,23 @@ STEPS = 4
 JOB_CWD = tempfile.gettempdir()
 
 
+# the reproducible tiny job of tests/launch/test_reproducible.py and the Slurm tests: 2 rollout
+# workers, η = 2, an entropy bonus so that every step changes the weights, a checkpoint every 2
+REPRODUCIBLE_JOB = (
+    "batch_size=4",
+    "data.eval_size=4",
+    "data.train_size=60",
+    "rollout.num_workers=2",
+    "rollout.reproducible=true",
+    "rollout.max_head_offpolicyness=2",
+    "actor.loss.entropy_coef=0.5",
+    "actor.optim.lr=1e-2",
+    "checkpoint.every_steps=2",
+    "checkpoint.keep=5",
+    "launcher.startup_timeout=120",
+)
+
+
 def tiny_job_args(model_dir, root, trial, steps: int, *extra) -> list[str]:
     """``areal-fast train`` arguments every tiny-model job shares (examples/arith.yaml, groups
     of 2 samples of at most 6 tokens, one thread); ``extra`` comes last (it wins)."""

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from linked_job import JOB_CWD, tiny_job_args  # noqa: E402 - beside this file
+from linked_job import JOB_CWD, REPRODUCIBLE_JOB, tiny_job_args  # noqa: E402 - beside this file
 
 from areal_fast.cli import main
 from areal_fast.launch.compare import compare_runs
@@ -34,17 +34,7 @@ def _args(model_dir, root, trial, *extra):
         root,
         trial,
         STEPS,
-        "batch_size=4",
-        "data.eval_size=4",
-        "data.train_size=60",
-        "rollout.num_workers=2",
-        "rollout.reproducible=true",
-        "rollout.max_head_offpolicyness=2",
-        "actor.loss.entropy_coef=0.5",
-        "actor.optim.lr=1e-2",
-        "checkpoint.every_steps=2",
-        "checkpoint.keep=5",
-        "launcher.startup_timeout=120",
+        *REPRODUCIBLE_JOB,
         "launcher.timeouts.train_step=120",
         *extra,
     )

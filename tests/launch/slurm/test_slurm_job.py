@@ -21,7 +21,9 @@ from pathlib import Path
 import pytest
 import slurm_cluster  # beside this file
 
-REPO = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/launch: the tiny job
+from linked_job import REPRODUCIBLE_JOB, tiny_job_args  # noqa: E402
+
 STEPS = 30  # a tiny step takes ~0.1 s: a signal after step 3 comes while it trains
 JOB_TIMEOUT = 300.0  # seconds a tiny job may take from submission to its end
 
@@ -42,32 +44,9 @@ def slurm(tmp_path_factory):
 
 
 def _job_args(model_dir, root: Path, trial: str, *extra) -> list[str]:
-    """``submit`` arguments of the tiny reproducible job (a checkpoint every 2 steps)."""
-    return [
-        "submit",
-        "--config",
-        str(REPO / "examples" / "arith.yaml"),
-        f"model.path={model_dir}",
-        f"fileroot={root}",
-        f"trial_name={trial}",
-        f"total_steps={STEPS}",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
-        "eval.max_new_tokens=6",
-        "threads=1",
-        "batch_size=4",
-        "data.eval_size=4",
-        "data.train_size=60",
-        "rollout.num_workers=2",
-        "rollout.reproducible=true",
-        "rollout.max_head_offpolicyness=2",
-        "actor.loss.entropy_coef=0.5",
-        "actor.optim.lr=1e-2",
-        "checkpoint.every_steps=2",
-        "checkpoint.keep=5",
-        "launcher.startup_timeout=120",
-        *extra,
-    ]
+    """``submit`` arguments of test_reproducible's tiny job, with :data:`STEPS` steps."""
+    train = tiny_job_args(model_dir, root, trial, STEPS, *REPRODUCIBLE_JOB, *extra)
+    return ["submit", *(a for a in train[1:] if a != "--no-progress")]  # submit has no bars
 
 
 def _submit(slurm, args: list[str], cwd: Path) -> subprocess.CompletedProcess:
